@@ -1,0 +1,35 @@
+"""Causal and sliding-window softmax attention against SDPA's backends and FlexAttention."""
+from __future__ import annotations
+
+import regattn
+from regattn import reference
+from regattn.bench import counts
+from regattn.bench.runner import flex_case, ours, randn, reference_case, sdpa_cases
+
+NAME = "softmax"
+PEERS = ("sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "sdpa-math", "flex", "reference")
+MODES = ("fwd", "fwd+bwd")
+GRIDS = {
+    "tiny": [dict(B=1, H=2, T=48, D=16, window=w) for w in (None, 16)],
+    "default": [dict(B=4, H=16, T=T, D=128, window=w) for T in (2048, 8192) for w in (None, 1024)],
+    "full": [dict(B=4, H=16, T=T, D=D, window=w) for D in (64, 128) for T in (1024, 2048, 4096, 8192, 16384)
+             for w in (None, 1024)],
+}
+
+
+def cases(shape: dict, setup):
+    """Shape keys: B, H (key/value heads), HQ (query heads, default H), T, D, window."""
+    B, H, T, D, w = shape["B"], shape["H"], shape["T"], shape["D"], shape.get("window")
+    HQ = shape.get("HQ", H)
+    q = randn(setup, B, T, HQ, D, grad=True)
+    k, v = randn(setup, B, T, H, D, grad=True), randn(setup, B, T, H, D, grad=True)
+    for mode in MODES:
+        bwd = mode == "fwd+bwd"
+        n = dict(flops=counts.attention_flops(B, T, T, HQ, D, D, window=w, backward=bwd),
+                 bytes=counts.attention_bytes(B, T, T, HQ, H, D, D, q.element_size(), backward=bwd))
+        yield mode, ours(regattn.softmax_attention, q, setup,
+                         lambda: regattn.softmax_attention(q, k, v, window=w, backend=setup.backend), [q, k, v],
+                         mode=mode, **n)
+        yield from sdpa_cases(setup, mode, q, k, v, window=w, **n)
+        yield from flex_case(setup, mode, q, k, v, window=w, **n)
+        yield from reference_case(setup, mode, lambda: reference.softmax_attention(q, k, v, window=w), [q, k, v], **n)

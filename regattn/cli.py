@@ -1,0 +1,37 @@
+"""The ``regattn`` command: each subcommand lives in its own module and is imported on use."""
+from __future__ import annotations
+
+import importlib
+import sys
+
+COMMANDS = {
+    "demo": ("regattn.demo", "test-time regression on non-stationary piecewise-linear data (LLA paper, Section 4)"),
+    "tune": ("regattn.ops.decay.tune", "measure the decay methods on this GPU; write the method='auto' table"),
+    "bench": ("regattn.bench.cli", "time ops against their peers; write JSON results and plots"),
+    "verify": ("regattn.ops.scan.verify", "drift of the ELSA scan against float64 over a sweep of n (elsa C.2)"),
+    "train": ("regattn.train.cli", "train a mixer on a synthetic task (MQAR, MAD, state tracking, ...); JSON and plots"),
+    "sweep": ("regattn.train.sweep", "mixers x learning rates x seeds on a task; best lr, mean over seeds; JSON and plots"),
+    "analyze": ("regattn.analysis.cli", "diagnostics of a trained checkpoint per layer: COR, Corr, CPA, ranks, scores"),
+    "lm": ("regattn.train.lm", "train a decoder LM (any mixer per layer) on the standard-library byte corpus; torchrun-ready"),
+}
+
+
+def usage() -> str:
+    rows = "\n".join(f"  {name:<8} {doc}" for name, (_, doc) in COMMANDS.items())
+    return f"usage: regattn COMMAND [ARGS...]\n\ncommands:\n{rows}\n"
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage())
+        return 0
+    if argv[0] not in COMMANDS:
+        print(f"regattn: unknown command {argv[0]!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(COMMANDS[argv[0]][0])
+    return module.main(argv[1:]) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

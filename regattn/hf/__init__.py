@@ -1,0 +1,31 @@
+"""transformers integration (the ``hf`` extra): regattn attention for stock models, conversion to Parallax.
+
+Importing this package registers the attention implementations ``"regattn_softmax"`` and
+``"regattn_elsa"`` (see :mod:`regattn.hf.attention`) and the Parallax model types
+``"parallax_llama"`` / ``"parallax_qwen3"`` (see :mod:`regattn.hf.convert`)::
+
+    import regattn.hf
+    model = LlamaForCausalLM(LlamaConfig(..., attn_implementation="regattn_softmax"))
+    model = regattn.convert_to_parallax(model)      # zero W_R: same logits, then fine-tune
+    model.save_pretrained(path); AutoModelForCausalLM.from_pretrained(path)
+"""
+try:
+    import transformers  # noqa: F401
+except ImportError as error:
+    raise ImportError("regattn.hf needs transformers: pip install 'regattn[hf]'") from error
+
+from regattn.hf import attention, convert
+from regattn.hf.attention import ATTENTION_FUNCTIONS, check_plain_mask
+from regattn.hf.convert import (
+    ParallaxAttention, ParallaxLlamaConfig, ParallaxLlamaForCausalLM, ParallaxQwen3Config, ParallaxQwen3ForCausalLM,
+    convert_to_parallax,
+)
+
+ATTENTION_NAMES = attention.register()
+convert.register()
+
+__all__ = [
+    "ATTENTION_FUNCTIONS", "ATTENTION_NAMES", "check_plain_mask", "convert_to_parallax",
+    "ParallaxAttention", "ParallaxLlamaConfig", "ParallaxLlamaForCausalLM", "ParallaxQwen3Config",
+    "ParallaxQwen3ForCausalLM",
+]

@@ -1,0 +1,289 @@
+"""The GatedFWA attention layer (gatedfwa.md Section 3.3, Figure 7 middle) with a generation cache.
+
+Per head ``h``::
+
+    q, k      = norm(x W_q), norm(x W_k)              (per-head RMS-normalised query and key)
+    v         = x W_v
+    h_t       = x_t W_g + b_g                         (gate pre-activation, eq. 10)
+    beta_t    = 1 + elu(x_t W_beta), W_beta = 0 at init
+    u         = preprocess(h, beta)                   (eq. 9-11: -cumsum(softplus(beta h) / (beta + eps)))
+    o~        = GatedFWA(q, k, v, u; window w)        (eq. 12)
+    y         = (swish(x W_G) * concat_h norm(o~_h)) W_O
+
+Generation keeps the last ``w`` keys, values and gate values ``u_j`` plus the running ``u``: that is
+all a query can see, so one step costs ``O(w)`` whatever the position.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from regattn.layers.heads import head_layout
+from regattn.layers.norm import RMSNorm
+from regattn.ops._common.checks import check_int, check_positive, check_tensor, check_window
+from regattn.ops.gatedfwa.api import gate_dispatch, gatedfwa
+from regattn.layers.rope import RotaryEmbedding
+from regattn.reference.common import split_varlen
+
+
+@dataclass
+class GatedFWACache:
+    """What one step of generation needs: the last ``w`` positions of one layer.
+
+    ``k: [B, n, H, D]``, ``v: [B, n, H, D]``, ``u: [B, n, HQ]`` (the gate values of those keys, fp32),
+    ``u_last: [B, HQ]`` (the running cumulative gate), ``pos``: tokens seen so far.
+    """
+    k: torch.Tensor
+    v: torch.Tensor
+    u: torch.Tensor
+    u_last: torch.Tensor
+    pos: int
+
+
+def gate_bias_init(num_heads: int, low: float = 1e-3, high: float = 1e-1) -> torch.Tensor:
+    """``b_g`` whose per-head decay ``softplus(b_g)`` spreads log-uniformly over ``[low, high]``.
+
+    With ``W_g`` near zero at init each head then forgets at its own rate: horizons from about
+    10 to 1000 tokens (a choice of this library; the paper leaves the gate bias init open).
+    """
+    if num_heads == 1:
+        rates = torch.tensor([math.sqrt(low * high)])
+    else:
+        rates = torch.logspace(math.log10(low), math.log10(high), num_heads)
+    return torch.log(torch.expm1(rates))
+
+
+class GatedFWA(nn.Module):
+    """GatedFWA attention layer: ``x: [B, T, d_model] -> [B, T, d_model]``.
+
+    Args:
+        d_model: model width.
+        num_heads: query heads ``HQ``.
+        window: sliding window ``w`` (keys including the query's own); None for full causal.
+        num_kv_heads: key/value heads ``H`` (``HQ % H == 0``); defaults to ``num_heads``.
+        head_dim: defaults to ``d_model // num_heads``.
+        rope: rotate q and k by position (RoPE) after their norm.
+        eps: the gate's ``eps`` (eq. 9).
+        backend: passed to the ops (``"auto" | "torch" | "triton"``).
+    """
+
+    def __init__(self, d_model: int, num_heads: int, window: int | None, *, num_kv_heads: int | None = None,
+                 head_dim: int | None = None, rope: bool = False, eps: float = 1e-6, backend: str = "auto"):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = head_layout(d_model, num_heads, num_kv_heads, head_dim)
+        self.window = check_window(window)
+        self.eps = check_positive("eps", eps)
+        self.backend = backend
+        HQ, H, D = num_heads, self.num_kv_heads, self.head_dim
+        self.q_proj = nn.Linear(d_model, HQ * D, bias=False)
+        self.k_proj = nn.Linear(d_model, H * D, bias=False)
+        self.v_proj = nn.Linear(d_model, H * D, bias=False)
+        self.g_proj = nn.Linear(d_model, HQ)                  # h = x W_g + b_g
+        self.beta_proj = nn.Linear(d_model, HQ, bias=False)   # beta = 1 + elu(x W_beta)
+        self.out_gate = nn.Linear(d_model, HQ * D, bias=False)
+        self.o_proj = nn.Linear(HQ * D, d_model, bias=False)
+        self.q_norm = RMSNorm(D)
+        self.k_norm = RMSNorm(D)
+        self.o_norm = RMSNorm(D)
+        self.rotary = RotaryEmbedding(D) if rope else None
+        with torch.no_grad():
+            nn.init.zeros_(self.beta_proj.weight)
+            self.g_proj.bias.copy_(gate_bias_init(HQ))
+
+    # ------------------------------------------------------------------------------------------ pieces
+    def _qkv(self, x):
+        B, T, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(B, T, self.num_heads, self.head_dim))
+        k = self.k_norm(self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim))
+        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        return q, k, v
+
+    def _rotate(self, q, k, offset: int, cu_seqlens=None):
+        if self.rotary is None:
+            return q, k
+        if cu_seqlens is None:
+            return self.rotary(q, offset), self.rotary(k, offset)
+        parts = [(self.rotary(q[:, s]), self.rotary(k[:, s])) for s in split_varlen(cu_seqlens, q.shape[1])]
+        return torch.cat([p[0] for p in parts], 1), torch.cat([p[1] for p in parts], 1)
+
+    def gate_inputs(self, x):
+        """``(h, beta)``, each ``[B, T, HQ]``."""
+        return self.g_proj(x), 1 + F.elu(self.beta_proj(x))
+
+    def _output(self, x, o):
+        """``(swish(x W_G) * per-head-normalised o) W_O``; ``o: [B, T, HQ, D]``."""
+        B, T = o.shape[:2]
+        o = self.o_norm(o).reshape(B, T, self.num_heads * self.head_dim)
+        return self.o_proj(F.silu(self.out_gate(x)) * o)
+
+    # ------------------------------------------------------------------------------------------ forward
+    def forward(self, x: torch.Tensor, *, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+        """``x: [B, T, d_model]`` (``B == 1`` with packed ``cu_seqlens``) -> ``[B, T, d_model]``."""
+        return self._prefill(x, cu_seqlens=cu_seqlens)[0]
+
+    def _prefill(self, x, *, cu_seqlens=None):
+        check_tensor("x", x, 3)
+        q, k, v = self._qkv(x)
+        q, k = self._rotate(q, k, 0, cu_seqlens)
+        h, beta = self.gate_inputs(x)
+        u = gate_dispatch(h, beta, eps=self.eps, backend=self.backend)
+        o = gatedfwa(q, k, v, u, window=self.window, cu_seqlens=cu_seqlens, backend=self.backend)
+        return self._output(x, o), (k, v, u)
+
+    # ------------------------------------------------------------------------------------------ generation
+    def prefill(self, x: torch.Tensor) -> tuple[torch.Tensor, GatedFWACache]:
+        """Run the prompt ``x: [B, T, d_model]``; returns the output and the cache for :meth:`step`."""
+        y, (k, v, u) = self._prefill(x)
+        return y, self._keep(k, v, u, x.shape[1])
+
+    def _keep(self, k, v, u, pos):
+        n = k.shape[1] if self.window is None else min(self.window, k.shape[1])
+        return GatedFWACache(k=k[:, -n:], v=v[:, -n:], u=u[:, -n:], u_last=u[:, -1], pos=pos)
+
+    def step(self, x: torch.Tensor, cache: GatedFWACache | None) -> tuple[torch.Tensor, GatedFWACache]:
+        """One token ``x: [B, 1, d_model]`` after ``cache`` (None: the first token); O(w) work."""
+        check_tensor("x", x, 3)
+        if x.shape[1] != 1:
+            raise ValueError(f"x: expected one token [B, 1, d_model], got shape {tuple(x.shape)}")
+        if cache is None:
+            return self.prefill(x)
+        q, k, v = self._qkv(x)
+        q, k = self._rotate(q, k, cache.pos)
+        h, beta = self.gate_inputs(x)
+        minus_alpha = gate_dispatch(h, beta, eps=self.eps, backend="torch")  # u of one token is -alpha
+        u_t = cache.u_last[:, None] + minus_alpha.to(cache.u.dtype)             # [B, 1, HQ]
+        keys, values = torch.cat([cache.k, k], 1), torch.cat([cache.v, v], 1)
+        gates = torch.cat([cache.u, u_t], 1)
+        if self.window is not None:
+            keys, values, gates = keys[:, -self.window:], values[:, -self.window:], gates[:, -self.window:]
+        o = self._attend_one(q, keys, values, gates, u_t)
+        new = GatedFWACache(k=keys, v=values, u=gates, u_last=u_t[:, 0], pos=cache.pos + 1)
+        return self._output(x, o), new
+
+    def _attend_one(self, q, keys, values, gates, u_t):
+        """Softmax over the cached window for one query: ``q: [B, 1, HQ, D]`` -> ``[B, 1, HQ, D]``."""
+        groups = self.num_heads // self.num_kv_heads
+        keys = keys.repeat_interleave(groups, 2)
+        values = values.repeat_interleave(groups, 2)
+        acc = torch.promote_types(q.dtype, torch.float32)
+        logits = torch.einsum("bqhd,bshd->bhqs", q.to(acc), keys.to(acc)) * self.head_dim ** -0.5
+        logits = logits + (u_t.transpose(1, 2)[..., None] - gates.transpose(1, 2)[:, :, None, :]).to(acc)
+        p = torch.softmax(logits, dim=-1)
+        return torch.einsum("bhqs,bshd->bqhd", p, values.to(acc)).to(q.dtype)
+
+
+class GatedFWANSA(GatedFWA):
+    """GatedFWA with NSA's compression and selection branches (gatedfwa.md Appendix B, eq. 15-26).
+
+    ``o_t = g_cmp o_cmp + g_slc o_slc + g_loc o_gatedfwa`` per head, with sigmoid branch gates from ``x``:
+
+    * compression: blocks of ``block_cmp`` tokens with stride ``stride_cmp``; a learnable MLP ``phi``
+      maps each block (plus an intra-block position embedding) to one key and one value; query ``t``
+      sees the blocks that end at or before ``t``.
+    * selection: block importance = the compression attention probabilities summed over the
+      compressed blocks that overlap each selection block of ``block_slc`` tokens (and over the query
+      heads of a key/value group); the top ``topk`` blocks that start at or before ``t`` are kept, the
+      block holding ``t`` always among them; plain causal softmax attention over their tokens.
+    * local: the GatedFWA kernel over the last ``window`` tokens.
+
+    The compression and selection branches are the torch reference (their masks are ``[T, T]``-sized);
+    the local branch runs the fused kernel. Generation (:meth:`step`) is not provided for this layer.
+
+    Args: as :class:`GatedFWA`, plus ``block_cmp``, ``stride_cmp`` (``<= block_cmp``), ``block_slc``, ``topk``.
+    """
+
+    def __init__(self, d_model: int, num_heads: int, window: int | None, *, block_cmp: int = 32,
+                 stride_cmp: int = 16, block_slc: int = 64, topk: int = 16, **kw):
+        super().__init__(d_model, num_heads, window, **kw)
+        self.block_cmp = check_int("block_cmp", block_cmp, minimum=1)
+        self.stride_cmp = check_int("stride_cmp", stride_cmp, minimum=1)
+        if stride_cmp > block_cmp:
+            raise ValueError(f"stride_cmp: expected at most block_cmp = {block_cmp}, got {stride_cmp}")
+        self.block_slc = check_int("block_slc", block_slc, minimum=1)
+        self.topk = check_int("topk", topk, minimum=1)
+        D = self.head_dim
+        self.cmp_pos = nn.Parameter(torch.zeros(block_cmp, D))
+        self.phi_k = nn.Sequential(nn.Linear(block_cmp * D, D), nn.SiLU(), nn.Linear(D, D))
+        self.phi_v = nn.Sequential(nn.Linear(block_cmp * D, D), nn.SiLU(), nn.Linear(D, D))
+        self.branch_gate = nn.Linear(d_model, 3 * num_heads)
+
+    def compress(self, x: torch.Tensor, phi: nn.Module) -> torch.Tensor:
+        """``[B, T, H, D] -> [B, n_cmp, H, D]``: ``phi`` of every block of ``block_cmp`` tokens.
+
+        Blocks start every ``stride_cmp`` tokens; ``cmp_pos`` is added as an intra-block position embedding.
+        """
+        blocks = x.unfold(1, self.block_cmp, self.stride_cmp)               # [B, n, H, D, b]
+        blocks = blocks.permute(0, 1, 2, 4, 3) + self.cmp_pos.to(x.dtype)   # [B, n, H, b, D]
+        return phi(blocks.flatten(3))
+
+    def _cmp_visible(self, T: int, n: int, device) -> torch.Tensor:
+        """``[T, n]``: block ``i`` (tokens ``i s .. i s + b - 1``) is complete at query ``t``."""
+        ends = torch.arange(n, device=device) * self.stride_cmp + self.block_cmp - 1
+        return ends[None, :] <= torch.arange(T, device=device)[:, None]
+
+    def _selection_mask(self, p_cmp: torch.Tensor, T: int) -> torch.Tensor:
+        """``[B, H, T, T]`` token mask of the selected blocks from ``p_cmp: [B, HQ, T, n_cmp]``."""
+        device, b_s = p_cmp.device, self.block_slc
+        n_slc = -(-T // b_s)
+        starts = torch.arange(p_cmp.shape[-1], device=device) * self.stride_cmp
+        cmp_lo, cmp_hi = starts, starts + self.block_cmp                     # token range [lo, hi)
+        slc_lo = torch.arange(n_slc, device=device) * b_s
+        overlap = (cmp_lo[:, None] < slc_lo[None, :] + b_s) & (cmp_hi[:, None] > slc_lo[None, :])
+        score = p_cmp @ overlap.to(p_cmp.dtype)                               # [B, HQ, T, n_slc]
+        B, HQ = score.shape[:2]
+        score = score.view(B, self.num_kv_heads, HQ // self.num_kv_heads, T, n_slc).sum(2)
+        t = torch.arange(T, device=device)
+        own = (t // b_s)[:, None] == torch.arange(n_slc, device=device)[None, :]
+        started = slc_lo[None, :] <= t[:, None]
+        score = score.masked_fill(~started, float("-inf")).masked_fill(own, float("inf"))
+        k = min(self.topk, n_slc)
+        top = score.topk(k, dim=-1)
+        chosen = torch.zeros_like(score, dtype=torch.bool).scatter_(-1, top.indices, top.values > float("-inf"))
+        token_block = torch.arange(T, device=device) // b_s
+        return chosen[..., token_block] & (t[None, :] <= t[:, None])          # [B, H, T, T]
+
+    def branches(self, x: torch.Tensor):
+        """``(o_cmp, o_slc, o_loc)``, each ``[B, T, HQ, D]``, for ``x: [B, T, d_model]``."""
+        check_tensor("x", x, 3)
+        B, T, _ = x.shape
+        q, k, v = self._qkv(x)
+        q, k = self._rotate(q, k, 0)
+        h, beta = self.gate_inputs(x)
+        u = gate_dispatch(h, beta, eps=self.eps, backend=self.backend)
+        o_loc = gatedfwa(q, k, v, u, window=self.window, backend=self.backend)
+        G = self.num_heads // self.num_kv_heads
+        scale = self.head_dim ** -0.5
+        qh = q.transpose(1, 2)                                                   # [B, HQ, T, D]
+        if T >= self.block_cmp:
+            kc, vc = self.compress(k, self.phi_k), self.compress(v, self.phi_v)  # [B, n, H, D]
+            logits = torch.einsum("bhtd,bnhd->bhtn", qh, kc.repeat_interleave(G, 2)) * scale
+            logits = logits.masked_fill(~self._cmp_visible(T, kc.shape[1], x.device), float("-inf"))
+            p_cmp = torch.nan_to_num(torch.softmax(logits, -1), nan=0.0)
+            o_cmp = torch.einsum("bhtn,bnhd->bthd", p_cmp, vc.repeat_interleave(G, 2))
+        else:
+            p_cmp = q.new_zeros(B, self.num_heads, T, 0)
+            o_cmp = torch.zeros_like(q)
+        mask = self._selection_mask(p_cmp.detach(), T).repeat_interleave(G, 1)   # [B, HQ, T, T]
+        logits = torch.einsum("bhtd,bshd->bhts", qh, k.repeat_interleave(G, 2)) * scale
+        p_slc = torch.softmax(logits.masked_fill(~mask, float("-inf")), -1)
+        o_slc = torch.einsum("bhts,bshd->bthd", p_slc, v.repeat_interleave(G, 2))
+        return o_cmp, o_slc, o_loc
+
+    def forward(self, x: torch.Tensor, *, cu_seqlens=None) -> torch.Tensor:
+        """``x: [B, T, d_model] -> [B, T, d_model]`` (no packed sequences)."""
+        if cu_seqlens is not None:
+            raise ValueError("cu_seqlens: GatedFWANSA takes padded batches, got packed sequences")
+        o_cmp, o_slc, o_loc = self.branches(x)
+        g = torch.sigmoid(self.branch_gate(x)).view(*x.shape[:2], 3, self.num_heads, 1).to(o_loc.dtype)
+        o = g[:, :, 0] * o_cmp + g[:, :, 1] * o_slc + g[:, :, 2] * o_loc
+        return self._output(x, o)
+
+    def prefill(self, x):
+        raise NotImplementedError("GatedFWANSA: generation with a cache is provided by GatedFWA only")
+
+    def step(self, x, cache):
+        raise NotImplementedError("GatedFWANSA: generation with a cache is provided by GatedFWA only")

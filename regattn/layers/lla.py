@@ -1,0 +1,117 @@
+"""The Local Linear Attention layer (lla-local-linear-attention.txt Section 2.3, Appendix C eq. 27).
+
+Per query head::
+
+    q, k     = norm(x W_q), norm(x W_k)         (optional per-head RMS norm, the paper's QK normalisation)
+    v        = x W_v
+    lambda_i = sigmoid(x_i W_lambda)             (eq. 27: one ridge per head, or per head dimension)
+    o        = LLA(q, k, v; lambda, window, blocks, CG iterations)
+    y        = concat_h o W_O
+
+Generation keeps every key and value (the last ``window`` with SW-LLA): LLA needs the whole
+context per query, like softmax attention.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from regattn.layers.rope import RotaryEmbedding
+from regattn.layers.heads import head_layout
+from regattn.layers.norm import RMSNorm
+from regattn.ops._common.checks import check_choice, check_int, check_tensor, check_window
+from regattn.ops.lla.api import lla, lla_decode
+
+
+@dataclass
+class LLACache:
+    """Keys ``[B, n, H, D]`` and values ``[B, n, H, D]`` a new token can see; ``pos`` tokens seen so far."""
+    k: torch.Tensor
+    v: torch.Tensor
+    pos: int
+
+
+class LLA(nn.Module):
+    """LLA attention layer: ``x: [B, T, d_model] -> [B, T, d_model]``.
+
+    Args:
+        d_model: model width.
+        num_heads: query heads ``HQ``; num_kv_heads: key/value heads ``H`` (GQA), defaults to ``HQ``.
+        head_dim: defaults to ``d_model // num_heads``.
+        lam: ``"head"`` (one ridge per query head and token) or ``"dim"`` (per head dimension), eq. 27.
+        window: SW-LLA window, or None; blocks: BD-LLA block count ``g``, or None.
+        cg_iters: CG iterations; None (the default) solves exactly — 8 iterations at head dim 64 left the
+            output 70-80% away from the exact solve at initialisation, so pass an int only where measured.
+        cg_tol: CG relative residual tolerance.
+        qk_norm: RMS-normalise q and k per head; rope: rotate q and k by position.
+        backend: passed to the op.
+    """
+
+    def __init__(self, d_model: int, num_heads: int, *, num_kv_heads: int | None = None,
+                 head_dim: int | None = None, lam: str = "head", window: int | None = None,
+                 blocks: int | None = None, cg_iters: int | None = None, cg_tol: float = 1e-6,
+                 qk_norm: bool = True, rope: bool = False, backend: str = "auto"):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = head_layout(d_model, num_heads, num_kv_heads, head_dim)
+        self.lam_mode = check_choice("lam", lam, ("head", "dim"))
+        self.window = check_window(window)
+        if blocks is not None and self.head_dim % check_int("blocks", blocks, minimum=1):
+            raise ValueError(f"blocks: expected a divisor of head_dim = {self.head_dim}, got {blocks}")
+        self.blocks, self.cg_iters, self.cg_tol, self.backend = blocks, cg_iters, cg_tol, backend
+        HQ, H, D = num_heads, self.num_kv_heads, self.head_dim
+        self.q_proj = nn.Linear(d_model, HQ * D, bias=False)
+        self.k_proj = nn.Linear(d_model, H * D, bias=False)
+        self.v_proj = nn.Linear(d_model, H * D, bias=False)
+        self.lam_proj = nn.Linear(d_model, HQ * (D if lam == "dim" else 1))
+        self.o_proj = nn.Linear(HQ * D, d_model, bias=False)
+        self.q_norm = RMSNorm(D) if qk_norm else nn.Identity()
+        self.k_norm = RMSNorm(D) if qk_norm else nn.Identity()
+        self.rotary = RotaryEmbedding(D) if rope else None
+
+    def ridge(self, x: torch.Tensor) -> torch.Tensor:
+        """``lambda = sigmoid(x W_lambda)``: ``[B, T, HQ]`` or ``[B, T, HQ, D]`` in x's dtype."""
+        lam = torch.sigmoid(self.lam_proj(x))
+        B, T = x.shape[:2]
+        return lam.view(B, T, self.num_heads, self.head_dim) if self.lam_mode == "dim" else lam
+
+    def _qkv(self, x, offset: int):
+        B, T, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(B, T, self.num_heads, self.head_dim))
+        k = self.k_norm(self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim))
+        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        if self.rotary is not None:
+            q, k = self.rotary(q, offset), self.rotary(k, offset)
+        return q, k, v
+
+    def _solver(self):
+        return dict(window=self.window, blocks=self.blocks, cg_iters=self.cg_iters, cg_tol=self.cg_tol,
+                    backend=self.backend)
+
+    def _out(self, o):
+        B, T = o.shape[:2]
+        return self.o_proj(o.reshape(B, T, self.num_heads * self.head_dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x: [B, T, d_model] -> [B, T, d_model]``."""
+        return self.prefill(x)[0]
+
+    def prefill(self, x: torch.Tensor) -> tuple[torch.Tensor, LLACache]:
+        """Run the prompt; returns the output and the cache for :meth:`step`."""
+        check_tensor("x", x, 3)
+        q, k, v = self._qkv(x, 0)
+        o = lla(q, k, v, lam=self.ridge(x), **self._solver())
+        return self._out(o), self._keep(k, v, x.shape[1])
+
+    def step(self, x: torch.Tensor, cache: LLACache) -> tuple[torch.Tensor, LLACache]:
+        """New tokens ``x: [B, n, d_model]`` after the cached ones; returns their output and the new cache."""
+        check_tensor("x", x, 3)
+        q, k, v = self._qkv(x, cache.pos)
+        k_all, v_all = torch.cat([cache.k, k], 1), torch.cat([cache.v, v], 1)
+        o = lla_decode(q, k_all, v_all, lam=self.ridge(x), **self._solver())
+        return self._out(o), self._keep(k_all, v_all, cache.pos + x.shape[1])
+
+    def _keep(self, k, v, pos):
+        n = k.shape[1] if self.window is None else min(self.window, k.shape[1])
+        return LLACache(k=k[:, -n:], v=v[:, -n:], pos=pos)

@@ -1,0 +1,32 @@
+"""Rotary position embedding (RoPE), shared by every attention layer."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotates pairs ``(x[..., :D/2], x[..., D/2:])`` of ``[B, T, H, D]`` tensors by position-dependent angles.
+
+    Args:
+        head_dim: ``D`` (even).
+        base: the frequency base (10000 as in the original; Qwen3 uses 1e6).
+    """
+
+    def __init__(self, head_dim: int, base: float = 10000.0):
+        super().__init__()
+        if head_dim % 2:
+            raise ValueError(f"head_dim: expected an even number, got {head_dim}")
+        inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
+        """Rotate ``x: [B, T, H, D]`` whose first token sits at position ``offset``."""
+        T = x.shape[1]
+        pos = torch.arange(offset, offset + T, device=x.device, dtype=torch.float32)
+        angles = pos[:, None] * self.inv_freq.to(x.device)[None, :]  # [T, D/2]
+        cos = angles.cos()[None, :, None, :]
+        sin = angles.sin()[None, :, None, :]
+        x1, x2 = x.float().chunk(2, dim=-1)
+        out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        return out.to(x.dtype)

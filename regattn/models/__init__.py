@@ -1,0 +1,2 @@
+"""regattn.models"""
+from regattn.models.lm import LM_MIXERS, DecoderLM, LMConfig

@@ -1,0 +1,332 @@
+"""A Qwen3-style decoder language model whose sequence mixer is chosen per layer.
+
+    h = embed(tokens)                                   [B, T, dim]
+    h = h + mixer_l(RMSNorm(h))                         for each layer l
+    h = h + SwiGLU(RMSNorm(h))
+    logits = RMSNorm(h) embed^T                         tied input and output embeddings
+
+The attention mixers follow Qwen3 (parallax.txt Section 4.2 and Appendix F.1): GQA, a per-head
+RMSNorm on q and k, RoPE with base 10^6 (given to every mixer that rotates), no biases.
+
+| name         | mixer                                            | generation cache                                  |
+|--------------|--------------------------------------------------|---------------------------------------------------|
+| softmax      | softmax attention (regattn.softmax_attention)    | keys and values                                   |
+| swa          | sliding-window softmax attention                 | the last ``window`` keys and values               |
+| elsa         | exact softmax as a scan (regattn.scan_attention) | keys and values                                   |
+| parallax     | regattn.layers.Parallax (RMSNorm, RoPE on rho)   | keys and values (the last ``window``)             |
+| gatedfwa     | regattn.layers.GatedFWA                          | last ``window`` keys, values, gates; running gate |
+| gatedfwa_nsa | regattn.layers.GatedFWANSA                       | its inputs (no decode path: a step reruns it)     |
+| lla          | regattn.layers.LLA (learned ridge)               | keys and values                                   |
+| decay        | regattn.layers.Retention (RetNet decays)         | the recurrent state ``[B, H, R, D]``              |
+
+Every mixer here maps ``x [B, T, dim] -> [B, T, dim]`` and has ``prefill(x) -> (y, cache)`` and
+``step(x [B, 1, dim], cache) -> (y, cache)``; :meth:`DecoderLM.generate` runs on them.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import regattn
+from regattn.layers import LLA, GatedFWA, GatedFWANSA, Parallax, Retention, RotaryEmbedding
+from regattn.layers.norm import RMSNorm
+from regattn.models.stack import SwiGLU
+
+LM_MIXERS = ("softmax", "swa", "elsa", "parallax", "gatedfwa", "gatedfwa_nsa", "lla", "decay")
+WINDOWED = ("swa", "gatedfwa", "gatedfwa_nsa")
+
+
+@dataclass
+class LMConfig:
+    """The decoder's sizes.
+
+    vocab_size; dim (model width); layers; heads (query heads) and kv_heads (GQA; None = heads);
+    head_dim (None = dim // heads); ffn (SwiGLU hidden width; None = 3 * dim, as Qwen3-0.6B);
+    mixer: one name of :data:`LM_MIXERS` for every layer, or a list with one name per layer;
+    window: the sliding window of swa, gatedfwa and gatedfwa_nsa (the others take one through
+    mixer_options);
+    mixer_options: extra keyword options per mixer name, e.g. ``{"parallax": {"window": 256}}``. LLA
+    solves exactly unless given ``{"lla": {"cg_iters": k}}``: truncated CG in fp32 is sensitive to
+    rounding (a tiny random model on CPU, head_dim 16, 8 iterations: prefill and decode logits 16 %
+    apart, relative), so cached and uncached generation can part;
+    rope_base (10^6); norm_eps; tie_embeddings; checkpointing (recompute each block in backward).
+    """
+    vocab_size: int = 256
+    dim: int = 256
+    layers: int = 4
+    heads: int = 4
+    kv_heads: int | None = None
+    head_dim: int | None = None
+    ffn: int | None = None
+    mixer: str | list = "softmax"
+    window: int | None = None
+    mixer_options: dict = field(default_factory=dict)
+    rope_base: float = 1e6
+    norm_eps: float = 1e-6
+    tie_embeddings: bool = True
+    checkpointing: bool = False
+
+    def mixers(self) -> list[str]:
+        """The mixer name of each layer."""
+        names = [self.mixer] * self.layers if isinstance(self.mixer, str) else list(self.mixer)
+        if len(names) != self.layers:
+            raise ValueError(f"mixer: expected {self.layers} names (one per layer), got {len(names)}")
+        for name in names:
+            if name not in LM_MIXERS:
+                raise ValueError(f"mixer: expected names from {LM_MIXERS}, got {name!r}")
+            if name in WINDOWED and self.window is None:
+                raise ValueError(f"window: mixer {name!r} needs a window, got None")
+        return names
+
+
+# ---------------------------------------------------------------------------------------------- attention
+@dataclass
+class KVCache:
+    """Keys ``[B, n, H, D]`` and values ``[B, n, H, D]`` a new token sees; ``pos`` tokens seen so far."""
+    k: torch.Tensor
+    v: torch.Tensor
+    pos: int
+
+
+class SelfAttention(nn.Module):
+    """Qwen3 attention: ``q = rope(norm(x W_q))``, ``k = rope(norm(x W_k))``, ``v = x W_v``; GQA;
+    softmax over the keys (the last ``window`` with a window); ``y = concat_h o W_o``.
+
+    ``elsa=True`` computes the same softmax attention as a monoid scan (:func:`regattn.scan_attention`).
+    """
+
+    def __init__(self, dim: int, heads: int, *, kv_heads: int | None = None, head_dim: int | None = None,
+                 window: int | None = None, rope_base: float = 1e6, norm_eps: float = 1e-6, elsa: bool = False):
+        super().__init__()
+        self.heads, self.kv_heads = heads, kv_heads or heads
+        if heads % self.kv_heads:
+            raise ValueError(f"kv_heads: expected a divisor of heads = {heads}, got {self.kv_heads}")
+        self.head_dim = head_dim or dim // heads
+        self.window, self.elsa = window, elsa
+        HQ, H, D = self.heads, self.kv_heads, self.head_dim
+        self.q_proj = nn.Linear(dim, HQ * D, bias=False)
+        self.k_proj = nn.Linear(dim, H * D, bias=False)
+        self.v_proj = nn.Linear(dim, H * D, bias=False)
+        self.o_proj = nn.Linear(HQ * D, dim, bias=False)
+        self.q_norm = RMSNorm(D, eps=norm_eps)
+        self.k_norm = RMSNorm(D, eps=norm_eps)
+        self.rotary = RotaryEmbedding(D, base=rope_base)
+
+    def _qkv(self, x, offset: int):
+        B, T, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(B, T, self.heads, self.head_dim))
+        k = self.k_norm(self.k_proj(x).view(B, T, self.kv_heads, self.head_dim))
+        v = self.v_proj(x).view(B, T, self.kv_heads, self.head_dim)
+        return self.rotary(q, offset), self.rotary(k, offset), v
+
+    def _attend(self, q, k, v):
+        """Queries ``[B, T, HQ, D]`` at the last ``T`` positions of the keys ``[B, S, H, D]``."""
+        if self.elsa:
+            return regattn.scan_attention(q, k, v, causal=True, window=self.window)
+        return regattn.softmax_attention(q, k, v, causal=True, window=self.window)
+
+    def _out(self, o):
+        return self.o_proj(o.flatten(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.prefill(x)[0]
+
+    def prefill(self, x: torch.Tensor) -> tuple[torch.Tensor, KVCache]:
+        q, k, v = self._qkv(x, 0)
+        return self._out(self._attend(q, k, v)), self._keep(k, v, x.shape[1])
+
+    def step(self, x: torch.Tensor, cache: KVCache) -> tuple[torch.Tensor, KVCache]:
+        q, k, v = self._qkv(x, cache.pos)
+        keys, values = torch.cat([cache.k, k], 1), torch.cat([cache.v, v], 1)
+        return self._out(self._attend(q, keys, values)), self._keep(keys, values, cache.pos + x.shape[1])
+
+    def _keep(self, k, v, pos):
+        if self.window is not None:
+            k, v = k[:, -self.window:], v[:, -self.window:]
+        return KVCache(k=k, v=v, pos=pos)
+
+
+# ---------------------------------------------------------------------------------------------- adapters
+class LayerStep(nn.Module):
+    """A layer of :mod:`regattn.layers` with ``prefill`` / ``step`` where ``step`` also takes no cache."""
+
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x):
+        return self.layer(x)
+
+    def prefill(self, x):
+        return self.layer.prefill(x)
+
+    def step(self, x, cache):
+        return self.layer.prefill(x) if cache is None else self.layer.step(x, cache)
+
+
+class RetentionStep(LayerStep):
+    """:class:`regattn.layers.Retention` whose cache is its recurrent state ``[B, H, R, D]``."""
+
+    def prefill(self, x):
+        return self.layer(x, return_state=True)
+
+    def step(self, x, state):
+        y, state = self.layer.step(x[:, 0], state)
+        return y[:, None], state
+
+
+class RecomputeStep(LayerStep):
+    """A layer without a decode path (GatedFWA+NSA): the cache holds the layer's inputs and a step
+    runs the layer on all of them, returning the new positions' outputs."""
+
+    def prefill(self, x):
+        return self.layer(x), x
+
+    def step(self, x, inputs):
+        inputs = x if inputs is None else torch.cat([inputs, x], 1)
+        return self.layer(inputs)[:, -x.shape[1]:], inputs
+
+
+def with_rope_base(layer: nn.Module, base: float) -> nn.Module:
+    """Give ``layer``'s RoPE (built with the layers' default base) the model's base."""
+    if layer.rotary is not None:
+        layer.rotary = RotaryEmbedding(layer.head_dim, base=base)
+    return layer
+
+
+def build_lm_mixer(name: str, config: LMConfig) -> nn.Module:
+    """The mixer ``name`` at the sizes of ``config`` (options from ``config.mixer_options[name]``)."""
+    c, opts = config, dict(config.mixer_options.get(name, {}))
+    heads = dict(num_kv_heads=c.kv_heads, head_dim=c.head_dim)
+    if name in ("softmax", "swa", "elsa"):
+        window = opts.pop("window", c.window if name == "swa" else None)
+        return SelfAttention(c.dim, c.heads, kv_heads=c.kv_heads, head_dim=c.head_dim, window=window,
+                             rope_base=c.rope_base, norm_eps=c.norm_eps, elsa=name == "elsa", **opts)
+    if name == "parallax":
+        return LayerStep(Parallax(c.dim, c.heads, rope_base=c.rope_base, norm_eps=c.norm_eps, **heads, **opts))
+    if name == "gatedfwa":
+        return LayerStep(with_rope_base(GatedFWA(c.dim, c.heads, c.window, rope=True, **heads, **opts), c.rope_base))
+    if name == "gatedfwa_nsa":
+        nsa = GatedFWANSA(c.dim, c.heads, c.window, rope=True, **heads, **opts)
+        return RecomputeStep(with_rope_base(nsa, c.rope_base))
+    if name == "lla":
+        opts.setdefault("cg_iters", None)      # the exact solve; see LMConfig
+        return LayerStep(with_rope_base(LLA(c.dim, c.heads, rope=True, **heads, **opts), c.rope_base))
+    if name == "decay":
+        if c.kv_heads not in (None, c.heads):
+            raise ValueError(f"kv_heads: mixer 'decay' has no GQA; expected None or {c.heads}, got {c.kv_heads}")
+        D = c.head_dim or c.dim // c.heads
+        return RetentionStep(Retention(c.dim, c.heads, key_dim=D, head_dim=D, eps=c.norm_eps, **opts))
+    raise ValueError(f"mixer: expected one of {LM_MIXERS}, got {name!r}")
+
+
+# ---------------------------------------------------------------------------------------------- model
+class DecoderBlock(nn.Module):
+    """Pre-norm residual block: ``h + mixer(norm(h))``, then ``h + SwiGLU(norm(h))``."""
+
+    def __init__(self, mixer: nn.Module, dim: int, ffn: int, eps: float):
+        super().__init__()
+        self.mixer_norm, self.mixer = nn.RMSNorm(dim, eps=eps), mixer
+        self.mlp_norm, self.mlp = nn.RMSNorm(dim, eps=eps), SwiGLU(dim, ffn)
+
+    def forward(self, h):
+        h = h + self.mixer(self.mixer_norm(h))
+        return h + self.mlp(self.mlp_norm(h))
+
+    def step(self, h, cache, first: bool):
+        """Prefill (``first``) or decode ``h: [B, n, dim]``; returns ``(h, cache)``."""
+        x = self.mixer_norm(h)
+        y, cache = self.mixer.prefill(x) if first else self.mixer.step(x, cache)
+        h = h + y
+        return h + self.mlp(self.mlp_norm(h)), cache
+
+
+class DecoderLM(nn.Module):
+    """Decoder LM: ``tokens [B, T] -> logits [B, T, vocab_size]``; see the module text.
+
+    ``forward(tokens, targets)`` returns the mean cross-entropy over the targets that are not -100
+    instead of the logits. ``generate`` decodes with each mixer's own cache.
+    """
+
+    def __init__(self, config: LMConfig):
+        super().__init__()
+        self.config = config
+        ffn = config.ffn or 3 * config.dim
+        self.embed = nn.Embedding(config.vocab_size, config.dim)
+        self.blocks = nn.ModuleList(DecoderBlock(build_lm_mixer(name, config), config.dim, ffn, config.norm_eps)
+                                    for name in config.mixers())
+        self.norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
+        self.head = nn.Linear(config.dim, config.vocab_size, bias=False)
+        nn.init.normal_(self.embed.weight, std=0.02)
+        if config.tie_embeddings:
+            self.head.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.embed(tokens)
+        for block in self.blocks:
+            if self.config.checkpointing and self.training and torch.is_grad_enabled():
+                h = checkpoint(block, h, use_reentrant=False)
+            else:
+                h = block(h)
+        logits = self.head(self.norm(h))
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
+
+    # ------------------------------------------------------------------------------------------ generation
+    def _run(self, tokens, caches):
+        """Logits of the last position of ``tokens [B, n]`` and the new caches (prefill when None)."""
+        h = self.embed(tokens)
+        first = caches is None
+        caches = [None] * len(self.blocks) if first else caches
+        out = []
+        for block, cache in zip(self.blocks, caches):
+            h, cache = block.step(h, cache, first)
+            out.append(cache)
+        return self.head(self.norm(h[:, -1])), out
+
+    @staticmethod
+    def pick(logits: torch.Tensor, temperature: float, top_k: int | None, generator) -> torch.Tensor:
+        """The next tokens ``[B]`` from ``logits [B, V]``: argmax at ``temperature == 0``, else a sample."""
+        if temperature == 0:
+            return logits.argmax(-1)
+        logits = logits.float() / temperature
+        if top_k is not None:
+            kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+            logits = logits.masked_fill(logits < kth, -math.inf)
+        return torch.multinomial(torch.softmax(logits, -1), 1, generator=generator)[:, 0]
+
+    @torch.no_grad()
+    def generate(self, prompt: torch.Tensor, max_new_tokens: int, *, temperature: float = 0.0,
+                 top_k: int | None = None, generator: torch.Generator | None = None,
+                 use_cache: bool = True) -> torch.Tensor:
+        """``prompt [B, T]`` followed by ``max_new_tokens`` new tokens: ``[B, T + max_new_tokens]``.
+
+        Greedy at ``temperature == 0``; else sampled (from the ``top_k`` most likely when given).
+        ``use_cache=False`` reruns the whole sequence for every token (the reference for the cache).
+        """
+        if prompt.ndim != 2 or prompt.shape[1] < 1:
+            raise ValueError(f"prompt: expected [B, T] with T >= 1, got shape {tuple(prompt.shape)}")
+        if temperature < 0:
+            raise ValueError(f"temperature: expected >= 0, got {temperature}")
+        was_training = self.training
+        self.eval()
+        tokens, caches = prompt, None
+        new = prompt
+        for _ in range(max_new_tokens):
+            if use_cache:
+                logits, caches = self._run(new, caches)
+            else:
+                logits = self(tokens)[:, -1]
+            new = self.pick(logits, temperature, top_k, generator)[:, None]
+            tokens = torch.cat([tokens, new], 1)
+        self.train(was_training)
+        return tokens
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())

@@ -1,0 +1,115 @@
+"""The task model: an input map, ``layers`` blocks of (mixer, SwiGLU MLP) with pre-RMSNorm, a readout.
+
+    h = embed(inputs)                               token embedding, or a linear map of vectors
+    h = h + mixer(RMSNorm(h))                       for each block
+    h = h + SwiGLU(RMSNorm(h))                      (skipped with mlp=False, as lla's in-context regression)
+    out = head(RMSNorm(h))                          logits [B, T, V] or predictions [B, T, d_out]
+
+For ``kind="autoencode"`` (MAD compression) the state at the last position is the code: the
+readout adds a sinusoidal embedding of each target position to it and decodes every position
+through a two-layer MLP before the head.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from regattn.models.mixers import build_mixer
+
+
+class SwiGLU(nn.Module):
+    """``W_2 (silu(x W_1) * x W_3)`` with hidden width ``hidden``."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    """Pre-norm residual block: mixer, then (optionally) the MLP."""
+
+    def __init__(self, mixer: nn.Module, dim: int, mlp_hidden: int | None):
+        super().__init__()
+        self.mixer_norm, self.mixer = nn.RMSNorm(dim), mixer
+        self.mlp_norm = nn.RMSNorm(dim) if mlp_hidden else None
+        self.mlp = SwiGLU(dim, mlp_hidden) if mlp_hidden else None
+
+    def forward(self, h):
+        h = h + self.mixer(self.mixer_norm(h))
+        return h if self.mlp is None else h + self.mlp(self.mlp_norm(h))
+
+
+def sinusoidal(length: int, dim: int) -> torch.Tensor:
+    """``[length, dim]`` sine/cosine position embedding (first half sines, second half cosines)."""
+    pos = torch.arange(length, dtype=torch.float32)[:, None]
+    freq = torch.exp(-math.log(10000.0) * torch.arange(dim // 2, dtype=torch.float32) / max(1, dim // 2))
+    emb = torch.cat([torch.sin(pos * freq), torch.cos(pos * freq)], dim=1)
+    return F.pad(emb, (0, dim - emb.shape[1]))
+
+
+class MixerStack(nn.Module):
+    """The task model.
+
+    Args:
+        mixer: a name of :data:`regattn.models.mixers.MIXERS`.
+        kind: ``"tokens"``, ``"regression"`` or ``"autoencode"`` (see :class:`regattn.tasks.TaskData`).
+        vocab_size: token tasks; dim_in, dim_out: regression.
+        seq_len: the sequence length (for the windowed mixers' default and the decoder positions).
+        dim: model width (128); layers: blocks (2); heads: mixer heads (2); mlp: add the SwiGLU MLP;
+        mlp_ratio: MLP hidden width ``mlp_ratio * dim * 2 / 3`` (rounded up to 8).
+        mixer_options: passed to the mixer (``window``, ``lam``, ``blocks``, ``rope``).
+    Input ``[B, T]`` int64 (tokens) or ``[B, T, dim_in]``; output ``[B, T, vocab_size | dim_out]``.
+    """
+
+    def __init__(self, mixer: str, *, kind: str, seq_len: int, vocab_size: int = 0, dim_in: int = 0, dim_out: int = 0,
+                 dim: int = 128, layers: int = 2, heads: int = 2, mlp: bool = True, mlp_ratio: float = 4.0,
+                 mixer_options: dict | None = None):
+        super().__init__()
+        if kind not in ("tokens", "regression", "autoencode"):
+            raise ValueError(f"kind: expected 'tokens', 'regression' or 'autoencode', got {kind!r}")
+        self.kind, self.mixer_name = kind, mixer
+        regression = kind == "regression"
+        self.embed = nn.Linear(dim_in, dim) if regression else nn.Embedding(vocab_size, dim)
+        hidden = 8 * math.ceil(mlp_ratio * dim * 2 / 3 / 8) if mlp else None
+        self.blocks = nn.ModuleList(
+            Block(build_mixer(mixer, dim, heads, seq_len=seq_len, **(mixer_options or {})), dim, hidden)
+            for _ in range(layers))
+        self.norm = nn.RMSNorm(dim)
+        self.head = nn.Linear(dim, dim_out if regression else vocab_size, bias=regression)
+        if kind == "autoencode":
+            self.register_buffer("positions", sinusoidal(seq_len, dim), persistent=False)
+            self.decoder = nn.Sequential(nn.RMSNorm(dim), nn.Linear(dim, dim), nn.GELU(),
+                                         nn.RMSNorm(dim), nn.Linear(dim, dim), nn.GELU())
+        if not regression:
+            nn.init.normal_(self.embed.weight, std=0.02)
+
+    def features(self, inputs: torch.Tensor) -> list[torch.Tensor]:
+        """The residual stream after the embedding and after each block: ``layers + 1`` tensors ``[B, T, dim]``."""
+        h = self.embed(inputs)
+        out = [h]
+        for block in self.blocks:
+            h = block(h)
+            out.append(h)
+        return out
+
+    def forward(self, inputs: torch.Tensor, select: torch.Tensor | None = None) -> torch.Tensor:
+        """``[B, T, out]``, or ``[n, out]`` at the positions where ``select [B, T]`` (bool) is true."""
+        h = self.features(inputs)[-1]
+        if self.kind == "autoencode":
+            h = self.decoder(h[:, -1:] + self.positions[: inputs.shape[1]].to(h.dtype))
+        h = self.norm(h)
+        return self.head(h if select is None else h[select])
+
+
+def build_model(task, mixer: str, **options) -> MixerStack:
+    """A :class:`MixerStack` for :class:`regattn.tasks.TaskData` ``task`` (its kind, sizes and length)."""
+    return MixerStack(mixer, kind=task.kind, seq_len=task.seq_len, vocab_size=task.vocab_size, dim_in=task.dim_in,
+                      dim_out=task.dim_out, **options)

@@ -1,0 +1,187 @@
+"""Tile steps shared by the FlashAttention-style kernels: key ranges, masks, the online softmax, blocks.
+
+Conventions of every kernel that uses these pieces:
+
+* Logits are kept in base 2: ``s2 = log2(e) * (scale * q.k + u_i - u_j)``, so the softmax uses ``exp2``
+  and the saved log-sum-exp ``lse2`` is in base 2 too.
+* Queries are aligned to the end of the keys: query row ``i`` of a sequence with ``Tq`` queries and
+  ``Sk`` keys sits at key position ``pos = i + Sk - Tq``. ``CAUSAL`` keeps ``j <= pos``; a window
+  ``WINDOW > 0`` keeps ``j > pos - WINDOW`` (``WINDOW = 0`` means no window).
+* A key or query tile is *full* when every (row, key) pair in it is visible; full tiles skip the mask.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+# Per-kind launch settings that replace the heuristics of :func:`attention_blocks` (for tuning sweeps),
+# e.g. ``BLOCK_OVERRIDES["fwd"] = dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2)``.
+BLOCK_OVERRIDES: dict[str, dict] = {}
+
+
+@triton.jit
+def key_span(pos_lo, pos_hi, Sk, CAUSAL: tl.constexpr, WINDOW: tl.constexpr):
+    """Keys ``[lo, hi)`` some query with position in ``[pos_lo, pos_hi]`` can see."""
+    lo = 0
+    hi = Sk
+    if CAUSAL:
+        hi = tl.minimum(pos_hi + 1, Sk)
+    if WINDOW > 0:
+        lo = tl.maximum(pos_lo - WINDOW + 1, 0)
+    return lo, hi
+
+
+@triton.jit
+def full_key_span(pos_lo, pos_hi, Sk, CAUSAL: tl.constexpr, WINDOW: tl.constexpr):
+    """Keys ``[lo, hi)`` that every query with position in ``[pos_lo, pos_hi]`` sees (may be empty)."""
+    lo = 0
+    hi = Sk
+    if CAUSAL:
+        hi = tl.minimum(pos_lo + 1, Sk)
+    if WINDOW > 0:
+        lo = tl.maximum(pos_hi - WINDOW + 1, 0)
+    return lo, hi
+
+
+@triton.jit
+def query_span(key_lo, key_hi, Tq, off, CAUSAL: tl.constexpr, WINDOW: tl.constexpr):
+    """Query rows ``[lo, hi)`` that see some key of ``[key_lo, key_hi]``, and ``[full_lo, full_hi)`` that see all.
+
+    Rows sit at positions ``row + off``; the result is clipped to ``[0, Tq)``.
+    """
+    lo = 0
+    hi = Tq
+    full_lo = 0
+    full_hi = Tq
+    if CAUSAL:
+        lo = tl.maximum(key_lo - off, 0)
+        full_lo = tl.maximum(key_hi - off, 0)
+    if WINDOW > 0:
+        hi = tl.minimum(key_hi + WINDOW - off, Tq)
+        full_hi = tl.minimum(key_lo + WINDOW - off, Tq)
+    return lo, hi, full_lo, full_hi
+
+
+@triton.jit
+def tile_loop_bounds(lo, hi, full_lo, full_hi, BLOCK: tl.constexpr):
+    """Split ``[lo, hi)`` into block starts ``[a, b)`` masked, ``[b, c)`` full, ``[c, hi)`` masked.
+
+    ``a`` is ``lo`` rounded down to the block; full tiles lie inside ``[full_lo, full_hi)``.
+    """
+    a = (lo // BLOCK) * BLOCK
+    end = tl.cdiv(hi, BLOCK) * BLOCK
+    b = tl.minimum(tl.maximum(tl.cdiv(full_lo, BLOCK) * BLOCK, a), end)
+    c = tl.minimum(tl.maximum((full_hi // BLOCK) * BLOCK, b), end)
+    return a, b, c
+
+
+@triton.jit
+def _visible(pos, keys, Sk, CAUSAL: tl.constexpr, WINDOW: tl.constexpr):
+    """Visibility of broadcastable ``pos`` and ``keys`` (one a column, the other a row)."""
+    keep = (keys < Sk) & (keys >= 0) & (pos >= 0)
+    if CAUSAL:
+        keep = keep & (keys <= pos)
+    if WINDOW > 0:
+        keep = keep & (keys > pos - WINDOW)
+    return keep
+
+
+@triton.jit
+def visible_mask(pos, offs_k, Sk, CAUSAL: tl.constexpr, WINDOW: tl.constexpr):
+    """Boolean ``[BM, BN]``: key ``offs_k`` (``[BN]``) is visible to the query at ``pos`` (``[BM]``)."""
+    return _visible(pos[:, None], offs_k[None, :], Sk, CAUSAL, WINDOW)
+
+
+@triton.jit
+def visible_mask_t(offs_k, pos, Sk, CAUSAL: tl.constexpr, WINDOW: tl.constexpr):
+    """The transpose, ``[BN, BM]``, for kernels that keep keys on the rows (the dK/dV backward)."""
+    return _visible(pos[None, :], offs_k[:, None], Sk, CAUSAL, WINDOW)
+
+
+@triton.jit
+def online_softmax_step(m_i, l_i, s2):
+    """One FlashAttention update with base-2 logits ``s2: [BM, BN]`` (``-inf`` where hidden).
+
+    Returns ``(m_new, l_new, p, alpha)``: the running max and sum, the tile's unnormalised
+    weights ``p = exp2(s2 - m_new)`` and the factor ``alpha`` that rescales the old accumulator.
+    Rows that have seen no key yet keep ``m = -inf`` and get ``p = 0`` (never NaN).
+    """
+    m_new = tl.maximum(m_i, tl.max(s2, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s2 - m_use[:, None])
+    alpha = tl.exp2(m_i - m_use)
+    l_new = l_i * alpha + tl.sum(p, 1)
+    return m_new, l_new, p, alpha
+
+
+@triton.jit
+def softmax_finish(acc, m_i, l_i):
+    """Normalise the accumulator; returns ``(o, lse2)``. Rows that saw no key give ``o = 0``, ``lse2 = +inf``."""
+    empty = l_i == 0.0
+    o = acc / tl.where(empty, 1.0, l_i)[:, None]
+    lse2 = tl.where(empty, float("inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
+    return o, lse2
+
+
+@triton.jit
+def _row_dot_kernel(A, B, OUT, n_rows, D, stride_a, stride_b,
+                    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, BLOCK_D)
+    mask = (rows < n_rows)[:, None] & (cols < D)[None, :]
+    a = tl.load(A + rows[:, None] * stride_a + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(B + rows[:, None] * stride_b + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    tl.store(OUT + rows, tl.sum(a * b, 1), mask=rows < n_rows)
+
+
+def row_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``sum_d a[..., d] * b[..., d]`` in fp32 for contiguous ``a, b: [..., D]`` -> ``[...]``.
+
+    The backward's ``delta = rowsum(o * dO)``, fused so no fp32 copy of ``o`` or ``dO`` is made.
+    """
+    D = a.shape[-1]
+    a2, b2 = a.reshape(-1, D), b.reshape(-1, D)
+    out = torch.empty(a2.shape[0], device=a.device, dtype=torch.float32)
+    block_d = triton.next_power_of_2(D)
+    block_r = max(1, min(64, 4096 // block_d))
+    _row_dot_kernel[(triton.cdiv(a2.shape[0], block_r),)](a2, b2, out, a2.shape[0], D, a2.stride(0), b2.stride(0),
+                                                        BLOCK_R=block_r, BLOCK_D=block_d)
+    return out.view(a.shape[:-1])
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def head_block(d: int) -> int:
+    """Padded head dim: a power of two >= 16 (``tl.dot`` needs it); masks cover the padding."""
+    return max(16, triton.next_power_of_2(d))
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """fp32 inputs get exact fp32 products (``"ieee"``), not tf32; fp16/bf16 use the tensor cores."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def attention_blocks(head_dim: int, dtype: torch.dtype, kind: str) -> dict:
+    """Tile sizes and launch settings for ``kind`` in ``"fwd" | "bwd_kv" | "bwd_q"``.
+
+    The interpreter gets 16 x 16 tiles (fast on CPU); a GPU gets FlashAttention-2 sized tiles.
+    ``BLOCK_M`` tiles queries and ``BLOCK_N`` tiles keys in every kind.
+    """
+    if kind in BLOCK_OVERRIDES:
+        return dict(BLOCK_OVERRIDES[kind])
+    if interpreting():
+        return dict(BLOCK_M=16, BLOCK_N=16, num_warps=1, num_stages=1)
+    if dtype == torch.float32:  # exact fp32 products need smaller tiles
+        return dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)
+    if kind == "fwd":  # H100 sweep, bf16, d=128, w=512: 64 x 64 beat 128 x 64 and 128 x 128
+        return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)
+    if kind in ("bwd_kv", "bwd_q"):
+        return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)
+    raise ValueError(f"kind: expected 'fwd', 'bwd_kv' or 'bwd_q', got {kind!r}")

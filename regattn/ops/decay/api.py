@@ -1,0 +1,181 @@
+"""Exponentially decaying causal linear attention: the LeetDecoding methods (leetdecoding.txt eq. 4).
+
+Public entry points: ``decay_linear_attention`` (any registered method, or ``"auto"``),
+``decay_linear_prefill`` (the parallel form plus the final state) and ``decay_linear_step``
+(one decoding token in O(R * D)).
+"""
+from __future__ import annotations
+
+from numbers import Real
+
+import torch
+
+from regattn import reference
+from regattn.ops._common.checks import check_choice, check_device, check_same, check_tensor, resolve_backend
+from regattn.ops.decay import registry
+from regattn.ops.decay.memo import TensorMemo
+from regattn.ops.decay.registry import register_decay_method  # noqa: F401  (re-exported)
+from regattn.ops.decay.tune import choose_method
+
+HAS_TRITON = True
+METHODS = reference.decay.METHODS
+
+
+_CHECKED_GAMMAS = TensorMemo()
+
+
+def _gamma_values_ok(gamma: torch.Tensor) -> bool:
+    """Every value in (0, 1]. Reading a device tensor's values waits for the device, so a tensor
+    that already passed, and has not been written to since, is not read again."""
+    if _CHECKED_GAMMAS.get(gamma):
+        return True
+    ok = bool(((gamma > 0) & (gamma <= 1)).all())
+    if ok:
+        _CHECKED_GAMMAS.put(gamma, True)
+    return ok
+
+
+def check_gamma(gamma, H: int, like: torch.Tensor):
+    """``None`` (no decay), a float, or an ``[H]`` tensor, every value in (0, 1]."""
+    if gamma is None:
+        return None
+    if isinstance(gamma, Real) and not isinstance(gamma, bool):
+        if not 0.0 < float(gamma) <= 1.0:
+            raise ValueError(f"gamma: expected values in (0, 1], got {gamma}")
+        return torch.full((H,), float(gamma), device=like.device, dtype=torch.float32)
+    check_tensor("gamma", gamma, 1)
+    if gamma.shape[0] != H:
+        raise ValueError(f"gamma: expected shape [H] = ({H},), got {tuple(gamma.shape)}")
+    check_device("gamma", gamma, like, "b")
+    if not _gamma_values_ok(gamma):
+        raise ValueError(f"gamma: expected values in (0, 1], got {gamma.tolist()}")
+    return gamma
+
+
+def check_decay_inputs(b, c, v, *, names=("b", "c", "v"), layout="[B, T, H, R]"):
+    """``b, c: layout`` (last dim R), ``v`` the same leading dims with its own last dim D.
+
+    Returns ``(*b.shape, D)``: (B, T, H, R, D) for sequences, (B, H, R, D) for one token.
+    """
+    nb, nc, nv = names
+    for name, x in zip(names, (b, c, v)):
+        check_tensor(name, x, layout.count(",") + 1)
+    check_same(**{nb: b, nc: c, nv: v})
+    if c.shape != b.shape:
+        raise ValueError(f"{nc}: expected shape {layout} = {tuple(b.shape)} (as {nb}), got {tuple(c.shape)}")
+    if v.shape[:-1] != b.shape[:-1]:
+        raise ValueError(f"{nv}: expected leading dims {tuple(b.shape[:-1])} (as {nb}), got shape {tuple(v.shape)}")
+    if min(b.shape) < 1 or v.shape[-1] < 1:
+        raise ValueError(f"{nb}, {nv}: expected non-empty dims, got {nb} {tuple(b.shape)}, {nv} {tuple(v.shape)}")
+    return (*b.shape, v.shape[-1])
+
+
+def check_method(method) -> str:
+    return check_choice("method", method, registry.method_names() + ("auto",))
+
+
+def resolve_method(method: str, B: int, T: int, H: int, R: int, D: int, dtype, gamma, backend: str,
+                   device) -> str:
+    """``"auto"`` -> the measured fastest method for this shape (``tune.choose_method``); the torch
+    backend uses the CPU rule, which picks among the torch forms."""
+    if method != "auto":
+        return method
+    on_gpu = backend == "triton" and device.type == "cuda"
+    return choose_method(B, T, H, R, D, dtype, gamma is not None, device if on_gpu else torch.device("cpu"))
+
+
+def decay_linear_attention(b, c, v, gamma=None, *, method="auto", backend="auto"):
+    """Causal linear attention with exponential decay (leetdecoding.txt eq. 4).
+
+    ``O = (B C^T ⊙ M) V`` with ``M_ij = gamma^(i - j)`` for ``i >= j`` and 0 otherwise,
+    per head.
+
+    Args:
+        b: ``[B, T, H, R]`` (the query role); c: ``[B, T, H, R]`` (the key role); R may differ from D.
+        v: ``[B, T, H, D]``.
+        gamma: ``[H]`` decay per head in (0, 1], a float for every head, or None for 1.
+            The Triton methods treat gamma as a constant (no gradient); the torch methods
+            differentiate through it.
+        method: ``"vanilla", "causal_dot_product", "block_based", "recursion", "lightning2",
+            "fleet"``, a name added with ``register_decay_method``, or ``"auto"`` (the fastest
+            method measured for this shape on this kind of GPU; see ``regattn.ops.decay.tune``).
+            All give the same numbers up to rounding.
+        backend: ``"auto" | "torch" | "triton"``. ``lightning2``, ``fleet`` and
+            ``causal_dot_product`` have Triton kernels (forward and backward); ``vanilla``,
+            ``block_based`` and ``recursion`` are torch on every backend.
+
+    Returns:
+        ``o: [B, T, H, D]`` in v's dtype (accumulated in fp32 by the kernels).
+    """
+    B, T, H, R, D = check_decay_inputs(b, c, v)
+    gamma = check_gamma(gamma, H, b)
+    method = check_method(method)
+    backend = resolve_backend(backend, b, op="decay_linear_attention", has_triton=HAS_TRITON)
+    method = resolve_method(method, B, T, H, R, D, v.dtype, gamma, backend, b.device)
+    return registry.get_method(method).run(b, c, v, gamma, backend)
+
+
+def _state_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def decay_linear_prefill(b, c, v, gamma=None, *, initial_state=None, method="auto", backend="auto"):
+    """The parallel form and the state after the last token, for decoding with ``decay_linear_step``.
+
+    ``o_i = sum_{j<=i} gamma^(i-j) (b_i.c_j) v_j + gamma^(i+1) b_i S_0`` and
+    ``S_T = gamma^T S_0 + sum_j gamma^(T-1-j) c_j^T v_j``.
+
+    Args:
+        b, c: ``[B, T, H, R]``; v: ``[B, T, H, D]``; gamma: ``[H]`` in (0, 1], a float, or None.
+        initial_state: ``[B, H, R, D]`` from an earlier segment or step, or None (zeros).
+        method, backend: as in ``decay_linear_attention`` (for the parallel part).
+
+    Returns:
+        ``(o [B, T, H, D] in v's dtype, state [B, H, R, D] in float32, float64 for float64 inputs)``.
+    """
+    B, T, H, R, D = check_decay_inputs(b, c, v)
+    gamma = check_gamma(gamma, H, b)
+    sdt = _state_dtype(v.dtype)
+    if initial_state is not None:
+        check_tensor("initial_state", initial_state, 4)
+        check_device("initial_state", initial_state, b, "b")
+        if tuple(initial_state.shape) != (B, H, R, D):
+            raise ValueError(f"initial_state: expected shape [B, H, R, D] = {(B, H, R, D)}, "
+                             f"got {tuple(initial_state.shape)}")
+    o = decay_linear_attention(b, c, v, gamma, method=method, backend=backend)
+    log_g = torch.zeros(H, device=b.device, dtype=sdt) if gamma is None else torch.log(gamma.to(sdt))
+    t = torch.arange(T, device=b.device, dtype=sdt)
+    to_end = torch.exp(log_g[:, None] * (T - 1 - t))                       # [H, T]: gamma^(T-1-j)
+    ch, vh = c.to(sdt).transpose(1, 2), v.to(sdt).transpose(1, 2)          # [B, H, T, X]
+    state = (to_end[None, :, :, None] * ch).transpose(-1, -2) @ vh
+    if initial_state is not None:
+        s0 = initial_state.to(sdt)
+        into = torch.exp(log_g[:, None] * (t + 1))                          # [H, T]: gamma^(i+1)
+        carried = (into[None, :, :, None] * b.to(sdt).transpose(1, 2)) @ s0
+        o = o + carried.transpose(1, 2).to(o.dtype)
+        state = state + torch.exp(log_g * T)[None, :, None, None] * s0
+    return o, state
+
+
+def decay_linear_step(state, b_t, c_t, v_t, gamma=None):
+    """One decoding token in O(R * D): ``S <- gamma S + c_t^T v_t``, ``o_t = b_t S``.
+
+    Args:
+        state: ``[B, H, R, D]`` (from ``decay_linear_prefill`` or the previous step) or None (zeros).
+        b_t, c_t: ``[B, H, R]``; v_t: ``[B, H, D]``; gamma: ``[H]`` in (0, 1], a float, or None.
+
+    Returns:
+        ``(o_t [B, H, D] in v_t's dtype, state [B, H, R, D] in float32, float64 for float64 inputs)``.
+    """
+    B, H, R, D = check_decay_inputs(b_t, c_t, v_t, names=("b_t", "c_t", "v_t"), layout="[B, H, R]")
+    gamma = check_gamma(gamma, H, b_t)
+    sdt = _state_dtype(v_t.dtype)
+    if state is not None:
+        check_tensor("state", state, 4)
+        check_device("state", state, b_t, "b_t")
+        if tuple(state.shape) != (B, H, R, D):
+            raise ValueError(f"state: expected shape [B, H, R, D] = {(B, H, R, D)}, got {tuple(state.shape)}")
+        state = state.to(sdt)
+    o_t, state = reference.decay_linear_step(state, b_t.to(sdt), c_t.to(sdt), v_t.to(sdt),
+                                             None if gamma is None else gamma.to(sdt))
+    return o_t.to(v_t.dtype), state

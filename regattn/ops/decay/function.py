@@ -1,0 +1,92 @@
+"""One ``torch.autograd.Function`` per decay kernel.
+
+For ``O = (B C^T ⊙ M) V`` with ``M_ij = gamma^(i-j)``, ``i >= j``, the gradients are the same
+operator on other inputs, run forward or backward in time:
+
+    dB = F(dO, V, C)            rows i see j <= i
+    dC = F_rev(V, dO, B)        dC_j = sum_{i>=j} gamma^(i-j) (v_j.dO_i) b_i
+    dV = F_rev(C, B, dO)        dV_j = sum_{i>=j} gamma^(i-j) (c_j.b_i) dO_i
+
+so each kernel's backward is three launches of the kernel itself (``reverse=True`` walks the rows
+from the last). Saved for backward: b, c, v. gamma is a constant of these kernels.
+"""
+from __future__ import annotations
+
+import torch
+
+from regattn.ops.decay.causal_dot_product import cdp_forward
+from regattn.ops.decay.fleet import fleet_forward
+from regattn.ops.decay.lightning2 import lightning2_forward
+from regattn.ops.decay.memo import TensorMemo
+
+LOG2E = 1.4426950408889634
+
+
+def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+class _DecayKernelFunction(torch.autograd.Function):
+    """Base: subclasses set ``kernel(b, c, v, log2g, reverse=...) -> o``."""
+
+    kernel = None
+
+    @classmethod
+    def forward(cls, ctx, b, c, v, log2g):
+        b, c, v = (_rows_contiguous(x) for x in (b, c, v))
+        ctx.save_for_backward(b, c, v, log2g)
+        return cls.kernel(b, c, v, log2g, reverse=False)
+
+    @classmethod
+    def backward(cls, ctx, do):
+        b, c, v, log2g = ctx.saved_tensors
+        do = _rows_contiguous(do)
+        db = dc = dv = None
+        if ctx.needs_input_grad[0]:
+            db = cls.kernel(do, v, c, log2g, reverse=False)
+        if ctx.needs_input_grad[1]:
+            dc = cls.kernel(v, do, b, log2g, reverse=True)
+        if ctx.needs_input_grad[2]:
+            dv = cls.kernel(c, b, do, log2g, reverse=True)
+        return db, dc, dv, None
+
+
+class Lightning2Function(_DecayKernelFunction):
+    kernel = staticmethod(lightning2_forward)
+
+
+class FleetFunction(_DecayKernelFunction):
+    kernel = staticmethod(fleet_forward)
+
+
+class CausalDotProductFunction(_DecayKernelFunction):
+    kernel = staticmethod(cdp_forward)
+
+
+_LOG2 = TensorMemo()
+
+
+def log2_gamma(gamma, H: int, device) -> torch.Tensor:
+    """``log2 gamma`` as an fp32 ``[H]`` tensor (zeros for None); kept per gamma tensor until it is written to."""
+    if gamma is None:
+        return torch.zeros(H, device=device, dtype=torch.float32)
+    if gamma.requires_grad and torch.is_grad_enabled():
+        raise ValueError("gamma: the Triton decay methods take gamma as a constant, got a tensor that requires "
+                         "grad; pass gamma.detach() or use backend='torch'")
+    log2g = _LOG2.get(gamma)
+    if log2g is None:
+        log2g = (torch.log(gamma.detach().double()) * LOG2E).float().contiguous()
+        _LOG2.put(gamma, log2g)
+    return log2g
+
+
+def _apply(function):
+    def run(b, c, v, gamma):
+        return function.apply(b, c, v, log2_gamma(gamma, b.shape[2], b.device))
+    run.__name__ = function.__name__
+    return run
+
+
+lightning2 = _apply(Lightning2Function)
+fleet = _apply(FleetFunction)
+causal_dot_product = _apply(CausalDotProductFunction)

@@ -1,0 +1,179 @@
+"""GatedFWA gate preprocessing kernels: ``u = -cumsum(softplus(beta * h) / (beta + eps))`` over time.
+
+* ``one_pass`` (gatedfwa.md Algorithm 1): one program per (batch, block of heads) streams the time
+  tiles, scans inside each tile and threads a carry between tiles; h and beta are read once, u is
+  written once, nothing else touches memory.
+* ``scan_then_propagate`` (Appendix E.1, Algorithm 3): tile sums in parallel, a scan over the
+  tile sums, then every tile recomputes alpha and adds its offset (reads h and beta twice).
+* backward: one reverse pass, ``dalpha_s = -sum_{t >= s} du_t`` turned into ``dh`` and ``dbeta``.
+
+``h, beta, u: [B, T, H]``, any strides; alpha and u are computed in fp32.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from regattn.ops._common.attention_tiles import interpreting
+
+SCANS = ("one_pass", "scan_then_propagate")
+
+
+@triton.jit
+def _softplus(z):
+    """``nu + log(exp(z - nu) + exp(-nu))``, ``nu = max(z, 0)``: ``max(z, 0) + log1p(exp(-|z|))``.
+
+    ``log1p(x)`` is its series ``x - x^2/2 + x^3/3 - x^4/4`` for ``x < 0.01`` (``log(1 + x)`` in fp32
+    would lose ``eps / x`` of relative precision there), so very negative ``z`` keeps its small value.
+    """
+    x = tl.exp(-tl.abs(z))
+    series = x * (1.0 - x * (0.5 - x * (0.3333333333333333 - 0.25 * x)))
+    return tl.maximum(z, 0.0) + tl.where(x < 0.01, series, tl.log(1.0 + x))
+
+
+@triton.jit
+def _tile(H_ptr, BETA, b, t0, offs_h, T, NH, shb, sht, shh, sbb, sbt, sbh, BLOCK_T: tl.constexpr):
+    """Load the ``[BLOCK_T, BLOCK_H]`` tile at time ``t0``; returns ``(h, beta, mask)`` in fp32."""
+    offs_t = t0 + tl.arange(0, BLOCK_T)
+    mask = (offs_t < T)[:, None] & (offs_h < NH)[None, :]
+    h = tl.load(H_ptr + b * shb + offs_t[:, None] * sht + offs_h[None, :] * shh, mask=mask, other=0.0)
+    beta = tl.load(BETA + b * sbb + offs_t[:, None] * sbt + offs_h[None, :] * sbh, mask=mask, other=1.0)
+    return h.to(tl.float32), beta.to(tl.float32), mask
+
+
+@triton.jit
+def _alpha(h, beta, mask, eps):
+    return tl.where(mask, _softplus(beta * h) / (beta + eps), 0.0)
+
+
+@triton.jit
+def _store_u(U, b, t0, offs_h, T, NH, sub, sut, suh, u, BLOCK_T: tl.constexpr):
+    offs_t = t0 + tl.arange(0, BLOCK_T)
+    mask = (offs_t < T)[:, None] & (offs_h < NH)[None, :]
+    tl.store(U + b * sub + offs_t[:, None] * sut + offs_h[None, :] * suh, u, mask=mask)
+
+
+@triton.jit
+def _gate_one_pass_kernel(H_ptr, BETA, U, T, NH, eps, shb, sht, shh, sbb, sbt, sbh, sub, sut, suh,
+                          BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+    b = tl.program_id(0)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    carry = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for t0 in range(0, T, BLOCK_T):
+        h, beta, mask = _tile(H_ptr, BETA, b, t0, offs_h, T, NH, shb, sht, shh, sbb, sbt, sbh, BLOCK_T)
+        neg = -_alpha(h, beta, mask, eps)
+        _store_u(U, b, t0, offs_h, T, NH, sub, sut, suh, tl.cumsum(neg, 0) + carry[None, :], BLOCK_T)
+        carry += tl.sum(neg, 0)
+
+
+@triton.jit
+def _gate_tile_sums_kernel(H_ptr, BETA, SUMS, T, NH, eps, shb, sht, shh, sbb, sbt, sbh, ssb, sst,
+                           BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+    c = tl.program_id(0)
+    b = tl.program_id(1)
+    offs_h = tl.program_id(2) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h, beta, mask = _tile(H_ptr, BETA, b, c * BLOCK_T, offs_h, T, NH, shb, sht, shh, sbb, sbt, sbh, BLOCK_T)
+    tl.store(SUMS + b * ssb + c * sst + offs_h, -tl.sum(_alpha(h, beta, mask, eps), 0), mask=offs_h < NH)
+
+
+@triton.jit
+def _gate_propagate_kernel(H_ptr, BETA, OFFSETS, U, T, NH, eps, shb, sht, shh, sbb, sbt, sbh, ssb, sst,
+                           sub, sut, suh, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+    c = tl.program_id(0)
+    b = tl.program_id(1)
+    offs_h = tl.program_id(2) * BLOCK_H + tl.arange(0, BLOCK_H)
+    carry = tl.load(OFFSETS + b * ssb + c * sst + offs_h, mask=offs_h < NH, other=0.0)
+    h, beta, mask = _tile(H_ptr, BETA, b, c * BLOCK_T, offs_h, T, NH, shb, sht, shh, sbb, sbt, sbh, BLOCK_T)
+    neg = -_alpha(h, beta, mask, eps)
+    _store_u(U, b, c * BLOCK_T, offs_h, T, NH, sub, sut, suh, tl.cumsum(neg, 0) + carry[None, :], BLOCK_T)
+
+
+@triton.jit
+def _gate_bwd_kernel(H_ptr, BETA, DU, DH, DBETA, T, NH, eps, shb, sht, shh, sbb, sbt, sbh, sdb, sdt, sdh,
+                     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+    b = tl.program_id(0)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    carry = tl.zeros([BLOCK_H], dtype=tl.float32)  # sum of du over the later tiles
+    n_tiles = tl.cdiv(T, BLOCK_T)
+    for i in range(n_tiles):
+        t0 = (n_tiles - 1 - i) * BLOCK_T
+        h, beta, mask = _tile(H_ptr, BETA, b, t0, offs_h, T, NH, shb, sht, shh, sbb, sbt, sbh, BLOCK_T)
+        offs_t = t0 + tl.arange(0, BLOCK_T)
+        grad = offs_t[:, None] * sdt + offs_h[None, :] * sdh + b * sdb
+        du = tl.load(DU + grad, mask=mask, other=0.0).to(tl.float32)
+        total = tl.sum(du, 0)
+        # Reverse inclusive sum inside the tile as total - prefix + own: the carry dominates its size.
+        dalpha = -(total[None, :] - tl.cumsum(du, 0) + du + carry[None, :])
+        carry += total
+        z = beta * h
+        inv = 1.0 / (beta + eps)
+        sig = tl.sigmoid(z)
+        tl.store(DH + grad, (dalpha * sig * beta * inv).to(DH.dtype.element_ty), mask=mask)
+        dbeta = dalpha * (sig * h * inv - _softplus(z) * inv * inv)
+        tl.store(DBETA + grad, dbeta.to(DBETA.dtype.element_ty), mask=mask)
+
+
+def gate_blocks(num_heads: int, scan: str) -> tuple[int, int]:
+    """``(BLOCK_T, BLOCK_H)``: small tiles in the interpreter; on a GPU narrow head blocks, so the
+    one-pass scan still launches one program per few (batch, head) rows."""
+    if interpreting():
+        return 16, min(16, triton.next_power_of_2(num_heads))
+    if scan == "one_pass":
+        return 1024, min(4, triton.next_power_of_2(num_heads))
+    return 1024, min(16, triton.next_power_of_2(num_heads))
+
+
+def _strides(x):
+    return x.stride(0), x.stride(1), x.stride(2)
+
+
+def gate_forward(h, beta, eps, scan="one_pass", blocks=None):
+    """``u: [B, T, H]`` fp32 from ``h, beta: [B, T, H]``."""
+    B, T, NH = h.shape
+    BT, BH = blocks or gate_blocks(NH, scan)
+    u = torch.empty(B, T, NH, device=h.device, dtype=torch.float32)
+    if scan == "one_pass":
+        _gate_one_pass_kernel[(B, triton.cdiv(NH, BH))](h, beta, u, T, NH, eps, *_strides(h), *_strides(beta),
+                                                        *_strides(u), BLOCK_T=BT, BLOCK_H=BH)
+        return u
+    n_tiles = triton.cdiv(T, BT)
+    sums = torch.empty(B, n_tiles, NH, device=h.device, dtype=torch.float32)
+    grid = (n_tiles, B, triton.cdiv(NH, BH))
+    _gate_tile_sums_kernel[grid](h, beta, sums, T, NH, eps, *_strides(h), *_strides(beta), sums.stride(0),
+                                 sums.stride(1), BLOCK_T=BT, BLOCK_H=BH)
+    offsets = torch.cumsum(sums, dim=1) - sums  # exclusive scan over the tile sums
+    _gate_propagate_kernel[grid](h, beta, offsets, u, T, NH, eps, *_strides(h), *_strides(beta),
+                                 offsets.stride(0), offsets.stride(1), *_strides(u), BLOCK_T=BT, BLOCK_H=BH)
+    return u
+
+
+def gate_backward(du, h, beta, eps, blocks=None):
+    """``(dh, dbeta)`` in the dtypes of ``h`` and ``beta``."""
+    B, T, NH = h.shape
+    BT, BH = blocks or gate_blocks(NH, "one_pass")
+    du = du.contiguous()
+    dh = torch.empty(B, T, NH, device=h.device, dtype=h.dtype)
+    dbeta = torch.empty(B, T, NH, device=h.device, dtype=beta.dtype)
+    _gate_bwd_kernel[(B, triton.cdiv(NH, BH))](h, beta, du, dh, dbeta, T, NH, eps, *_strides(h), *_strides(beta),
+                                               *_strides(du), BLOCK_T=BT, BLOCK_H=BH)
+    return dh, dbeta
+
+
+class GateScanFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h, beta, eps, scan):
+        ctx.save_for_backward(h, beta)
+        ctx.eps = eps
+        return gate_forward(h, beta, eps, scan)
+
+    @staticmethod
+    def backward(ctx, du):
+        h, beta = ctx.saved_tensors
+        dh, dbeta = gate_backward(du, h, beta, ctx.eps)
+        return dh, dbeta, None, None
+
+
+def gate_scan(h, beta, *, eps, scan="one_pass"):
+    """Fused gate preprocessing with autograd; ``h, beta: [B, T, H]`` -> ``u: [B, T, H]`` fp32."""
+    return GateScanFunction.apply(h, beta, eps, scan)

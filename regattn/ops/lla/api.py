@@ -1,0 +1,232 @@
+"""Local Linear Attention (lla-local-linear-attention.txt eq. 6-8), BD-LLA and SW-LLA."""
+from __future__ import annotations
+
+from numbers import Real
+
+import torch
+
+from regattn import reference
+from regattn.ops._common.checks import (
+    check_attention_inputs, check_device, check_int, check_positive, check_scale, check_tensor,
+    check_window, resolve_backend,
+)
+from regattn.ops.lla.backward import lla_backward
+from regattn.ops.lla.forward import SOLVER_CG, lla_forward, solver_for
+from regattn.reference.lla import lla_blocks_uncentred
+
+HAS_TRITON = True
+
+
+def check_lam(lam, B: int, T: int, HQ: int, D: int, q: torch.Tensor):
+    """Ridge ``lam``: a float, ``[B, T, HQ]`` (per query) or ``[B, T, HQ, D]`` (per dimension); finite and > 0."""
+    if isinstance(lam, Real) and not isinstance(lam, bool):
+        return check_positive("lam", lam)
+    if not isinstance(lam, torch.Tensor):
+        raise TypeError(f"lam: expected a float or a tensor, got {type(lam).__name__}")
+    check_tensor("lam", lam)
+    if tuple(lam.shape) not in ((B, T, HQ), (B, T, HQ, D)):
+        raise ValueError(f"lam: expected shape [B, T, HQ] = {(B, T, HQ)} or [B, T, HQ, D] = {(B, T, HQ, D)}, "
+                         f"got {tuple(lam.shape)}")
+    check_device("lam", lam, q, "q")
+    if not bool(torch.isfinite(lam).all()) or not bool((lam > 0).all()):
+        raise ValueError(f"lam: expected finite values > 0, got min {lam.min().item()}")
+    return lam
+
+
+class FlashLLA(torch.autograd.Function):
+    """Full LLA with the CG solver (Algorithm 1-2, ``bd = 0``), or BD-LLA by direct solves with
+    1 x 1 (``bd = 1``) or 2 x 2 blocks (``bd = 2``): Triton forward and fused backward (Appendix D)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, lam_tensor, lam_value, scale, window, bd, cg_iters, cg_tol):
+        lam = lam_value if lam_tensor is None else lam_tensor
+        cg_iters = cg_iters or 1  # not used by the direct solves
+        D = q.shape[-1]
+        o, rho, delta, m2, argmax = lla_forward(q, k, v, lam, scale=scale, window=window,
+                                                blocks={0: None, 1: D, 2: D // 2}[bd],
+                                                cg_iters=cg_iters, cg_tol=cg_tol)
+        ctx.save_for_backward(q, k, v, lam_tensor, rho, delta, m2, argmax)
+        ctx.lam_value, ctx.scale, ctx.window, ctx.cg_iters, ctx.cg_tol = lam_value, scale, window, cg_iters, cg_tol
+        ctx.bd = bd
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, lam_tensor, rho, delta, m2, argmax = ctx.saved_tensors
+        lam = ctx.lam_value if lam_tensor is None else lam_tensor
+        lam_grad = lam_tensor is not None and ctx.needs_input_grad[3]
+        dq, dk, dv, dlam = lla_backward(do, q, k, v, lam, rho, delta, m2, argmax, scale=ctx.scale,
+                                        window=ctx.window, cg_iters=ctx.cg_iters, cg_tol=ctx.cg_tol,
+                                        lam_grad=lam_grad, bd=ctx.bd)
+        dlam = dlam.to(lam_tensor.dtype) if dlam is not None else None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dlam, None, None, None, None, None, None
+
+
+BLOCK_BACKWARD_CHUNK = 256
+
+
+def block_lla_backward(do, q, k, v, lam, *, scale, window, blocks, lam_grad: bool):
+    """BD-LLA gradients by recomputing eq. 10-11 per feature block (exact block solves) in float32,
+    ``BLOCK_BACKWARD_CHUNK`` queries at a time against the keys they can see: memory
+    ``O(chunk S + S D^2 / g)``, never the ``T x S x D`` differences. Returns ``(dq, dk, dv, dlam)``."""
+    B, T, HQ, D = q.shape
+    S = k.shape[1]
+    dq, dk, dv = (torch.zeros(x.shape, device=x.device, dtype=torch.float32) for x in (q, k, v))
+    dlam = torch.zeros(lam.shape, device=q.device, dtype=torch.float32) if lam_grad else None
+    for i0 in range(0, T, BLOCK_BACKWARD_CHUNK):
+        i1 = min(T, i0 + BLOCK_BACKWARD_CHUNK)
+        end = i1 + S - T
+        start = 0 if window is None else max(0, i0 + S - T - window + 1)
+        if end <= 0:
+            continue
+        with torch.enable_grad():
+            qc = q[:, i0:i1].detach().float().requires_grad_(True)
+            kc, vc = (x[:, start:end].detach().float().requires_grad_(True) for x in (k, v))
+            lamc = lam
+            if isinstance(lam, torch.Tensor):
+                lamc = lam[:, i0:i1].detach().float().requires_grad_(lam_grad)
+            o = lla_blocks_uncentred(qc, kc, vc, lam=lamc, scale=scale, window=window, blocks=blocks)
+            grads = torch.autograd.grad(o, [qc, kc, vc] + ([lamc] if lam_grad else []), do[:, i0:i1].float())
+        dq[:, i0:i1] += grads[0]
+        dk[:, start:end] += grads[1]
+        dv[:, start:end] += grads[2]
+        if lam_grad:
+            dlam[:, i0:i1] += grads[3]
+    return dq, dk, dv, dlam
+
+
+class FlashBlockLLA(torch.autograd.Function):
+    """BD-LLA with CG over ``g`` blocks of more than 2 features: Triton forward; the backward
+    recomputes the block-exact torch form query chunk by query chunk (not fused; it treats the
+    solve as exact, like the full-LLA backward)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, lam_tensor, lam_value, scale, window, blocks, cg_iters, cg_tol):
+        lam = lam_value if lam_tensor is None else lam_tensor
+        o, *_ = lla_forward(q, k, v, lam, scale=scale, window=window, blocks=blocks,
+                            cg_iters=cg_iters or 1, cg_tol=cg_tol)
+        ctx.save_for_backward(q, k, v, lam_tensor)
+        ctx.lam_value, ctx.scale, ctx.window, ctx.blocks = lam_value, scale, window, blocks
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, lam_tensor = ctx.saved_tensors
+        lam = ctx.lam_value if lam_tensor is None else lam_tensor
+        lam_grad = lam_tensor is not None and ctx.needs_input_grad[3]
+        dq, dk, dv, dlam = block_lla_backward(do, q, k, v, lam, scale=ctx.scale, window=ctx.window,
+                                              blocks=ctx.blocks, lam_grad=lam_grad)
+        dlam = dlam.to(lam_tensor.dtype) if dlam is not None else None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dlam, None, None, None, None, None, None
+
+
+def kernel_backend(backend, q: torch.Tensor, op: str) -> str:
+    """``resolve_backend`` for kernels that cover fp16, bf16 and fp32: float64 goes to the reference
+    under ``"auto"`` and is refused under ``"triton"``."""
+    resolved = resolve_backend(backend, q, op=op, has_triton=HAS_TRITON)
+    if resolved == "triton" and q.dtype == torch.float64:
+        if backend == "auto":
+            return "torch"
+        raise TypeError(f"q: backend='triton' expects fp16, bf16 or fp32 inputs, got {q.dtype}")
+    return resolved
+
+
+def check_lla_args(q, k, v, lam, scale, window, blocks, cg_iters, cg_tol):
+    """Validate every argument of :func:`lla`; returns ``(lam, scale, window, cg_tol)``."""
+    B, T, S, HQ, H, D, Dv = check_attention_inputs(q, k, v)
+    lam = check_lam(lam, B, T, HQ, D, q)
+    scale = check_scale(scale, D)
+    window = check_window(window)
+    if blocks is not None:
+        check_int("blocks", blocks, minimum=1)
+        if D % blocks:
+            raise ValueError(f"blocks: expected a divisor of the head dim D = {D}, got {blocks}")
+    if cg_iters is not None:
+        check_int("cg_iters", cg_iters, minimum=1)
+    cg_tol = check_positive("cg_tol", cg_tol, allow_zero=True)
+    return lam, scale, window, cg_tol
+
+
+def lla_triton(q, k, v, lam, *, scale, window, blocks, cg_iters, cg_tol):
+    """Dispatch to the kernels; exact solves other than the direct BD-LLA ones stay in torch."""
+    D = q.shape[-1]
+    lam_tensor, lam_value = (lam, None) if isinstance(lam, torch.Tensor) else (None, lam)
+    solver, _ = solver_for(blocks, D)
+    bd = 0 if solver == SOLVER_CG else solver
+    blocks = None if blocks == 1 else blocks
+    if cg_iters is None and bd == 0:
+        # the exact solve in torch: the uncentred form (eq. 10-11) in float32, O(T D^2 / g) memory
+        f32 = [x.float() for x in (q, k, v)]
+        lam32 = lam.float() if isinstance(lam, torch.Tensor) else lam
+        return lla_blocks_uncentred(*f32, lam=lam32, scale=scale, window=window, blocks=blocks or 1).to(q.dtype)
+    if blocks is None or bd:
+        return FlashLLA.apply(q, k, v, lam_tensor, lam_value, scale, window, bd, cg_iters, cg_tol)
+    return FlashBlockLLA.apply(q, k, v, lam_tensor, lam_value, scale, window, blocks, cg_iters, cg_tol)
+
+
+def lla(q, k, v, *, lam, scale=None, window=None, blocks=None, cg_iters=None, cg_tol=1e-6, backend="auto"):
+    """Local Linear Attention (lla eq. 6-8): the local linear estimator at each query.
+
+    Kernel weights ``w_ij = exp(scale * q_i.k_j - m_i)`` over the visible keys ``j <= i``
+    (and the window), where ``m_i`` is the row maximum of ``scale * q_i.k_j``: the weights of
+    FlashLLA's Algorithms 1-2, whose largest is 1. The ridge ``lam`` is measured against these
+    weights (eq. 8 is not homogeneous in w, so this normalisation is part of the definition,
+    and gradients flow through ``m_i`` as well).
+    With ``z_ij = k_j - q_i``, ``omega_i = sum w_ij``, ``mu_i = sum w_ij z_ij``,
+    ``Sigma_i = sum w_ij z_ij z_ij^T + diag(lam_i)`` and ``rho_i = Sigma_i^-1 mu_i``:
+
+        ``o_i = sum_j w_ij (1 - z_ij.rho_i) v_j / (omega_i - mu_i.rho_i)``.
+
+    Args:
+        q: ``[B, T, HQ, D]``; k: ``[B, S, H, D]``; v: ``[B, S, H, Dv]`` (GQA when ``HQ % H == 0``);
+            queries are aligned to the end of the keys.
+        lam: ridge, a float, ``[B, T, HQ]`` per query, or ``[B, T, HQ, D]`` per dimension.
+        scale: defaults to ``D ** -0.5`` (the inverse bandwidth ``1/h``).
+        window: SW-LLA, keys ``i - w < j <= i``.
+        blocks: BD-LLA with ``g`` diagonal blocks of size ``D / g`` (Appendix E.1).
+        cg_iters: None for an exact solve; an int for that many conjugate-gradient iterations
+            (Algorithm 2, with the active mask: a system stops once ``||r|| <= cg_tol ||mu||``).
+        backend: ``"auto" | "torch" | "triton"``. Triton (fp16, bf16, fp32) runs full LLA with
+            ``cg_iters`` given (fused forward and backward) and BD-LLA (``g = D`` and ``g = D / 2``
+            by direct solves, where ``cg_iters`` is not needed; other ``g`` by CG); the backward is
+            fused for full LLA, ``g = D`` and ``g = D / 2``, and recomputes the block-exact torch form
+            per query chunk for other ``g``. With ``cg_iters=None`` full
+            LLA (and BD-LLA with other ``g``) solves exactly in torch through the uncentred form
+            (eq. 10-11, ``[T, D, D]`` per head), not in a kernel.
+
+    Returns:
+        ``o: [B, T, HQ, Dv]`` in q's dtype.
+    """
+    lam, scale, window, cg_tol = check_lla_args(q, k, v, lam, scale, window, blocks, cg_iters, cg_tol)
+    if kernel_backend(backend, q, "lla") == "triton":
+        return lla_triton(q, k, v, lam, scale=scale, window=window, blocks=blocks, cg_iters=cg_iters,
+                          cg_tol=cg_tol)
+    return reference.lla(q, k, v, lam=lam, scale=scale, window=window, blocks=blocks,
+                         cg_iters=cg_iters, cg_tol=cg_tol)
+
+
+def lla_decode(q, k_cache, v_cache, *, lam, scale=None, window=None, blocks=None, cg_iters=None, cg_tol=1e-6,
+               backend="auto"):
+    """LLA for new tokens against a KV cache (inference; no autograd graph is built).
+
+    Args:
+        q: ``[B, Tn, HQ, D]``, the ``Tn`` newest queries; k_cache: ``[B, S, H, D]`` and
+            v_cache: ``[B, S, H, Dv]`` hold every key and value so far, the new tokens' last
+            (query ``i`` sits at cache position ``S - Tn + i``).
+        lam, scale, window, blocks, cg_iters, cg_tol, backend: as in :func:`lla`.
+
+    Returns:
+        ``o: [B, Tn, HQ, Dv]``. The kernel keeps only per-query state, so memory grows with the
+        cache alone.
+    """
+    lam, scale, window, cg_tol = check_lla_args(q, k_cache, v_cache, lam, scale, window, blocks, cg_iters,
+                                                cg_tol)
+    if q.shape[1] > k_cache.shape[1]:
+        raise ValueError(f"q: expected at most as many new tokens as the cache holds ({k_cache.shape[1]}), "
+                         f"got {q.shape[1]}")
+    with torch.no_grad():
+        if kernel_backend(backend, q, "lla_decode") == "triton":
+            return lla_triton(q, k_cache, v_cache, lam, scale=scale, window=window, blocks=blocks,
+                              cg_iters=cg_iters, cg_tol=cg_tol)
+        return reference.lla(q, k_cache, v_cache, lam=lam, scale=scale, window=window, blocks=blocks,
+                             cg_iters=cg_iters, cg_tol=cg_tol)

@@ -1,0 +1,321 @@
+"""FlashLLA backward (lla-local-linear-attention.txt Appendix D, eq. 28-50), Theta(n d) memory.
+
+Per query ``i`` with ``g_i = dL/do_i``, ``gamma_ij = g_i.v_j``, ``a_ij = z_ij.rho_i``,
+``s_ij = w_ij (1 - a_ij) / delta_i``, ``c_ij = gamma_ij w_ij / delta_i``, ``beta_i = sum_j gamma_ij s_ij / delta_i``:
+
+* ``u_i = Sigma_i^-1 sum_j c_ij z_ij`` (eq. 37), the second CG solve;
+* ``dmu_i = 2 beta_i rho_i - u_i`` (eq. 38, 40), ``b_ij = z_ij.u_i``;
+* w-path (eq. 41-44): ``Dw_ij = w_ij dL/dw_ij = gamma_ij s_ij + w_ij (-beta_i + 2 beta_i a_ij - b_ij - beta_i a_ij^2 + a_ij b_ij)``;
+* z-path (eq. 45-49): ``dL/dz_ij = w_ij dmu_i + F_ij rho_i + w_ij a_ij u_i`` with ``F_ij = -c_ij + w_ij (b_ij - 2 beta_i a_ij)``;
+* ``dq_i = scale sum_j Dw_ij k_j - sum_j dL/dz_ij``, ``dk_j = scale sum_i Dw_ij q_i + sum_i dL/dz_ij``,
+  ``dv_j = sum_i s_ij g_i``;
+* the row maximum ``m_i = scale q_i.k_{j*}`` (the ridge makes the output depend on it):
+  ``dm_i = -sum_j Dw_ij`` flows to ``q_i`` and ``k_{j*}``;
+* the ridge: ``dlam_i = diag(dL/dSigma_i) = rho_i (u_i - beta_i rho_i)`` per dimension.
+
+BD-LLA with direct solves (``BD = 1``: 1 x 1 blocks, ``BD = 2``: 2 x 2 blocks on feature pairs
+``(d, d xor 1)``): ``u_i`` comes from the same block solve, and ``dL/dSigma_i`` is masked to the blocks:
+its diagonal ``h0 = rho (u - beta rho)`` and, for pairs, the off-diagonal ``hs_d = (h1_d + h1_{d xor 1}) / 2``
+with ``h1_d = rho_d (u_{d xor 1} - beta rho_{d xor 1})``. The quadratic ``a b - beta a^2`` of the w-path
+becomes ``sum_d z_d^2 h0_d + sum_d z_d z_{d xor 1} h1_d`` and the z-path's ``F rho + w a u`` becomes
+``-c rho + 2 w (h0 z + hs z_swap)``.
+
+Kernel 1 runs per query tile (the solve for ``u``, then dq); kernel 2 per key tile (dk, dv), summing
+the query heads of a GQA group in one program.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from regattn.ops._common.attention_tiles import LOG2E, dot_precision, head_block, interpreting, key_span
+from regattn.ops.lla.forward import lam_tensor
+from regattn.ops.lla.tiles import (
+    cg_solve, load_cols, load_rows, pair_solve, relmm_tile, swap_pairs, tile_weights,
+)
+
+
+@triton.jit
+def pair_terms(w, gamma, a, bu, beta, delta_safe):
+    """``(s, Dw, F, G)`` of one tile from the weights, ``gamma = g.v``, ``a = z.rho``, ``bu = z.u``."""
+    s = w * (1.0 - a) / delta_safe[:, None]
+    c = gamma * w / delta_safe[:, None]
+    bt = beta[:, None]
+    dw = gamma * s + w * (-bt + 2.0 * bt * a - bu - bt * a * a + a * bu)
+    f = -c + w * (bu - 2.0 * bt * a)
+    return s, dw, f, w * a
+
+
+@triton.jit
+def cross_quad(h, q32, qs32, kt, kst):
+    """``sum_d z_ijd z_ije h_id`` on a tile with ``e`` the column of ``kst``/``qs32`` (``d`` itself or its
+    partner ``d xor 1``), fp32 ``[BM, BN]``: ``h.(k k') - (h q).k' - (h q').k + sum h q q'``."""
+    k32 = kt.to(tl.float32)
+    ks32 = kst.to(tl.float32)
+    return (tl.dot(h, k32 * ks32, input_precision="ieee") - tl.dot(h * q32, ks32, input_precision="ieee")
+            - tl.dot(h * qs32, k32, input_precision="ieee") + tl.sum(h * q32 * qs32, 1)[:, None])
+
+
+@triton.jit
+def lla_bwd_q_kernel(Q, K, V, LAM, DO, RHO, DELTA, M2, DQ, U, BETA, DM,
+                     sqb, sqt, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd, slb, slt, slh, sld,
+                     sdb, sdt, sdh, sdd,
+                     T, S, HQ, GROUPS, D, DV, scale, qk_scale2, iters, tol2,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                     WINDOW: tl.constexpr, BD: tl.constexpr, DPREC: tl.constexpr):
+    start_m = tl.program_id(0) * BLOCK_M
+    bh = tl.program_id(1)
+    b = bh // HQ
+    h = bh % HQ
+    hk = h // GROUPS
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    row_ok = offs_m < T
+    pos = offs_m + S - T
+    Kb = K + b * skb + hk * skh
+    Vb = V + b * svb + hk * svh
+    q = load_rows(Q + b * sqb + h * sqh, offs_m, offs_d, sqt, sqd, T, D)
+    q32 = q.to(tl.float32)
+    do = load_rows(DO + b * sdb + h * sdh, offs_m, offs_dv, sdt, sdd, T, DV)
+    lam = load_rows(LAM + b * slb + h * slh, offs_m, offs_d, slt, sld, T, D).to(tl.float32)
+    lam = tl.where(row_ok[:, None], lam, 1.0)
+    vec = ((b * T + offs_m[:, None]) * HQ + h) * D + offs_d[None, :]
+    vec_ok = row_ok[:, None] & (offs_d < D)[None, :]
+    rho = tl.load(RHO + vec, mask=vec_ok, other=0.0)
+    stat = (b * HQ + h) * T + offs_m
+    delta = tl.load(DELTA + stat, mask=row_ok, other=1.0)
+    m2 = tl.load(M2 + stat, mask=row_ok, other=0.0)
+    delta_safe = tl.where(delta == 0.0, 1.0, delta)  # 0 only for a query that sees no key
+    lo, hi = key_span(start_m + S - T, start_m + BLOCK_M - 1 + S - T, S, True, WINDOW)
+    lo = (lo // BLOCK_N) * BLOCK_N
+
+    # pass A: omega, mu~ (for Sigma p), sum_j c_ij k_j, sum_j c_ij and sum_j gamma_ij s_ij
+    omega = tl.zeros((BLOCK_M,), tl.float32)
+    mt = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    ck = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    csum = tl.zeros((BLOCK_M,), tl.float32)
+    gs = tl.zeros((BLOCK_M,), tl.float32)
+    kk = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    kx = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        kt = load_cols(Kb, offs_n, offs_d, sks, skd, S, D)
+        vt = load_cols(Vb, offs_n, offs_dv, svs, svd, S, DV)
+        w = tile_weights(q, kt, m2, pos, offs_n, S, qk_scale2, WINDOW, DPREC)
+        omega += tl.sum(w, 1)
+        gamma = tl.dot(do, vt, input_precision=DPREC)
+        c = gamma * w / delta_safe[:, None]
+        s = w * (1.0 - relmm_tile(rho, q32, kt, DPREC)) / delta_safe[:, None]
+        k = tl.trans(kt)
+        mt += tl.dot(w.to(k.dtype), k, input_precision=DPREC)
+        ck += tl.dot(c.to(k.dtype), k, input_precision=DPREC)
+        csum += tl.sum(c, 1)
+        gs += tl.sum(gamma * s, 1)
+        if BD > 0:
+            k32 = k.to(tl.float32)
+            kk += tl.dot(w, k32 * k32, input_precision="ieee")
+        if BD == 2:
+            ks32 = load_rows(Kb, offs_n, offs_d ^ 1, sks, skd, S, D).to(tl.float32)
+            kx += tl.dot(w, k32 * ks32, input_precision="ieee")
+    beta = gs / delta_safe
+
+    # the second solve (eq. 37) and dmu (eq. 38)
+    y = ck - csum[:, None] * q32
+    qs32 = swap_pairs(q32, BLOCK_M, BLOCK_D)
+    sdiag = kk - 2.0 * q32 * mt + omega[:, None] * q32 * q32 + lam
+    if BD == 1:
+        u = y / tl.where(sdiag == 0.0, 1.0, sdiag)
+    elif BD == 2:
+        soff = kx - qs32 * mt - q32 * swap_pairs(mt, BLOCK_M, BLOCK_D) + omega[:, None] * q32 * qs32
+        u = pair_solve(y, sdiag, soff, BLOCK_M, BLOCK_D)
+    else:
+        u = cg_solve(y, q, q32, mt, omega, lam, m2, pos, Kb, sks, skd, lo, hi, S, D, D,
+                     qk_scale2, iters, tol2, BLOCK_N, BLOCK_D, WINDOW, 1, DPREC)
+    dmu = 2.0 * beta[:, None] * rho - u
+    hd = rho * (u - beta[:, None] * rho)  # diagonal of the masked dL/dSigma
+    h1 = rho * (swap_pairs(u, BLOCK_M, BLOCK_D) - beta[:, None] * swap_pairs(rho, BLOCK_M, BLOCK_D))
+    hs = 0.5 * (h1 + swap_pairs(h1, BLOCK_M, BLOCK_D))  # its pair entries (BD = 2)
+
+    # pass B: dq through the w-path and the z-path, and dm for the row maximum
+    dq = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    dwsum = tl.zeros((BLOCK_M,), tl.float32)
+    fsum = tl.zeros((BLOCK_M,), tl.float32)
+    gsum = tl.zeros((BLOCK_M,), tl.float32)
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        kt = load_cols(Kb, offs_n, offs_d, sks, skd, S, D)
+        vt = load_cols(Vb, offs_n, offs_dv, svs, svd, S, DV)
+        w = tile_weights(q, kt, m2, pos, offs_n, S, qk_scale2, WINDOW, DPREC)
+        gamma = tl.dot(do, vt, input_precision=DPREC)
+        a = relmm_tile(rho, q32, kt, DPREC)
+        bu = relmm_tile(u, q32, kt, DPREC)
+        s, dw, f, g = pair_terms(w, gamma, a, bu, beta, delta_safe)
+        if BD > 0:
+            quad = cross_quad(hd, q32, q32, kt, kt)
+            if BD == 2:
+                quad += cross_quad(h1, q32, qs32, kt, load_cols(Kb, offs_n, offs_d ^ 1, sks, skd, S, D))
+            dw = gamma * s + w * (2.0 * beta[:, None] * a - bu - beta[:, None] + quad)
+        dq += tl.dot(dw.to(kt.dtype), tl.trans(kt), input_precision=DPREC)
+        dwsum += tl.sum(dw, 1)
+        fsum += tl.sum(f, 1)
+        gsum += tl.sum(g, 1)
+    if BD > 0:  # sum_j dL/dz_ij = -sum_j c_ij rho + omega dmu + 2 (h0 mu + hs mu_swap)
+        mu = mt - omega[:, None] * q32
+        zsum = omega[:, None] * dmu - csum[:, None] * rho + 2.0 * hd * mu
+        if BD == 2:
+            zsum += 2.0 * hs * swap_pairs(mu, BLOCK_M, BLOCK_D)
+        dq = scale * dq - zsum
+    else:
+        dq = scale * dq - (omega[:, None] * dmu + fsum[:, None] * rho + gsum[:, None] * u)
+    tl.store(DQ + vec, dq, mask=vec_ok)
+    tl.store(U + vec, u, mask=vec_ok)
+    tl.store(BETA + stat, beta, mask=row_ok)
+    tl.store(DM + stat, -dwsum, mask=row_ok)
+
+
+@triton.jit
+def lla_bwd_kv_kernel(Q, K, V, DO, RHO, U, DELTA, M2, BETA, DK, DV_OUT,
+                      sqb, sqt, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd, sdb, sdt, sdh, sdd,
+                      T, S, HQ, H, GROUPS, D, DV, scale, qk_scale2,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                      BLOCK_DV: tl.constexpr, WINDOW: tl.constexpr, BD: tl.constexpr, DPREC: tl.constexpr):
+    start_n = tl.program_id(0) * BLOCK_N
+    bh = tl.program_id(1)
+    b = bh // H
+    hk = bh % H
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    kt = load_cols(K + b * skb + hk * skh, offs_n, offs_d, sks, skd, S, D)
+    vt = load_cols(V + b * svb + hk * svh, offs_n, offs_dv, svs, svd, S, DV)
+    # queries whose position can see a key of this tile: start_n <= pos < start_n + BLOCK_N + WINDOW - 1
+    i_lo = tl.maximum(start_n - (S - T), 0)
+    i_lo = (i_lo // BLOCK_M) * BLOCK_M
+    i_hi = T
+    if WINDOW > 0:
+        i_hi = tl.minimum(start_n + BLOCK_N - 1 + WINDOW - 1 - (S - T) + 1, T)
+    dk = tl.zeros((BLOCK_D, BLOCK_N), tl.float32)
+    dv = tl.zeros((BLOCK_DV, BLOCK_N), tl.float32)
+    kst = load_cols(K + b * skb + hk * skh, offs_n, offs_d ^ 1, sks, skd, S, D)  # partner features (BD = 2)
+    wh = tl.zeros((BLOCK_D, BLOCK_N), tl.float32)   # sum_i w_ij h0_i (BD > 0)
+    whs = tl.zeros((BLOCK_D, BLOCK_N), tl.float32)  # sum_i w_ij hs_i (BD = 2)
+    for g in range(GROUPS):
+        h = hk * GROUPS + g
+        for start_m in range(i_lo, i_hi, BLOCK_M):
+            offs_m = start_m + tl.arange(0, BLOCK_M)
+            row_ok = offs_m < T
+            pos = offs_m + S - T
+            q = load_rows(Q + b * sqb + h * sqh, offs_m, offs_d, sqt, sqd, T, D)
+            q32 = q.to(tl.float32)
+            do = load_rows(DO + b * sdb + h * sdh, offs_m, offs_dv, sdt, sdd, T, DV)
+            vec = ((b * T + offs_m[:, None]) * HQ + h) * D + offs_d[None, :]
+            vec_ok = row_ok[:, None] & (offs_d < D)[None, :]
+            rho = tl.load(RHO + vec, mask=vec_ok, other=0.0)
+            u = tl.load(U + vec, mask=vec_ok, other=0.0)
+            stat = (b * HQ + h) * T + offs_m
+            delta = tl.load(DELTA + stat, mask=row_ok, other=1.0)
+            delta_safe = tl.where(delta == 0.0, 1.0, delta)
+            m2 = tl.load(M2 + stat, mask=row_ok, other=0.0)
+            beta = tl.load(BETA + stat, mask=row_ok, other=0.0)
+            w = tile_weights(q, kt, m2, pos, offs_n, S, qk_scale2, WINDOW, DPREC)
+            w = tl.where(row_ok[:, None], w, 0.0)
+            gamma = tl.dot(do, vt, input_precision=DPREC)
+            a = relmm_tile(rho, q32, kt, DPREC)
+            bu = relmm_tile(u, q32, kt, DPREC)
+            s, dw, f, gz = pair_terms(w, gamma, a, bu, beta, delta_safe)
+            dmu = 2.0 * beta[:, None] * rho - u
+            if BD > 0:
+                hd = rho * (u - beta[:, None] * rho)
+                quad = cross_quad(hd, q32, q32, kt, kt)
+                w32 = tl.where(row_ok[:, None], w, 0.0)
+                if BD == 2:
+                    vec_s = ((b * T + offs_m[:, None]) * HQ + h) * D + (offs_d ^ 1)[None, :]
+                    rho_s = tl.load(RHO + vec_s, mask=vec_ok, other=0.0)
+                    u_s = tl.load(U + vec_s, mask=vec_ok, other=0.0)
+                    qs32 = load_rows(Q + b * sqb + h * sqh, offs_m, offs_d ^ 1, sqt, sqd, T, D).to(tl.float32)
+                    h1 = rho * (u_s - beta[:, None] * rho_s)
+                    hs = 0.5 * (h1 + rho_s * (u - beta[:, None] * rho))
+                    quad += cross_quad(h1, q32, qs32, kt, kst)
+                    dk -= 2.0 * tl.dot(tl.trans(hs * qs32), w32, input_precision="ieee")
+                    whs += tl.dot(tl.trans(hs), w32, input_precision="ieee")
+                dw = gamma * s + w * (2.0 * beta[:, None] * a - bu - beta[:, None] + quad)
+                f = -gamma * w / delta_safe[:, None]   # -c: the rho term of dL/dz
+                gz = tl.zeros_like(w)
+                dk -= 2.0 * tl.dot(tl.trans(hd * q32), w32, input_precision="ieee")
+                wh += tl.dot(tl.trans(hd), w32, input_precision="ieee")
+            # column reductions, kept transposed ([D, BN]) so every product is a plain tl.dot
+            dk += scale * tl.dot(tl.trans(q), dw.to(q.dtype), input_precision=DPREC)
+            dk += tl.dot(tl.trans(dmu.to(q.dtype)), w.to(q.dtype), input_precision=DPREC)
+            dk += tl.dot(tl.trans(rho.to(q.dtype)), f.to(q.dtype), input_precision=DPREC)
+            dk += tl.dot(tl.trans(u.to(q.dtype)), gz.to(q.dtype), input_precision=DPREC)
+            dv += tl.dot(tl.trans(do), s.to(do.dtype), input_precision=DPREC)
+    if BD > 0:  # 2 sum_i w_ij (h0_i k_j + hs_i k_j,swap)
+        dk += 2.0 * kt.to(tl.float32) * wh
+    if BD == 2:
+        dk += 2.0 * kst.to(tl.float32) * whs
+    col_ok = offs_n < S
+    dk_ptrs = DK + ((b * S + offs_n[None, :]) * H + hk) * D + offs_d[:, None]
+    tl.store(dk_ptrs, dk, mask=col_ok[None, :] & (offs_d < D)[:, None])
+    dv_ptrs = DV_OUT + ((b * S + offs_n[None, :]) * H + hk) * DV + offs_dv[:, None]
+    tl.store(dv_ptrs, dv, mask=col_ok[None, :] & (offs_dv < DV)[:, None])
+
+
+def backward_blocks(D: int, dtype: torch.dtype, bd: int) -> dict:
+    """Tile sizes: 16 in the interpreter; 64 x 64 on a GPU, 32 x 32 for fp32 or the block-diagonal
+    variants (whose fp32 second-moment products need more shared memory), 16 x 16 for both."""
+    if interpreting():
+        return dict(BLOCK_M=16, BLOCK_N=16, num_warps=1, num_stages=1)
+    if dtype == torch.float32 and bd:
+        return dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
+    if dtype == torch.float32 or bd:
+        return dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=1)
+    return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4 if D <= 64 else 8, num_stages=1)
+
+
+def row_max_path(dq, dk, q, k, dm, argmax, scale):
+    """Add the row-maximum path: ``m_i = scale q_i.k_{j*(i)}`` receives ``dm_i`` (fp32, in place)."""
+    B, T, HQ, D = q.shape
+    H = k.shape[2]
+    dm_t = dm.transpose(1, 2)                           # [B, T, HQ]
+    idx = argmax.transpose(1, 2).long()                 # [B, T, HQ]
+    kv_head = torch.arange(HQ, device=q.device) // (HQ // H)
+    k_star = k.float()[torch.arange(B, device=q.device)[:, None, None], idx, kv_head[None, None, :]]
+    dq += scale * dm_t[..., None] * k_star
+    flat = (torch.arange(B, device=q.device)[:, None, None] * k.shape[1] + idx) * H + kv_head[None, None, :]
+    dk.view(-1, D).index_add_(0, flat.reshape(-1), (scale * dm_t[..., None] * q.float()).reshape(-1, D))
+
+
+def lla_backward(do, q, k, v, lam, rho, delta, m2, argmax, *, scale, window, cg_iters, cg_tol, lam_grad: bool,
+                 bd: int = 0):
+    """Gradients ``(dq, dk, dv, dlam)`` for full LLA (``bd = 0``) or BD-LLA with 1 x 1 (``bd = 1``) or
+    2 x 2 blocks (``bd = 2``); ``dlam`` shaped like ``lam`` or None."""
+    B, T, HQ, D = q.shape
+    S, H, DV = k.shape[1], k.shape[2], v.shape[3]
+    do = do.contiguous()
+    lam4 = lam_tensor(lam, q)
+    dq = torch.empty(B, T, HQ, D, device=q.device, dtype=torch.float32)
+    u = torch.empty_like(dq)
+    beta = torch.empty_like(delta)
+    dm = torch.empty_like(delta)
+    dk = torch.empty(B, S, H, D, device=q.device, dtype=torch.float32)
+    dv = torch.empty(B, S, H, DV, device=q.device, dtype=torch.float32)
+    cfg = backward_blocks(D, q.dtype, bd)
+    common = dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=head_block(D), BLOCK_DV=head_block(DV),
+                  WINDOW=window or 0, BD=bd, DPREC=dot_precision(q.dtype), num_warps=cfg["num_warps"],
+                  num_stages=cfg["num_stages"])
+    lla_bwd_q_kernel[(triton.cdiv(T, cfg["BLOCK_M"]), B * HQ)](
+        q, k, v, lam4, do, rho, delta, m2, dq, u, beta, dm,
+        *q.stride(), *k.stride(), *v.stride(), *lam4.stride(), *do.stride(),
+        T, S, HQ, HQ // H, D, DV, scale, scale * LOG2E, cg_iters, cg_tol ** 2, **common)
+    lla_bwd_kv_kernel[(triton.cdiv(S, cfg["BLOCK_N"]), B * H)](
+        q, k, v, do, rho, u, delta, m2, beta, dk, dv,
+        *q.stride(), *k.stride(), *v.stride(), *do.stride(),
+        T, S, HQ, H, HQ // H, D, DV, scale, scale * LOG2E, **common)
+    row_max_path(dq, dk, q, k, dm, argmax, scale)
+    dlam = None
+    if lam_grad:
+        per_dim = rho * (u - beta.transpose(1, 2)[..., None] * rho)
+        dlam = per_dim if lam.dim() == 4 else per_dim.sum(-1)
+    return dq, dk, dv, dlam

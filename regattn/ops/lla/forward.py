@@ -1,0 +1,169 @@
+"""FlashLLA forward (lla-local-linear-attention.txt Algorithm 1 with the CG solver of Algorithm 2).
+
+One program per (query tile, query head). Pass 1 streams the visible keys once for the online
+maximum, ``omega`` and the weighted key sum ``mu~`` (eq. 10); the solver finds ``rho = Sigma^-1 mu``
+(CG streaming K once per iteration, or a direct solve for BD-LLA with 1 x 1 / 2 x 2 blocks);
+pass 3 streams K, V once more for the output through relmm (eq. 12, 16). Saved for the backward:
+``rho`` (fp32), ``delta``, the base-2 row maximum ``m2`` and the index of the key that attains it.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from regattn.ops._common.attention_tiles import (
+    LOG2E, dot_precision, head_block, interpreting, key_span, online_softmax_step, visible_mask,
+)
+from regattn.ops.lla.tiles import (
+    cg_solve, load_cols, load_rows, pair_solve, relmm_tile, swap_pairs, tile_weights,
+)
+
+SOLVER_CG, SOLVER_DIAG, SOLVER_PAIRS = 0, 1, 2  # the kernel's SOLVER values
+
+
+@triton.jit
+def lla_fwd_kernel(Q, K, V, LAM, O, RHO, DELTA, M2, ARGMAX,
+                   sqb, sqt, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd, slb, slt, slh, sld,
+                   sob, sot, soh, sod,
+                   T, S, HQ, GROUPS, D, DV, blk_size, qk_scale2, iters, tol2,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                   WINDOW: tl.constexpr, SOLVER: tl.constexpr, G: tl.constexpr, DPREC: tl.constexpr):
+    start_m = tl.program_id(0) * BLOCK_M
+    bh = tl.program_id(1)
+    b = bh // HQ
+    h = bh % HQ
+    hk = h // GROUPS
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    pos = offs_m + S - T
+    Qb = Q + b * sqb + h * sqh
+    Kb = K + b * skb + hk * skh
+    Vb = V + b * svb + hk * svh
+    q = load_rows(Qb, offs_m, offs_d, sqt, sqd, T, D)
+    q32 = q.to(tl.float32)
+    lam = load_rows(LAM + b * slb + h * slh, offs_m, offs_d, slt, sld, T, D).to(tl.float32)
+    lam = tl.where((offs_m < T)[:, None], lam, 1.0)  # padding rows get a well-posed system
+    lo, hi = key_span(start_m + S - T, start_m + BLOCK_M - 1 + S - T, S, True, WINDOW)
+    lo = (lo // BLOCK_N) * BLOCK_N
+
+    # pass 1: online maximum (and where it is), omega, mu~ (and the second moments for direct solves)
+    m2 = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    arg = tl.zeros((BLOCK_M,), tl.int32)
+    omega = tl.zeros((BLOCK_M,), tl.float32)
+    mt = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    kk = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    kx = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        kt = load_cols(Kb, offs_n, offs_d, sks, skd, S, D)
+        s2 = tl.dot(q, kt, input_precision=DPREC) * qk_scale2
+        s2 = tl.where(visible_mask(pos, offs_n, S, True, WINDOW), s2, float("-inf"))
+        tile_max = tl.max(s2, 1)
+        arg = tl.where(tile_max > m2, tl.argmax(s2, 1).to(tl.int32) + start_n, arg)
+        m2, omega, w, alpha = online_softmax_step(m2, omega, s2)
+        k = tl.trans(kt)
+        mt = mt * alpha[:, None] + tl.dot(w.to(k.dtype), k, input_precision=DPREC)
+        if SOLVER != 0:  # direct solves need the second moments
+            k32 = k.to(tl.float32)
+            kk = kk * alpha[:, None] + tl.dot(w, k32 * k32, input_precision="ieee")
+        if SOLVER == 2:  # 2 x 2 blocks: the cross moment with the partner feature
+            ks = load_rows(Kb, offs_n, offs_d ^ 1, sks, skd, S, D).to(tl.float32)
+            kx = kx * alpha[:, None] + tl.dot(w, k32 * ks, input_precision="ieee")
+    m2 = tl.where(m2 == float("-inf"), 0.0, m2)
+    mu = mt - omega[:, None] * q32
+
+    # the solve: rho = Sigma^-1 mu
+    if SOLVER == 0:  # conjugate gradients
+        rho = cg_solve(mu, q, q32, mt, omega, lam, m2, pos, Kb, sks, skd, lo, hi, S, D, blk_size, qk_scale2,
+                       iters, tol2, BLOCK_N, BLOCK_D, WINDOW, G, DPREC)
+    else:
+        sdiag = kk - 2.0 * q32 * mt + omega[:, None] * q32 * q32 + lam
+        if SOLVER == 1:  # 1 x 1 blocks
+            rho = mu / tl.where(sdiag == 0.0, 1.0, sdiag)
+        else:
+            qs = load_rows(Qb, offs_m, offs_d ^ 1, sqt, sqd, T, D).to(tl.float32)
+            mts = swap_pairs(mt, BLOCK_M, BLOCK_D)  # mu~ at the partner column d xor 1
+            soff = kx - qs * mt - q32 * mts + omega[:, None] * q32 * qs
+            rho = pair_solve(mu, sdiag, soff, BLOCK_M, BLOCK_D)
+    delta = omega - tl.sum(mu * rho, 1)
+    delta_safe = tl.where(omega > 0.0, delta, 1.0)
+
+    # pass 3: o_i = sum_j w_ij (1 - z_ij.rho_i) v_j / delta_i
+    acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        kt = load_cols(Kb, offs_n, offs_d, sks, skd, S, D)
+        v = load_rows(Vb, offs_n, offs_dv, svs, svd, S, DV)
+        w = tile_weights(q, kt, m2, pos, offs_n, S, qk_scale2, WINDOW, DPREC)
+        sc = w * (1.0 - relmm_tile(rho, q32, kt, DPREC)) / delta_safe[:, None]
+        acc += tl.dot(sc.to(v.dtype), v, input_precision=DPREC)
+
+    row_ok = offs_m < T
+    o_ptrs = O + b * sob + h * soh + offs_m[:, None] * sot + offs_dv[None, :] * sod
+    tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=row_ok[:, None] & (offs_dv < DV)[None, :])
+    rho_ptrs = RHO + ((b * T + offs_m[:, None]) * HQ + h) * D + offs_d[None, :]
+    tl.store(rho_ptrs, rho, mask=row_ok[:, None] & (offs_d < D)[None, :])
+    stat = (b * HQ + h) * T + offs_m
+    tl.store(DELTA + stat, delta, mask=row_ok)
+    tl.store(M2 + stat, m2, mask=row_ok)
+    tl.store(ARGMAX + stat, arg, mask=row_ok)
+
+
+def lam_tensor(lam, q: torch.Tensor) -> torch.Tensor:
+    """The ridge as an fp32 view broadcast to ``[B, T, HQ, D]`` (zero strides where it is shared)."""
+    B, T, HQ, D = q.shape
+    if not isinstance(lam, torch.Tensor):
+        return torch.full((1, 1, 1, 1), float(lam), device=q.device, dtype=torch.float32).expand(B, T, HQ, D)
+    lam = lam.to(torch.float32)
+    return (lam[..., None] if lam.dim() == 3 else lam).expand(B, T, HQ, D)
+
+
+def solver_for(blocks, D: int) -> tuple[int, int]:
+    """``(SOLVER, G)``: direct solves for 1 x 1 and 2 x 2 blocks, CG over ``G`` blocks otherwise."""
+    if blocks is not None and blocks == D:
+        return SOLVER_DIAG, 1
+    if blocks is not None and 2 * blocks == D:
+        return SOLVER_PAIRS, 1
+    return SOLVER_CG, 1 if blocks is None else blocks
+
+
+def forward_blocks(T: int, D: int, dtype: torch.dtype) -> dict:
+    """Tile sizes: small in the interpreter; on a GPU 64 x 64 tiles (the CG state is three fp32 tiles),
+    16-row query tiles for a few new tokens (decode)."""
+    if interpreting():
+        return dict(BLOCK_M=16, BLOCK_N=16, num_warps=1, num_stages=1)
+    if dtype == torch.float32:
+        cfg = dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=2)
+    else:
+        cfg = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4 if D <= 64 else 8, num_stages=2)
+    cfg["BLOCK_M"] = min(cfg["BLOCK_M"], max(16, triton.next_power_of_2(T)))
+    return cfg
+
+
+def lla_forward(q, k, v, lam, *, scale: float, window, blocks, cg_iters: int, cg_tol: float):
+    """Launch the forward. ``q [B, T, HQ, D]``, ``k [B, S, H, D]``, ``v [B, S, H, Dv]``.
+
+    Returns ``o [B, T, HQ, Dv]`` (q's dtype) and the saved ``rho [B, T, HQ, D]``, ``delta, m2 [B, HQ, T]``
+    (fp32) and ``argmax [B, HQ, T]`` (int32).
+    """
+    B, T, HQ, D = q.shape
+    S, H, DV = k.shape[1], k.shape[2], v.shape[3]
+    solver, G = solver_for(blocks, D)
+    o = torch.empty(B, T, HQ, DV, device=q.device, dtype=q.dtype)
+    rho = torch.empty(B, T, HQ, D, device=q.device, dtype=torch.float32)
+    delta = torch.empty(B, HQ, T, device=q.device, dtype=torch.float32)
+    m2 = torch.empty_like(delta)
+    argmax = torch.empty(B, HQ, T, device=q.device, dtype=torch.int32)
+    lam4 = lam_tensor(lam, q)
+    cfg = forward_blocks(T, D, q.dtype)
+    grid = (triton.cdiv(T, cfg["BLOCK_M"]), B * HQ)
+    lla_fwd_kernel[grid](
+        q, k, v, lam4, o, rho, delta, m2, argmax,
+        *q.stride(), *k.stride(), *v.stride(), *lam4.stride(), *o.stride(),
+        T, S, HQ, HQ // H, D, DV, D // G, scale * LOG2E, cg_iters, cg_tol ** 2,
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=head_block(D), BLOCK_DV=head_block(DV),
+        WINDOW=window or 0, SOLVER=solver, G=G, DPREC=dot_precision(q.dtype),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return o, rho, delta, m2, argmax

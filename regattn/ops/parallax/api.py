@@ -1,0 +1,148 @@
+"""Parallax: softmax attention plus a covariance correction probed by rho (parallax.txt eq. 8, 14)."""
+from __future__ import annotations
+
+import torch
+
+from regattn import reference
+from regattn.ops._common.checks import (
+    check_attention_inputs, check_cu_seqlens, check_same, check_scale, check_shape, check_tensor,
+    check_window, resolve_backend,
+)
+
+HAS_TRITON = True
+
+_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _check_kernel_dtype(x: torch.Tensor) -> None:
+    if x.dtype not in _KERNEL_DTYPES:
+        raise TypeError(f"q: backend='triton' takes fp16, bf16 or fp32, got {x.dtype}; use backend='torch'")
+
+
+def _last_dim_contiguous(*xs):
+    return [x if x.stride(-1) == 1 else x.contiguous() for x in xs]
+
+
+def parallax(q, r, k, v, *, causal=True, window=None, scale=None, cu_seqlens=None, backend="auto"):
+    """Parallax attention (parallax.txt eq. 8 / 14).
+
+    With ``p_ij = softmax_j(scale * q_i.k_j)`` over the visible keys and ``t_ij = r_i.k_j``
+    (not scaled):
+
+        ``o_i = (sum_j p_ij v_j) (1 + sum_j p_ij t_ij) - sum_j p_ij t_ij v_j``.
+
+    Args:
+        q: ``[B, T, HQ, D]`` queries; r: ``[B, T, HQ, D]`` probes.
+        k: ``[B, S, H, D]``; v: ``[B, S, H, Dv]`` (GQA when ``HQ % H == 0``).
+        causal, window, scale, cu_seqlens: as in :func:`regattn.softmax_attention`.
+        backend: ``"auto" | "torch" | "triton"``. ``"auto"`` runs the fused kernels on CUDA tensors in
+            fp16/bf16/fp32 and the reference otherwise. The kernels are differentiable (Appendix D) and
+            work under ``torch.compile``.
+
+    Returns:
+        ``o: [B, T, HQ, Dv]`` in q's dtype.
+    """
+    B, T, S, HQ, H, D, Dv = check_attention_inputs(q, k, v)
+    check_tensor("r", r, 4)
+    check_shape("r", r, q.shape, "[B, T, HQ, D] (as q)")
+    check_same(q=q, r=r)
+    window = check_window(window)
+    if window is not None and not causal:
+        raise ValueError("window: a sliding window needs causal=True")
+    scale = check_scale(scale, D)
+    check_cu_seqlens(cu_seqlens, B, T)
+    if cu_seqlens is not None and S != T:
+        raise ValueError(f"cu_seqlens: needs as many keys as queries, got T = {T} and S = {S}")
+    if cu_seqlens is not None and cu_seqlens.device != q.device:
+        raise ValueError(f"cu_seqlens: expected device {q.device} (as q), got {cu_seqlens.device}")
+    if backend == "auto" and q.dtype not in _KERNEL_DTYPES:
+        backend = "torch"
+    backend = resolve_backend(backend, q, op="parallax", has_triton=HAS_TRITON)
+    if backend == "torch":
+        return reference.parallax(q, r, k, v, causal=causal, window=window, scale=scale, cu_seqlens=cu_seqlens)
+    _check_kernel_dtype(q)
+    from regattn.ops.parallax.function import parallax_triton
+    max_seqlen = 0 if cu_seqlens is None else int(cu_seqlens.diff().max())
+    q, r, k, v = _last_dim_contiguous(q, r, k, v)
+    return parallax_triton(q, r, k, v, causal=causal, window=window, scale=scale, cu_seqlens=cu_seqlens,
+                           max_seqlen=max_seqlen)
+
+
+def _check_cache_seqlens(cache_seqlens, B: int, Tn: int, S: int, device) -> None:
+    """int32/int64 ``[B]`` on q's device with every length in ``[Tn, S]`` (values checked unless capturing)."""
+    if cache_seqlens is None:
+        return
+    if not isinstance(cache_seqlens, torch.Tensor):
+        raise TypeError(f"cache_seqlens: expected a torch.Tensor, got {type(cache_seqlens).__name__}")
+    if cache_seqlens.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"cache_seqlens: expected an int32 or int64 tensor, got {cache_seqlens.dtype}")
+    if tuple(cache_seqlens.shape) != (B,):
+        raise ValueError(f"cache_seqlens: expected shape [B] = ({B},), got {tuple(cache_seqlens.shape)}")
+    if cache_seqlens.device != device:
+        raise ValueError(f"cache_seqlens: expected device {device} (as q), got {cache_seqlens.device}")
+    if cache_seqlens.is_cuda and torch.cuda.is_current_stream_capturing():
+        return  # no host sync inside a CUDA graph; the caller vouches for the lengths
+    lo, hi = torch.aminmax(cache_seqlens)
+    lo, hi = int(lo), int(hi)
+    if lo < Tn or hi > S:
+        raise ValueError(f"cache_seqlens: expected lengths in [Tn, S] = [{Tn}, {S}] (the new tokens are in the "
+                         f"cache, and no length may exceed it), got min {lo} and max {hi}")
+
+
+def parallax_decode(q, r, k_cache, v_cache, *, cache_seqlens=None, window=None, scale=None, backend="auto"):
+    """Parallax for new tokens against a KV cache (parallax.txt Appendix C): decode and chunked prefill.
+
+    The new tokens' keys and values must already be in the cache: new token ``t`` of ``Tn`` sits at
+    position ``cache_seqlens[b] - Tn + t`` and sees the cache causally (and within ``window``).
+
+    Args:
+        q, r: ``[B, Tn, HQ, D]`` queries and probes of the new tokens (``Tn = 1`` for one decode step).
+        k_cache: ``[B, S, H, D]``; v_cache: ``[B, S, H, Dv]`` (GQA when ``HQ % H == 0``).
+        cache_seqlens: int32/int64 ``[B]``, valid length of each cache in ``[Tn, S]``; None means ``S``.
+        window, scale: as in :func:`parallax`.
+        backend: ``"auto" | "torch" | "triton"``.
+
+    Returns:
+        ``o: [B, Tn, HQ, Dv]`` in q's dtype (inference only: no gradient flows through the kernel).
+    """
+    check_tensor("q", q, 4)
+    check_tensor("r", r, 4)
+    check_tensor("k_cache", k_cache, 4)
+    check_tensor("v_cache", v_cache, 4)
+    check_same(q=q, r=r, k_cache=k_cache, v_cache=v_cache)
+    check_shape("r", r, q.shape, "[B, Tn, HQ, D] (as q)")
+    B, Tn, HQ, D = q.shape
+    _, S, H, _ = k_cache.shape
+    check_shape("k_cache", k_cache, (B, S, H, D), "[B, S, H, D] (B, D as q)")
+    if tuple(v_cache.shape[:3]) != (B, S, H):
+        raise ValueError(f"v_cache: expected shape [B, S, H, Dv] with (B, S, H) = {(B, S, H)} (as k_cache), "
+                         f"got {tuple(v_cache.shape)}")
+    if min(Tn, S, H, HQ, D, v_cache.shape[3]) < 1:
+        raise ValueError(f"q, k_cache, v_cache: expected non-empty dims, got q {tuple(q.shape)}, "
+                         f"k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}")
+    if HQ % H:
+        raise ValueError(f"q: expected a number of heads divisible by k_cache's {H} (grouped-query attention), "
+                         f"got {HQ}")
+    if Tn > S:
+        raise ValueError(f"q: expected at most S = {S} new tokens (they are part of the cache), got {Tn}")
+    window = check_window(window)
+    scale = check_scale(scale, D)
+    _check_cache_seqlens(cache_seqlens, B, Tn, S, q.device)
+    if backend == "auto" and q.dtype not in _KERNEL_DTYPES:
+        backend = "torch"
+    backend = resolve_backend(backend, q, op="parallax_decode", has_triton=HAS_TRITON)
+    if backend == "torch":
+        return _decode_reference(q, r, k_cache, v_cache, cache_seqlens, window, scale)
+    _check_kernel_dtype(q)
+    from regattn.ops.parallax.decode import parallax_decode_fwd
+    q, r, k_cache, v_cache = _last_dim_contiguous(q, r, k_cache, v_cache)
+    return parallax_decode_fwd(q, r, k_cache, v_cache, cache_seqlens=cache_seqlens, window=window, scale=scale)
+
+
+def _decode_reference(q, r, k_cache, v_cache, cache_seqlens, window, scale):
+    """The reference on each sequence's valid cache."""
+    if cache_seqlens is None:
+        return reference.parallax(q, r, k_cache, v_cache, window=window, scale=scale)
+    outs = [reference.parallax(q[b:b + 1], r[b:b + 1], k_cache[b:b + 1, :n], v_cache[b:b + 1, :n], window=window,
+                               scale=scale) for b, n in enumerate(cache_seqlens.tolist())]
+    return torch.cat(outs)

@@ -1,0 +1,235 @@
+"""Parallax decode in Triton: parallax.txt Appendix C.1, for one new token or a chunk of them.
+
+* The query rows and the probe rows share one tile (queries on top, probes below), so ``S1 = Q K^T``
+  and ``S2 = R K^T`` come out of one product, and ``[P1; P2] V`` gives ``O1`` and ``O2`` together.
+* The K/V loop of each (batch, key/value head, row tile) is split over ``NUM_SPLITS`` programs so that
+  small batches fill the GPU. Each writes its partial state ``(m, d1, d2, O1, O2)`` in fp32 and counts
+  itself done on an atomic counter; the last one merges the partials (log-sum-exp rescale in fp32),
+  writes the output and resets the counter, all in the same launch. One split writes directly.
+
+Queries sit at the end of each sequence's valid cache: new token ``t`` of ``Tn`` is at position
+``cache_seqlens[b] - Tn + t`` (the new keys and values are already in the cache).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from regattn.ops.parallax.tiles import LOG2E, dot_precision, group_pad, head_block, interpreting, visible
+
+
+@triton.jit
+def _stack_rows(top, bottom):
+    """``[H, N], [H, N] -> [2H, N]``."""
+    HALF: tl.constexpr = top.shape[0]
+    N: tl.constexpr = top.shape[1]
+    return tl.reshape(tl.permute(tl.join(top, bottom), (2, 0, 1)), (2 * HALF, N))
+
+
+@triton.jit
+def _unstack_rows(x):
+    """``[2H, N] -> ([H, N], [H, N])``."""
+    M: tl.constexpr = x.shape[0]
+    N: tl.constexpr = x.shape[1]
+    return tl.split(tl.permute(tl.reshape(x, (2, M // 2, N)), (1, 2, 0)))
+
+
+@triton.jit
+def _stack_vec(a):
+    """``[H] -> [2H]`` holding ``a`` twice (one copy per half of the tile)."""
+    H: tl.constexpr = a.shape[0]
+    return tl.reshape(tl.permute(tl.join(a, a), (1, 0)), (2 * H,))
+
+
+@triton.jit
+def _finish(acc, d1, d2):
+    """eq. (14) from the stacked accumulator ``[O1; O2]`` and the row sums; zeros where ``d1 = 0``."""
+    o1, o2 = _unstack_rows(acc)
+    inv = tl.where(d1 > 0, 1.0 / tl.where(d1 > 0, d1, 1.0), 0.0)
+    return (o1 * (1.0 + d2 * inv)[:, None] - o2) * inv[:, None]
+
+
+@triton.jit
+def _parallax_decode_kernel(
+    Q, R, K, V, O, LENS, WS_O, WS_S, COUNT,
+    sq_b, sq_t, sq_h, sr_b, sr_t, sr_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, so_b, so_t, so_h,
+    TN, S, H, D, DV, n_row_tiles, qk_scale, window,
+    G: tl.constexpr, GP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_LENS: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Grid ``(B * H * n_row_tiles, NUM_SPLITS)``; a tile is ``BLOCK_M // 2`` query rows over as many probe rows."""
+    HALF: tl.constexpr = BLOCK_M // 2
+    BLOCK_T: tl.constexpr = HALF // GP
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    b = (pid // (H * n_row_tiles)).to(tl.int64)  # 64-bit batch offsets
+    h = (pid // n_row_tiles) % H
+    t0 = (pid % n_row_tiles) * BLOCK_T
+    klen = S
+    if HAS_LENS:
+        klen = tl.load(LENS + b).to(tl.int32)
+    off = klen - TN
+
+    # stacked [Q; R] tile: row m < HALF is query row m, row m >= HALF is probe row m - HALF
+    m = tl.arange(0, BLOCK_M)
+    row = m % HALF
+    t = t0 + row // GP
+    g = row % GP
+    hq = h * G + g
+    ok = (g < G) & (t < TN)
+    offs_d = tl.arange(0, BLOCK_D)
+    qr_ptr = tl.where((m < HALF)[:, None],
+                      Q + b * sq_b + t[:, None] * sq_t + hq[:, None] * sq_h + offs_d[None, :],
+                      R + b * sr_b + t[:, None] * sr_t + hq[:, None] * sr_h + offs_d[None, :])
+    qr = tl.load(qr_ptr, mask=ok[:, None] & (offs_d[None, :] < D), other=0.0)
+    qpos = t0 + tl.arange(0, HALF) // GP + off
+    K += b * sk_b + h * sk_h
+    V += b * sv_b + h * sv_h
+    offs_dv = tl.arange(0, BLOCK_DV)
+
+    # this split's share of the visible key tiles
+    lo = 0
+    if HAS_WINDOW:
+        lo = (tl.maximum(t0 + off - window + 1, 0) // BLOCK_N) * BLOCK_N
+    hi = tl.maximum(tl.minimum(klen, t0 + BLOCK_T + off), 0)
+    per_split = tl.cdiv(tl.cdiv(tl.maximum(hi - lo, 0), BLOCK_N), NUM_SPLITS) * BLOCK_N
+    start = lo + split * per_split
+    end = tl.minimum(hi, start + per_split)
+
+    m_i = tl.full([HALF], float("-inf"), tl.float32)
+    d1 = tl.zeros([HALF], tl.float32)
+    d2 = tl.zeros([HALF], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    for j0 in range(start, end, BLOCK_N):
+        j = j0 + tl.arange(0, BLOCK_N)
+        kv_ok = j < klen
+        kt = tl.load(K + j[None, :] * sk_t + offs_d[:, None], mask=kv_ok[None, :] & (offs_d[:, None] < D),
+                     other=0.0)
+        v = tl.load(V + j[:, None] * sv_t + offs_dv[None, :], mask=kv_ok[:, None] & (offs_dv[None, :] < DV),
+                    other=0.0)
+        s1, s2 = _unstack_rows(tl.dot(qr, kt, input_precision=PRECISION))
+        s1 = tl.where(visible(qpos, j, klen, window, True, HAS_WINDOW), s1 * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s1, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.math.exp2(m_i - m_use)
+        p1 = tl.math.exp2(s1 - m_use[:, None])
+        p2 = p1 * s2
+        d1 = d1 * alpha + tl.sum(p1, 1)
+        d2 = d2 * alpha + tl.sum(p2, 1)
+        pp = _stack_rows(p1, p2).to(v.dtype)
+        acc = acc * _stack_vec(alpha)[:, None] + tl.dot(pp, v, input_precision=PRECISION)
+        m_i = m_new
+
+    orow = tl.arange(0, HALF)
+    ot = t0 + orow // GP
+    og = orow % GP
+    o_ok = (og < G) & (ot < TN)
+    o_ptr = O + b * so_b + ot[:, None] * so_t + (h * G + og)[:, None] * so_h + offs_dv[None, :]
+    o_mask = o_ok[:, None] & (offs_dv[None, :] < DV)
+    if NUM_SPLITS == 1:
+        tl.store(o_ptr, _finish(acc, d1, d2).to(O.dtype.element_ty), mask=o_mask)
+    else:
+        # write this split's partial state, then let the last split to finish merge all of them
+        ws_o = WS_O + (pid * NUM_SPLITS + split) * BLOCK_M * BLOCK_DV
+        tl.store(ws_o + m[:, None] * BLOCK_DV + offs_dv[None, :], acc)
+        ws_s = WS_S + (pid * NUM_SPLITS + split) * 3 * HALF
+        tl.store(ws_s + orow, m_i)
+        tl.store(ws_s + HALF + orow, d1)
+        tl.store(ws_s + 2 * HALF + orow, d2)
+        tl.debug_barrier()
+        done = tl.atomic_add(COUNT + pid, 1, sem="acq_rel")
+        if done == NUM_SPLITS - 1:
+            sp = tl.arange(0, NUM_SPLITS)
+            s_base = WS_S + (pid * NUM_SPLITS + sp)[:, None] * 3 * HALF + orow[None, :]
+            m_all = tl.load(s_base, cache_modifier=".cg")
+            m_max = tl.max(m_all, 0)
+            w = tl.math.exp2(m_all - tl.where(m_max == float("-inf"), 0.0, m_max)[None, :])  # [NS, HALF]
+            d1 = tl.sum(w * tl.load(s_base + HALF, cache_modifier=".cg"), 0)
+            d2 = tl.sum(w * tl.load(s_base + 2 * HALF, cache_modifier=".cg"), 0)
+            w2 = tl.reshape(tl.permute(tl.join(w, w), (0, 2, 1)), (NUM_SPLITS, BLOCK_M))
+            o_base = WS_O + (pid * NUM_SPLITS + sp)[:, None, None] * BLOCK_M * BLOCK_DV
+            parts = tl.load(o_base + m[None, :, None] * BLOCK_DV + offs_dv[None, None, :], cache_modifier=".cg")
+            acc = tl.sum(w2[:, :, None] * parts, 0)
+            tl.store(o_ptr, _finish(acc, d1, d2).to(O.dtype.element_ty), mask=o_mask)
+            tl.atomic_xchg(COUNT + pid, 0)
+
+
+_COUNTERS: dict = {}
+
+
+def _counters(n: int, device) -> torch.Tensor:
+    """Zeroed int32 split counters, kept per device (the merging program sets its counter back to 0)."""
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+        _COUNTERS[device] = buf
+    return buf
+
+
+def decode_config(Tn: int, D: int, Dv: int, groups: int, dtype) -> dict:
+    """Row tile (``HALF`` query rows over ``HALF`` probe rows) and key tile for the decode kernel."""
+    gp = group_pad(groups)
+    half = max(8, min(triton.next_power_of_2(Tn * gp), 16), gp)
+    if interpreting():
+        return dict(BLOCK_M=2 * half, BLOCK_N=16, num_warps=4, num_stages=1)
+    if dtype == torch.float32:
+        return dict(BLOCK_M=2 * half, BLOCK_N=32, num_warps=4, num_stages=2)
+    wide = max(D, Dv) > 128
+    return dict(BLOCK_M=2 * half, BLOCK_N=64 if wide or half > 8 else 128, num_warps=4,
+                num_stages=2 if wide or half > 8 else 3)
+
+
+def choose_splits(programs: int, key_tiles: int, device) -> int:
+    """Splits of the K/V loop: a power of two, at most 16, with about two programs per SM and at least two
+    key tiles per split. On an H100 (B=1/8/64, 8 KV heads, 4k-32k keys) this picked the fastest of the
+    split counts measured (benchmarks/results/h100/parallax_check.json)."""
+    if interpreting() or device.type != "cuda":
+        sms = 4
+    else:
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+    limit = min(2 * sms // max(programs, 1), key_tiles // 2, 16)
+    n = 1
+    while n * 2 <= limit:
+        n *= 2
+    return n
+
+
+def parallax_decode_fwd(q, r, k_cache, v_cache, *, cache_seqlens=None, window=None, scale: float,
+                        num_splits: int | None = None, config: dict | None = None):
+    """Run the decode kernel; ``o: [B, Tn, HQ, Dv]`` in q's dtype (no autograd).
+
+    Args:
+        q, r: ``[B, Tn, HQ, D]``; k_cache: ``[B, S, H, D]``; v_cache: ``[B, S, H, Dv]`` (last dims contiguous).
+        cache_seqlens: int ``[B]`` valid cache lengths (each in ``[Tn, S]``) or None for ``S``.
+    """
+    B, Tn, HQ, D = q.shape
+    S, H, Dv = k_cache.shape[1], k_cache.shape[2], v_cache.shape[3]
+    G = HQ // H
+    GP = group_pad(G)
+    cfg = dict(decode_config(Tn, D, Dv, G, q.dtype), **(config or {}))
+    half = cfg["BLOCK_M"] // 2
+    n_row_tiles = triton.cdiv(Tn, half // GP)
+    programs = B * H * n_row_tiles
+    key_tiles = triton.cdiv(S, cfg["BLOCK_N"])
+    ns = num_splits or choose_splits(programs, key_tiles, q.device)
+    o = torch.empty(B, Tn, HQ, Dv, device=q.device, dtype=q.dtype)
+    if ns > 1:
+        ws_o = torch.empty(programs * ns * cfg["BLOCK_M"] * head_block(Dv), device=q.device, dtype=torch.float32)
+        ws_s = torch.empty(programs * ns * 3 * half, device=q.device, dtype=torch.float32)
+        count = _counters(programs, q.device)
+    else:
+        ws_o = ws_s = count = o
+    _parallax_decode_kernel[(programs, ns)](
+        q, r, k_cache, v_cache, o, cache_seqlens if cache_seqlens is not None else o, ws_o, ws_s, count,
+        q.stride(0), q.stride(1), q.stride(2), r.stride(0), r.stride(1), r.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
+        v_cache.stride(2), o.stride(0), o.stride(1), o.stride(2),
+        Tn, S, H, D, Dv, n_row_tiles, scale * LOG2E, window if window is not None else 0,
+        G=G, GP=GP, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=head_block(D),
+        BLOCK_DV=head_block(Dv), NUM_SPLITS=ns, HAS_LENS=cache_seqlens is not None,
+        HAS_WINDOW=window is not None, PRECISION=dot_precision(q.dtype), num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
+    )
+    return o

@@ -1,0 +1,105 @@
+"""Tile pieces the Parallax kernels share: packed GQA rows, visibility, tile ranges, block choice.
+
+Rows of a tile are (query position, query head) pairs of one key/value head: row ``m`` holds
+position ``t0 + m // GP`` and head ``h * G + m % GP``, where ``G = HQ // H`` and ``GP`` is ``G``
+rounded up to a power of two (rows with ``m % GP >= G`` are padding). The query heads that share a
+key/value head thus read each K/V tile once.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from regattn.ops._common.attention_tiles import LOG2E, dot_precision, head_block, interpreting  # noqa: F401
+
+
+def group_pad(groups: int) -> int:
+    """``G`` rounded up to a power of two."""
+    return triton.next_power_of_2(groups)
+
+
+@triton.jit
+def packed_rows(t0, h, qlen, G: tl.constexpr, GP: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Position ``t``, query head ``hq`` and validity of each of the ``BLOCK_M`` packed rows."""
+    m = tl.arange(0, BLOCK_M)
+    t = t0 + m // GP
+    g = m % GP
+    return t, h * G + g, (g < G) & (t < qlen)
+
+
+@triton.jit
+def visible(qpos, j, klen, window, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """``[M, N]`` mask: key ``j`` exists and query position ``qpos`` sees it (window counts itself)."""
+    ok = j[None, :] < klen
+    if CAUSAL:
+        ok = ok & (j[None, :] <= qpos[:, None])
+    if HAS_WINDOW:
+        ok = ok & (j[None, :] > qpos[:, None] - window)
+    return ok
+
+
+@triton.jit
+def split_range(lo, hi, full_lo, full_hi):
+    """Cut ``[lo, hi)`` into masked ``[lo, a)``, unmasked ``[a, b)`` and masked ``[b, hi)``."""
+    a = tl.minimum(tl.maximum(full_lo, lo), hi)
+    b = tl.minimum(tl.maximum(full_hi, a), hi)
+    return a, b
+
+
+@triton.jit
+def key_range(p0, p1, klen, window, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """Key tiles for query positions ``[p0, p1]``: all ``[lo, hi)`` and the mask-free ``[a, b)``."""
+    lo = 0
+    a = 0
+    hi = klen
+    b = (klen // BLOCK_N) * BLOCK_N
+    if HAS_WINDOW:
+        lo = (tl.maximum(p0 - window + 1, 0) // BLOCK_N) * BLOCK_N
+        a = tl.cdiv(tl.maximum(p1 - window + 1, 0), BLOCK_N) * BLOCK_N
+    if CAUSAL:
+        hi = tl.maximum(tl.minimum(klen, p1 + 1), 0)
+        b = (tl.maximum(tl.minimum(klen, p0 + 1), 0) // BLOCK_N) * BLOCK_N
+    a, b = split_range(lo, hi, a, b)
+    return lo, a, b, hi
+
+
+@triton.jit
+def query_range(j0, j1, qlen, off, window, BLOCK_T: tl.constexpr, CAUSAL: tl.constexpr,
+                HAS_WINDOW: tl.constexpr):
+    """Query tiles (in positions ``t``, ``qpos = t + off``) that see keys ``[j0, j1]``: ``[lo, a, b, hi)``."""
+    lo = 0
+    a = 0
+    hi = qlen
+    b = qlen
+    if CAUSAL:
+        lo = (tl.maximum(j0 - off, 0) // BLOCK_T) * BLOCK_T
+        a = tl.cdiv(tl.maximum(j1 - off, 0), BLOCK_T) * BLOCK_T
+    if HAS_WINDOW:
+        hi = tl.minimum(qlen, tl.maximum(j1 + window - off, 0))
+        b = (tl.maximum(j0 + window - off, 0) // BLOCK_T) * BLOCK_T
+    a, b = split_range(lo, hi, a, b)
+    return lo, a, b, hi
+
+
+@triton.jit
+def sequence_bounds(CU, seq, T, S, VARLEN: tl.constexpr):
+    """First token and lengths of sequence ``seq``: ``(start, qlen, klen)`` (start 0 without varlen)."""
+    start = 0
+    qlen = T
+    klen = S
+    if VARLEN:
+        start = tl.load(CU + seq).to(tl.int64)  # 64-bit: start * stride may pass 2**31
+        qlen = (tl.load(CU + seq + 1) - tl.load(CU + seq)).to(tl.int32)
+        klen = qlen
+    return start, qlen, klen
+
+
+@triton.jit
+def visible_t(j, qpos, klen, window, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """The transpose of :func:`visible`: ``[N, M]`` with keys on rows."""
+    ok = j[:, None] < klen
+    if CAUSAL:
+        ok = ok & (j[:, None] <= qpos[None, :])
+    if HAS_WINDOW:
+        ok = ok & (j[:, None] > qpos[None, :] - window)
+    return ok

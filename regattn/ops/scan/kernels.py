@@ -1,0 +1,562 @@
+"""Triton kernels of the ELSA scan: softmax attention as a reduction over the ``(m, S, W)`` monoid.
+
+Forward, for one tile of queries and one slice of keys:
+
+* intra-block: a tile of ``BLOCK_N`` keys becomes one state by tree reductions across the tile
+  (``tl.max`` for ``m``, ``tl.sum`` for ``S`` and the tensor-core / FMA dot for ``W``);
+* the tile's state merges into the running state by un-sum-renorm (the online-softmax step); strict
+  fp32 folds in two levels (chunks of ``CHUNK_TILES`` tiles, then the chunks), so no accumulator
+  takes more than ``max(CHUNK_TILES, n / (CHUNK_TILES * BLOCK_N))`` sequential additions;
+* inter-block (split-KV): the keys are cut into ``NSPLIT`` slices run by separate programs, and a
+  merge kernel combines their states by a balanced pairwise tree of depth ``log2(NSPLIT)``.
+
+Logits are kept in base 2 (``qk_scale = scale * log2(e)``); ``lse`` is stored in base 2 as well,
+``+inf`` for a query that sees no key (its output is 0 and its gradient 0).
+
+The backward is the standard two-kernel form: ``dk, dv`` per key tile looping over queries, ``dq``
+per query tile looping over keys, both recomputing ``p = exp2(s - lse)``.
+
+Precisions (fp32 inputs): ``"ieee"`` strict fp32 (FMA, no TF32), ``"tf32x3"`` (three TF32 products,
+fp32-accurate), ``"tf32"`` (operands rounded to the nearest TF32 value, not truncated). fp16/bf16
+inputs use their own tensor cores with fp32 accumulation.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from regattn.ops._common.attention_tiles import (
+    LOG2E, head_block, interpreting, key_span, online_softmax_step, query_span, row_dot, softmax_finish,
+    visible_mask,
+)
+
+
+# ----------------------------------------------------------------------------- shared tile pieces
+
+@triton.jit
+def _sequence(CU, b, T, S, VARLEN: tl.constexpr):
+    """(batch index into the tensors, first row, query count, key count) of sequence ``b``."""
+    bat = b
+    row0 = b * 0
+    Tb = T + b * 0
+    Sb = S + b * 0
+    if VARLEN:
+        bat = b * 0
+        row0 = tl.load(CU + b).to(tl.int32)
+        Tb = tl.load(CU + b + 1).to(tl.int32) - row0
+        Sb = Tb
+    return bat, row0, Tb, Sb
+
+
+@triton.jit
+def _visible(offs_m, offs_n, Tb, Sb, CAUSAL: tl.constexpr, WINDOW: tl.constexpr):
+    """``[BLOCK_M, BLOCK_N]``: key ``j`` is seen by query ``i`` (at position ``i + Sb - Tb``).
+
+    Without a causal mask a query placed before the first key (``T > S``) still sees the keys.
+    """
+    pos = offs_m + (Sb - Tb)
+    if not CAUSAL:
+        pos = tl.maximum(pos, 0)
+    return visible_mask(pos, offs_n, Sb, CAUSAL, WINDOW)
+
+
+@triton.jit
+def _key_tiles(m0, Tb, Sb, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+               WINDOW: tl.constexpr):
+    """Keys ``[lo, hi)`` some query of the tile ``[m0, m0 + BLOCK_M)`` sees; ``lo`` on a tile edge."""
+    shift = Sb - Tb
+    lo, hi = key_span(m0 + shift, tl.minimum(m0 + BLOCK_M, Tb) - 1 + shift, Sb, CAUSAL, WINDOW)
+    lo = lo // BLOCK_N * BLOCK_N
+    return lo, tl.maximum(hi, lo)
+
+
+@triton.jit
+def _query_tiles(n0, Tb, Sb, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+                 WINDOW: tl.constexpr):
+    """Queries ``[lo, hi)`` that see some key of the tile ``[n0, n0 + BLOCK_N)``; ``lo`` on a tile edge."""
+    lo, hi, _, _ = query_span(n0, tl.minimum(n0 + BLOCK_N, Sb) - 1, Tb, Sb - Tb, CAUSAL, WINDOW)
+    lo = lo // BLOCK_M * BLOCK_M
+    return lo, tl.maximum(hi, lo)
+
+
+@triton.jit
+def _load_rows(ptr, rows, stride_row, cols, n_rows, N_COLS: tl.constexpr, EVEN: tl.constexpr):
+    """Tile ``[len(rows), len(cols)]``; rows ``>= n_rows`` and cols ``>= N_COLS`` read as 0."""
+    ptrs = ptr + rows[:, None].to(tl.int64) * stride_row + cols[None, :]
+    if EVEN:
+        return tl.load(ptrs)
+    return tl.load(ptrs, mask=(rows[:, None] < n_rows) & (cols[None, :] < N_COLS), other=0.0)
+
+
+@triton.jit
+def _store_rows(ptr, x, rows, stride_row, cols, n_rows, N_COLS: tl.constexpr):
+    ptrs = ptr + rows[:, None].to(tl.int64) * stride_row + cols[None, :]
+    tl.store(ptrs, x.to(ptr.dtype.element_ty), mask=(rows[:, None] < n_rows) & (cols[None, :] < N_COLS))
+
+
+# ----------------------------------------------------------------------------- forward
+
+@triton.jit
+def _tf32(x, ROUND: tl.constexpr):
+    """``x`` rounded to the nearest TF32 value (10-bit mantissa, ties away from zero) when ``ROUND``.
+
+    The tensor cores read fp32 operands as TF32 by dropping the low 13 bits (a biased truncation);
+    rounding first halves the error and removes the bias.
+    """
+    if ROUND:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = ((bits + 0x1000) >> 13) << 13
+        x = bits.to(tl.float32, bitcast=True)
+    return x
+
+
+@triton.jit
+def _identity(BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """The monoid identity ``(-inf, 0, 0)`` for ``BLOCK_M`` queries."""
+    return (tl.full([BLOCK_M], float("-inf"), tl.float32), tl.zeros([BLOCK_M], tl.float32),
+            tl.zeros([BLOCK_M, BLOCK_DV], tl.float32))
+
+
+@triton.jit
+def _combine(m_a, l_a, w_a, m_b, l_b, w_b):
+    """Un-sum-renorm merge of two states of ``BLOCK_M`` queries, anchored at 0 where both are empty."""
+    m = tl.maximum(m_a, m_b)
+    anchor = tl.where(m == float("-inf"), 0.0, m)
+    e_a = tl.exp2(m_a - anchor)
+    e_b = tl.exp2(m_b - anchor)
+    return m, l_a * e_a + l_b * e_b, w_a * e_a[:, None] + w_b * e_b[:, None]
+
+
+@triton.jit
+def _fold_tiles(q, k_base, v_base, skt, svt, lo, hi, offs_m, offs_n0, offs_d, offs_dv, Tb, Sb, qk_scale,
+                D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, EVEN_N: tl.constexpr,
+                PREC: tl.constexpr, FRESH: tl.constexpr, ROUND_TF32: tl.constexpr):
+    """Left fold of the key tiles ``[lo, hi)`` from the identity: each tile's state (its max, the sum of
+    ``p`` and ``p @ v``: tree reductions across the tile) merges into the running state by un-sum-renorm
+    (the online-softmax step). Returns ``(m, l, acc)``."""
+    m_i, l_i, acc = _identity(BLOCK_M, BLOCK_DV)
+    for n0 in range(lo, hi, BLOCK_N):
+        offs_n = n0 + offs_n0
+        k = _tf32(_load_rows(k_base, offs_n, skt, offs_d, Sb, D, EVEN_N), ROUND_TF32)
+        s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+        if CAUSAL or WINDOW > 0 or not EVEN_N:
+            s = tl.where(_visible(offs_m, offs_n, Tb, Sb, CAUSAL, WINDOW), s, float("-inf"))
+        m_i, l_i, p, alpha = online_softmax_step(m_i, l_i, s)
+        v = _tf32(_load_rows(v_base, offs_n, svt, offs_dv, Sb, DV, EVEN_N), ROUND_TF32)
+        p = _tf32(p.to(v.dtype), ROUND_TF32)
+        if FRESH:
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PREC)
+        else:
+            acc = tl.dot(p, v, acc * alpha[:, None], input_precision=PREC)
+    return m_i, l_i, acc
+
+
+
+@triton.heuristics({
+    "EVEN_N": lambda a: (not a["VARLEN"]) and a["S"] % a["BLOCK_N"] == 0 and a["D"] == a["BLOCK_D"]
+    and a["DV"] == a["BLOCK_DV"],
+})
+@triton.jit
+def _fwd_kernel(Q, K, V, O, LSE, WS_M, WS_L, WS_ACC, CU,
+                sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sob, sot, soh,
+                T, S, HQ, GROUP, qk_scale, ws_stride,
+                D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
+                VARLEN: tl.constexpr, NSPLIT: tl.constexpr, STORE_LSE: tl.constexpr, EVEN_N: tl.constexpr,
+                PREC: tl.constexpr, FRESH: tl.constexpr, ROUND_TF32: tl.constexpr, CHUNK: tl.constexpr):
+    """One program: ``BLOCK_M`` queries of one head against key slice ``program_id(2)`` of ``NSPLIT``.
+
+    ``FRESH``: each tile's ``W = p @ v`` is formed from zero and then merged (rather than accumulated
+    into the running sum inside the dot); ``CHUNK > 0``: fold in two levels of ``CHUNK`` tiles.
+    """
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    split = tl.program_id(2)
+    b = pid_bh // HQ
+    h = pid_bh % HQ
+    bat, row0, Tb, Sb = _sequence(CU, b, T, S, VARLEN)
+    m0 = pid_m * BLOCK_M
+    if m0 >= Tb:
+        return
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    offs_n0 = tl.arange(0, BLOCK_N)
+    hk = h // GROUP
+    q_base = Q + bat.to(tl.int64) * sqb + h.to(tl.int64) * sqh + row0.to(tl.int64) * sqt
+    k_base = K + bat.to(tl.int64) * skb + hk.to(tl.int64) * skh + row0.to(tl.int64) * skt
+    v_base = V + bat.to(tl.int64) * svb + hk.to(tl.int64) * svh + row0.to(tl.int64) * svt
+    q = _tf32(_load_rows(q_base, offs_m, sqt, offs_d, Tb, D, False), ROUND_TF32)
+
+    lo, hi = _key_tiles(m0, Tb, Sb, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
+    if NSPLIT > 1:
+        per = tl.cdiv(tl.cdiv(hi - lo, BLOCK_N), NSPLIT) * BLOCK_N
+        lo = lo + split * per
+        hi = tl.minimum(hi, lo + per)
+
+    if CHUNK == 0:
+        m_i, l_i, acc = _fold_tiles(q, k_base, v_base, skt, svt, lo, hi, offs_m, offs_n0, offs_d, offs_dv, Tb, Sb,
+                                    qk_scale, D, DV, BLOCK_M, BLOCK_N, BLOCK_DV, CAUSAL, WINDOW, EVEN_N, PREC,
+                                    FRESH, ROUND_TF32)
+    else:
+        # Two levels: CHUNK tiles fold into a chunk state, and the chunk states into the total, so that
+        # no accumulator sees more than max(CHUNK, n / (CHUNK * BLOCK_N)) sequential additions.
+        m_i, l_i, acc = _identity(BLOCK_M, BLOCK_DV)
+        for c0 in range(lo, hi, CHUNK * BLOCK_N):
+            m_c, l_c, acc_c = _fold_tiles(q, k_base, v_base, skt, svt, c0, tl.minimum(hi, c0 + CHUNK * BLOCK_N),
+                                          offs_m, offs_n0, offs_d, offs_dv, Tb, Sb, qk_scale, D, DV, BLOCK_M,
+                                          BLOCK_N, BLOCK_DV, CAUSAL, WINDOW, EVEN_N, PREC, FRESH, ROUND_TF32)
+            m_i, l_i, acc = _combine(m_i, l_i, acc, m_c, l_c, acc_c)
+
+    rows = (bat * HQ + h).to(tl.int64) * T + row0 + offs_m
+    if NSPLIT == 1:
+        o, lse = softmax_finish(acc, m_i, l_i)
+        o_base = O + bat.to(tl.int64) * sob + h.to(tl.int64) * soh + row0.to(tl.int64) * sot
+        _store_rows(o_base, o, offs_m, sot, offs_dv, Tb, DV)
+        if STORE_LSE:
+            tl.store(LSE + rows, lse, mask=offs_m < Tb)
+    else:
+        ws = split.to(tl.int64) * ws_stride + rows
+        tl.store(WS_M + ws, m_i, mask=offs_m < Tb)
+        tl.store(WS_L + ws, l_i, mask=offs_m < Tb)
+        tl.store(WS_ACC + ws[:, None] * BLOCK_DV + offs_dv[None, :], acc, mask=(offs_m < Tb)[:, None])
+
+
+@triton.jit
+def _merge_pairs(m, l, acc, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """One tree level: states ``2i`` and ``2i + 1`` of ``K`` merge; ``m, l: [BM, K]``, ``acc: [BM, DV, K]``."""
+    ma, mb = tl.split(tl.reshape(m, [BLOCK_M, K // 2, 2]))
+    la, lb = tl.split(tl.reshape(l, [BLOCK_M, K // 2, 2]))
+    aa, ab = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_DV, K // 2, 2]))
+    mc = tl.maximum(ma, mb)
+    anchor = tl.where(mc == float("-inf"), 0.0, mc)
+    ea = tl.exp2(ma - anchor)
+    eb = tl.exp2(mb - anchor)
+    return mc, la * ea + lb * eb, aa * ea[:, None, :] + ab * eb[:, None, :]
+
+
+@triton.jit
+def _merge_kernel(WS_M, WS_L, WS_ACC, O, LSE, CU, sob, sot, soh, T, HQ, ws_stride,
+                  DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, VARLEN: tl.constexpr,
+                  NSPLIT: tl.constexpr, LOG_NSPLIT: tl.constexpr, STORE_LSE: tl.constexpr):
+    """Combine the ``NSPLIT`` key-slice states of ``BLOCK_M`` queries by a balanced pairwise tree."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // HQ
+    h = pid_bh % HQ
+    bat, row0, Tb, _ = _sequence(CU, b, T, T, VARLEN)
+    m0 = pid_m * BLOCK_M
+    if m0 >= Tb:
+        return
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    offs_s = tl.arange(0, NSPLIT)
+    rows = (bat * HQ + h).to(tl.int64) * T + row0 + offs_m
+    ok = offs_m < Tb
+    ws = offs_s[None, :].to(tl.int64) * ws_stride + rows[:, None]  # [BM, NSPLIT]
+    m = tl.load(WS_M + ws, mask=ok[:, None], other=float("-inf"))
+    l = tl.load(WS_L + ws, mask=ok[:, None], other=0.0)
+    acc = tl.load(WS_ACC + ws[:, None, :] * BLOCK_DV + offs_dv[None, :, None], mask=ok[:, None, None], other=0.0)
+    for level in tl.static_range(LOG_NSPLIT):
+        m, l, acc = _merge_pairs(m, l, acc, NSPLIT >> level, BLOCK_M, BLOCK_DV)
+    m = tl.reshape(m, [BLOCK_M])
+    l = tl.reshape(l, [BLOCK_M])
+    acc = tl.reshape(acc, [BLOCK_M, BLOCK_DV])
+    o, lse = softmax_finish(acc, m, l)
+    o_base = O + bat.to(tl.int64) * sob + h.to(tl.int64) * soh + row0.to(tl.int64) * sot
+    _store_rows(o_base, o, offs_m, sot, offs_dv, Tb, DV)
+    if STORE_LSE:
+        tl.store(LSE + rows, lse, mask=ok)
+
+
+# ----------------------------------------------------------------------------- backward
+
+@triton.jit
+def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DVV, CU,
+                     sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sdob, sdot, sdoh,
+                     sdkb, sdkt, sdkh, sdvb, sdvt, sdvh,
+                     T, S, HQ, GROUP, qk_scale, sm_scale,
+                     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+                     WINDOW: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr,
+                     ROUND_TF32: tl.constexpr):
+    """``dk, dv`` of ``BLOCK_N`` keys for one query head (summed over the group outside)."""
+    pid_n = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // HQ
+    h = pid_bh % HQ
+    bat, row0, Tb, Sb = _sequence(CU, b, T, S, VARLEN)
+    n0 = pid_n * BLOCK_N
+    if n0 >= Sb:
+        return
+    hk = h // GROUP
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_m0 = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    q_base = Q + bat.to(tl.int64) * sqb + h.to(tl.int64) * sqh + row0.to(tl.int64) * sqt
+    do_base = DO + bat.to(tl.int64) * sdob + h.to(tl.int64) * sdoh + row0.to(tl.int64) * sdot
+    k = _tf32(_load_rows(K + bat.to(tl.int64) * skb + hk.to(tl.int64) * skh + row0.to(tl.int64) * skt,
+                         offs_n, skt, offs_d, Sb, D, False), ROUND_TF32)
+    v = _tf32(_load_rows(V + bat.to(tl.int64) * svb + hk.to(tl.int64) * svh + row0.to(tl.int64) * svt,
+                         offs_n, svt, offs_dv, Sb, DV, False), ROUND_TF32)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
+    stats = (bat * HQ + h).to(tl.int64) * T + row0
+    lo, hi = _query_tiles(n0, Tb, Sb, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
+    for m0 in range(lo, hi, BLOCK_M):
+        offs_m = m0 + offs_m0
+        q = _tf32(_load_rows(q_base, offs_m, sqt, offs_d, Tb, D, False), ROUND_TF32)
+        do = _tf32(_load_rows(do_base, offs_m, sdot, offs_dv, Tb, DV, False), ROUND_TF32)
+        lse = tl.load(LSE + stats + offs_m, mask=offs_m < Tb, other=float("inf"))
+        delta = tl.load(DELTA + stats + offs_m, mask=offs_m < Tb, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+        vis = _visible(offs_m, offs_n, Tb, Sb, CAUSAL, WINDOW)
+        p = tl.where(vis, tl.exp2(s - lse[:, None]), 0.0)
+        dv = tl.dot(tl.trans(_tf32(p.to(do.dtype), ROUND_TF32)), do, dv, input_precision=PREC)
+        dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+        ds = p * (dp - delta[:, None])
+        dk = tl.dot(tl.trans(_tf32(ds.to(q.dtype), ROUND_TF32)), q, dk, input_precision=PREC)
+    dk = dk * sm_scale
+    _store_rows(DK + bat.to(tl.int64) * sdkb + h.to(tl.int64) * sdkh + row0.to(tl.int64) * sdkt,
+                dk, offs_n, sdkt, offs_d, Sb, D)
+    _store_rows(DVV + bat.to(tl.int64) * sdvb + h.to(tl.int64) * sdvh + row0.to(tl.int64) * sdvt,
+                dv, offs_n, sdvt, offs_dv, Sb, DV)
+
+
+@triton.jit
+def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, CU,
+                   sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sdob, sdot, sdoh, sdqb, sdqt, sdqh,
+                   T, S, HQ, GROUP, qk_scale, sm_scale,
+                   D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+                   WINDOW: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr,
+                   ROUND_TF32: tl.constexpr):
+    """``dq`` of ``BLOCK_M`` queries of one head."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // HQ
+    h = pid_bh % HQ
+    bat, row0, Tb, Sb = _sequence(CU, b, T, S, VARLEN)
+    m0 = pid_m * BLOCK_M
+    if m0 >= Tb:
+        return
+    hk = h // GROUP
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_n0 = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    q = _tf32(_load_rows(Q + bat.to(tl.int64) * sqb + h.to(tl.int64) * sqh + row0.to(tl.int64) * sqt,
+                         offs_m, sqt, offs_d, Tb, D, False), ROUND_TF32)
+    do = _tf32(_load_rows(DO + bat.to(tl.int64) * sdob + h.to(tl.int64) * sdoh + row0.to(tl.int64) * sdot,
+                          offs_m, sdot, offs_dv, Tb, DV, False), ROUND_TF32)
+    stats = (bat * HQ + h).to(tl.int64) * T + row0
+    lse = tl.load(LSE + stats + offs_m, mask=offs_m < Tb, other=float("inf"))
+    delta = tl.load(DELTA + stats + offs_m, mask=offs_m < Tb, other=0.0)
+    k_base = K + bat.to(tl.int64) * skb + hk.to(tl.int64) * skh + row0.to(tl.int64) * skt
+    v_base = V + bat.to(tl.int64) * svb + hk.to(tl.int64) * svh + row0.to(tl.int64) * svt
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    lo, hi = _key_tiles(m0, Tb, Sb, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
+    for n0 in range(lo, hi, BLOCK_N):
+        offs_n = n0 + offs_n0
+        k = _tf32(_load_rows(k_base, offs_n, skt, offs_d, Sb, D, False), ROUND_TF32)
+        v = _tf32(_load_rows(v_base, offs_n, svt, offs_dv, Sb, DV, False), ROUND_TF32)
+        s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+        vis = _visible(offs_m, offs_n, Tb, Sb, CAUSAL, WINDOW)
+        p = tl.where(vis, tl.exp2(s - lse[:, None]), 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(_tf32(ds.to(k.dtype), ROUND_TF32), k, dq, input_precision=PREC)
+    dq = dq * sm_scale
+    _store_rows(DQ + bat.to(tl.int64) * sdqb + h.to(tl.int64) * sdqh + row0.to(tl.int64) * sdqt,
+                dq, offs_m, sdqt, offs_d, Tb, D)
+
+
+# ----------------------------------------------------------------------------- tile choices
+
+def _configs(pairs):
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in pairs]
+
+
+FWD_CONFIGS = {
+    "half": _configs([(128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3), (64, 64, 4, 3)]),
+    "tensor": _configs([(128, 64, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3), (128, 32, 4, 3), (64, 32, 4, 2),
+                        (128, 128, 8, 2), (64, 128, 4, 2)]),
+    "ieee": _configs([(64, 64, 4, 2), (128, 64, 8, 2), (128, 32, 8, 2), (64, 32, 4, 2), (32, 64, 4, 2),
+                      (64, 64, 8, 2), (32, 32, 4, 2), (64, 128, 8, 2)]),
+}
+BWD_CONFIGS = {
+    "half": _configs([(64, 64, 4, 2), (128, 64, 8, 2), (64, 128, 8, 2)]),
+    "fp32": _configs([(32, 64, 4, 2), (64, 64, 4, 2), (64, 32, 4, 2)]),
+}
+SMEM_BUDGET = 180 * 1024  # bytes of shared memory a config may plan for (H100: 227 KiB per block)
+
+
+def _smem_bytes(cfg, block_d: int, block_dv: int, elsize: int, *, streamed: str) -> int:
+    """Estimated shared memory: the resident q (or k) tile plus ``num_stages`` copies of the streamed pair.
+
+    ``streamed="N"``: key/value tiles stream past a query tile (forward, dq); ``"M"``: query/dO tiles
+    stream past a key/value tile (dk, dv).
+    """
+    m, n = cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"]
+    resident, moving = (m, n) if streamed == "N" else (n, m)
+    return (resident * block_d + cfg.num_stages * moving * (block_d + block_dv)) * elsize
+
+
+def fitting(configs, block_d: int, block_dv: int, elsize: int, *, streamed: str):
+    """The configs whose tiles fit in shared memory (the smallest one when none does)."""
+    ok = [c for c in configs if _smem_bytes(c, block_d, block_dv, elsize, streamed=streamed) <= SMEM_BUDGET]
+    return ok or [min(configs, key=lambda c: _smem_bytes(c, block_d, block_dv, elsize, streamed=streamed))]
+
+
+def _pruner(streamed: str):
+    def prune(configs, named_args, **kwargs):
+        return fitting(configs, kwargs["BLOCK_D"], kwargs["BLOCK_DV"], named_args["Q"].element_size(),
+                       streamed=streamed)
+    return {"early_config_prune": prune}
+
+
+_KEY = ["D", "DV", "CAUSAL", "WINDOW", "VARLEN", "PREC"]
+_FWD_TUNED = {family: triton.autotune(cfgs, key=_KEY + ["NSPLIT", "STORE_LSE"], prune_configs_by=_pruner("N"))(
+    _fwd_kernel) for family, cfgs in FWD_CONFIGS.items()}
+_DKDV_TUNED = {family: triton.autotune(cfgs, key=_KEY, prune_configs_by=_pruner("M"))(_bwd_dkdv_kernel)
+               for family, cfgs in BWD_CONFIGS.items()}
+_DQ_TUNED = {family: triton.autotune(cfgs, key=_KEY, prune_configs_by=_pruner("N"))(_bwd_dq_kernel)
+             for family, cfgs in BWD_CONFIGS.items()}
+INTERPRET_BLOCK = 16
+AUTOTUNE = True  # False: every launch takes the first config of its list (no tuning runs)
+
+
+def _family(dtype: torch.dtype, precision: str) -> str:
+    if dtype in (torch.float16, torch.bfloat16):
+        return "half"
+    return "ieee" if precision == "ieee" else "tensor"
+
+
+def dot_precision(dtype: torch.dtype, precision: str) -> str:
+    """The ``input_precision`` of every ``tl.dot``: the requested one for fp32, unused for fp16/bf16."""
+    return precision if dtype == torch.float32 else "tf32"
+
+
+CHUNK_TILES = 16  # tiles per chunk of the two-level fold (2 in the interpreter, so small tests reach it)
+
+
+def _numerics(dtype: torch.dtype, precision: str) -> dict:
+    """Strict fp32 forms each tile's ``p @ v`` from zero and folds in two levels (its FMA dot would
+    otherwise add every key into one accumulator: error growing like n); TF32 rounds its operands."""
+    strict = dtype == torch.float32 and precision == "ieee"
+    chunk = 2 if interpreting() else CHUNK_TILES
+    return dict(FRESH=strict, CHUNK=chunk if strict else 0,
+                ROUND_TF32=dtype == torch.float32 and precision == "tf32")
+
+
+def _launch(configs, tuned, plain, grid, *args, streamed, **meta):
+    """Run the autotuned kernel on a GPU (or its first fitting config when ``AUTOTUNE`` is off), or
+    the plain one with 16 x 16 tiles in the interpreter."""
+    if interpreting():
+        tiles = dict(BLOCK_M=INTERPRET_BLOCK, BLOCK_N=INTERPRET_BLOCK)
+        plain[grid(tiles)](*args, **tiles, **meta)
+    elif not AUTOTUNE:
+        c = fitting(configs, meta["BLOCK_D"], meta["BLOCK_DV"], args[0].element_size(), streamed=streamed)[0]
+        plain[grid(c.kwargs)](*args, **c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages, **meta)
+    else:
+        tuned[grid](*args, **meta)
+
+
+def _head_dims(D: int, DV: int):
+    return head_block(D), head_block(DV)
+
+
+def auto_splits(batch_heads: int, T: int, device: torch.device) -> int:
+    """Split the keys when too few query tiles would fill the GPU (power of two, at most 16)."""
+    if interpreting() or device.type != "cuda":
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    tiles = batch_heads * triton.cdiv(T, 128)
+    n = 1
+    while tiles * n < 2 * sms and n < 16:
+        n *= 2
+    return n
+
+
+def _strides(x):
+    return x.stride(0), x.stride(1), x.stride(2)
+
+
+def forward(q, k, v, *, causal, window, scale, precision, cu_seqlens, num_splits, need_lse):
+    """``o [B, T, HQ, Dv]`` (q's dtype) and ``lse [B * HQ * T]`` (fp32, base 2) or None.
+
+    With ``cu_seqlens`` (``B == 1``) the programs run over sequences; ``num_splits`` key slices are
+    merged by the tree kernel.
+    """
+    B, T, HQ, D = q.shape
+    S, H, DV = k.shape[1], k.shape[2], v.shape[3]
+    BLOCK_D, BLOCK_DV = _head_dims(D, DV)
+    o = torch.empty(B, T, HQ, DV, dtype=q.dtype, device=q.device)
+    lse = torch.empty(B * HQ * T, dtype=torch.float32, device=q.device) if need_lse else o
+    varlen = cu_seqlens is not None
+    nseq = cu_seqlens.numel() - 1 if varlen else B
+    rows = max_rows = T
+    if varlen:
+        max_rows = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+    cu = cu_seqlens if varlen else o
+    ws_stride = B * HQ * T
+    if num_splits > 1:
+        ws_m = torch.empty(num_splits * ws_stride, dtype=torch.float32, device=q.device)
+        ws_l = torch.empty_like(ws_m)
+        ws_acc = torch.empty(num_splits * ws_stride * BLOCK_DV, dtype=torch.float32, device=q.device)
+    else:
+        ws_m = ws_l = ws_acc = lse
+    prec = dot_precision(q.dtype, precision)
+    fam = _family(q.dtype, precision)
+    _launch(FWD_CONFIGS[fam], _FWD_TUNED[fam], _fwd_kernel,
+            lambda meta: (triton.cdiv(max_rows, meta["BLOCK_M"]), nseq * HQ, num_splits),
+            q, k, v, o, lse, ws_m, ws_l, ws_acc, cu, *_strides(q), *_strides(k), *_strides(v), *_strides(o),
+            rows, S, HQ, HQ // H, scale * LOG2E, ws_stride,
+            D=D, DV=DV, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, CAUSAL=causal, WINDOW=window or 0,
+            VARLEN=varlen, NSPLIT=num_splits, STORE_LSE=need_lse, PREC=prec, streamed="N",
+            **_numerics(q.dtype, precision))
+    if num_splits > 1:
+        block = max(1, min(64, 8192 // (num_splits * BLOCK_DV)))
+        _merge_kernel[(triton.cdiv(max_rows, block), nseq * HQ)](
+            ws_m, ws_l, ws_acc, o, lse, cu, *_strides(o), rows, HQ, ws_stride,
+            DV=DV, BLOCK_DV=BLOCK_DV, BLOCK_M=block, VARLEN=varlen, NSPLIT=num_splits,
+            LOG_NSPLIT=num_splits.bit_length() - 1, STORE_LSE=need_lse)
+    return o, (lse if need_lse else None)
+
+
+def backward(do, q, k, v, o, lse, *, causal, window, scale, precision, cu_seqlens):
+    """``dq, dk, dv`` in the inputs' dtypes; ``dk, dv`` summed over each query-head group."""
+    B, T, HQ, D = q.shape
+    S, H, DV = k.shape[1], k.shape[2], v.shape[3]
+    BLOCK_D, BLOCK_DV = _head_dims(D, DV)
+    do = do.contiguous()
+    delta = row_dot(o, do).transpose(1, 2).contiguous()  # [B, HQ, T]
+    dq = torch.empty_like(q)
+    dk = torch.empty(B, S, HQ, D, dtype=torch.float32 if HQ != H else k.dtype, device=k.device)
+    dv = torch.empty(B, S, HQ, DV, dtype=torch.float32 if HQ != H else v.dtype, device=v.device)
+    varlen = cu_seqlens is not None
+    nseq = cu_seqlens.numel() - 1 if varlen else B
+    max_t = max_s = None
+    if varlen:
+        max_t = max_s = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+    cu = cu_seqlens if varlen else q
+    prec = dot_precision(q.dtype, precision)
+    bfam = "fp32" if q.dtype == torch.float32 else "half"
+    meta = dict(D=D, DV=DV, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, CAUSAL=causal, WINDOW=window or 0,
+                VARLEN=varlen, PREC=prec, ROUND_TF32=_numerics(q.dtype, precision)["ROUND_TF32"])
+    common = (T, S, HQ, HQ // H, scale * LOG2E, scale)
+    _launch(BWD_CONFIGS[bfam], _DKDV_TUNED[bfam], _bwd_dkdv_kernel,
+            lambda m: (triton.cdiv(max_s or S, m["BLOCK_N"]), nseq * HQ),
+            q, k, v, do, lse, delta, dk, dv, cu, *_strides(q), *_strides(k), *_strides(v), *_strides(do),
+            *_strides(dk), *_strides(dv), *common, streamed="M", **meta)
+    _launch(BWD_CONFIGS[bfam], _DQ_TUNED[bfam], _bwd_dq_kernel,
+            lambda m: (triton.cdiv(max_t or T, m["BLOCK_M"]), nseq * HQ),
+            q, k, v, do, lse, delta, dq, cu, *_strides(q), *_strides(k), *_strides(v), *_strides(do),
+            *_strides(dq), *common, streamed="N", **meta)
+    if HQ != H:
+        dk = dk.view(B, S, H, HQ // H, D).sum(3).to(k.dtype)
+        dv = dv.view(B, S, H, HQ // H, DV).sum(3).to(v.dtype)
+    return dq, dk, dv

@@ -1,0 +1,75 @@
+"""Softmax attention (Nadaraya-Watson), sliding window, and the GatedFWA gate bias."""
+from __future__ import annotations
+
+import torch
+
+from regattn import reference
+from regattn.ops._common.checks import (
+    check_attention_inputs, check_cu_seqlens, check_scale, check_shape, check_tensor,
+    check_window, check_device, resolve_backend,
+)
+from regattn.ops.softmax.kernels import flash_attention
+
+HAS_TRITON = True
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def kernel_backend(backend, q: torch.Tensor, *, op: str) -> str:
+    """Resolve ``backend`` for the fused attention kernel, which covers fp16, bf16 and fp32.
+
+    Under ``"auto"`` float64 inputs (the exact spec) go to the reference; ``"triton"`` refuses them.
+    """
+    resolved = resolve_backend(backend, q, op=op, has_triton=HAS_TRITON)
+    if resolved == "triton" and q.dtype not in KERNEL_DTYPES:
+        if backend == "auto":
+            return "torch"
+        raise TypeError(f"q: backend='triton' expects fp16, bf16 or fp32 inputs, got {q.dtype}")
+    return resolved
+
+
+def check_gate(gate, B: int, T: int, HQ: int, q: torch.Tensor, name: str = "gate"):
+    """The cumulative log-gate ``u: [B, T, HQ]``, float, on q's device."""
+    if gate is None:
+        return None
+    check_tensor(name, gate, 3)
+    check_shape(name, gate, (B, T, HQ), "[B, T, HQ]")
+    check_device(name, gate, q, "q")
+    return gate
+
+
+def softmax_attention(q, k, v, *, causal=True, window=None, gate=None, scale=None,
+                      cu_seqlens=None, backend="auto"):
+    """Softmax attention with an optional sliding window and GatedFWA gate bias.
+
+    Args:
+        q: ``[B, T, HQ, D]`` queries; ``HQ`` a multiple of ``H`` (GQA).
+        k: ``[B, S, H, D]`` keys. With ``S > T`` the queries are the last ``T`` positions.
+        v: ``[B, S, H, Dv]`` values.
+        causal: query ``i`` sees keys ``j <= i``.
+        window: ``w`` keeps keys ``i - w < j <= i`` (needs ``causal``); None for no window.
+        gate: cumulative log-gate ``u: [B, T, HQ]`` (needs ``T == S``); the logit becomes
+            ``scale * q_i.k_j + u_i - u_j``.
+        scale: defaults to ``D ** -0.5``.
+        cu_seqlens: ``[N + 1]`` offsets of packed sequences (``B == 1``, ``T == S``).
+        backend: ``"auto" | "torch" | "triton"``. The Triton kernel covers every case above
+            (causal or not, window, gate, GQA, varlen) for fp16, bf16 and fp32; float64 under
+            ``"auto"`` runs the reference.
+
+    Returns:
+        ``o: [B, T, HQ, Dv]`` in q's dtype.
+    """
+    B, T, S, HQ, H, D, Dv = check_attention_inputs(q, k, v)
+    window = check_window(window)
+    if window is not None and not causal:
+        raise ValueError("window: a sliding window needs causal=True")
+    scale = check_scale(scale, D)
+    gate = check_gate(gate, B, T, HQ, q)
+    if gate is not None and S != T:
+        raise ValueError(f"gate: needs as many keys as queries, got T = {T} queries and S = {S} keys")
+    check_cu_seqlens(cu_seqlens, B, T)
+    if cu_seqlens is not None and S != T:
+        raise ValueError(f"cu_seqlens: needs as many keys as queries, got T = {T} and S = {S}")
+    if kernel_backend(backend, q, op="softmax_attention") == "triton":
+        return flash_attention(q, k, v, gate, causal=causal, window=window, scale=scale, cu_seqlens=cu_seqlens)
+    return reference.softmax_attention(q, k, v, causal=causal, window=window, gate=gate, scale=scale,
+                                       cu_seqlens=cu_seqlens)

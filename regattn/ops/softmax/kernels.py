@@ -1,0 +1,382 @@
+"""Fused softmax attention with an optional causal mask, sliding window and GatedFWA gate bias.
+
+gatedfwa.md Algorithm 2 (forward) and Algorithm 4 (backward), FlashAttention-2 style:
+
+* forward: one program per (query tile, sequence, query head); only key tiles that meet the
+  causal window are visited; the gate bias ``u_i - u_j`` comes from two vector loads per tile;
+  online softmax in base 2; saves the log-sum-exp.
+* backward: ``delta = rowsum(o * dO)``; one kernel per key tile accumulates ``dK, dV`` over the
+  query heads of its group and the key part of the gate gradient ``du^k_j = -sum_i dS_ij``; a second
+  kernel per query tile gives ``dQ`` and adds the query part ``du^q_i = sum_j dS_ij``.
+
+Layout: ``q: [B, T, HQ, D]``, ``k: [B, S, H, D]``, ``v: [B, S, H, Dv]``, ``u: [B, T, HQ]``; with
+``cu_seqlens`` the batch is one packed row (``B == 1``, ``S == T``).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from regattn.ops._common.attention_tiles import (
+    LOG2E, attention_blocks, dot_precision, full_key_span, head_block, key_span, online_softmax_step, query_span,
+    row_dot, softmax_finish, tile_loop_bounds, visible_mask, visible_mask_t,
+)
+
+
+@triton.jit
+def _sequence(CU, n, T, S, VARLEN: tl.constexpr):
+    """``(batch, first token, Tq, Sk)`` of sequence ``n``: a batch row, or a packed slice of row 0."""
+    if VARLEN:
+        bos = tl.load(CU + n).to(tl.int32)
+        eos = tl.load(CU + n + 1).to(tl.int32)
+        return 0, bos, eos - bos, eos - bos
+    return n, 0, T, S
+
+
+@triton.jit
+def _gate_logits(s2, uq2, U_k, offs_n, stride_ut, kmask, GATED: tl.constexpr):
+    """Add the base-2 gate bias ``log2(e) * (u_i - u_j)`` to a tile of logits."""
+    if GATED:
+        uk = tl.load(U_k + offs_n * stride_ut, mask=kmask, other=0.0).to(tl.float32)
+        s2 = s2 + uq2[:, None] - uk[None, :] * 1.4426950408889634
+    return s2
+
+
+@triton.jit
+def _fwd_tiles(acc, m_i, l_i, q, uq2, pos, K_h, V_h, U_k, stride_kt, stride_vt, stride_ut, Sk, start, end,
+               sm_scale2, D, DV, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, GATED: tl.constexpr,
+               MASKED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+               PRECISION: tl.constexpr):
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    for start_n in range(start, end, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        kmask = offs_n < Sk
+        kt = tl.load(K_h + offs_n[None, :] * stride_kt + offs_d[:, None],
+                     mask=kmask[None, :] & (offs_d < D)[:, None], other=0.0)
+        s2 = tl.dot(q, kt, input_precision=PRECISION) * sm_scale2
+        s2 = _gate_logits(s2, uq2, U_k, offs_n, stride_ut, kmask, GATED)
+        if MASKED:
+            s2 = tl.where(visible_mask(pos, offs_n, Sk, CAUSAL, WINDOW), s2, float("-inf"))
+        m_i, l_i, p, alpha = online_softmax_step(m_i, l_i, s2)
+        v = tl.load(V_h + offs_n[:, None] * stride_vt + offs_dv[None, :],
+                    mask=kmask[:, None] & (offs_dv < DV)[None, :], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _fwd_kernel(Q, K, V, U, O, LSE, CU, sm_scale2, T, S, D, DV,
+                sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sub, sut, suh, sob, sot, soh, slb, slt, slh,
+                GROUP: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, GATED: tl.constexpr,
+                VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr):
+    pid_m = tl.program_id(0)
+    n = tl.program_id(1)
+    hq = tl.program_id(2)
+    hk = hq // GROUP
+    b, bos, Tq, Sk = _sequence(CU, n, T, S, VARLEN)
+    start_m = pid_m * BLOCK_M
+    if start_m >= Tq:
+        return
+    off = Sk - Tq
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    rmask = offs_m < Tq
+    pos = offs_m + off
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+
+    q = tl.load(Q + b * sqb + (bos + offs_m[:, None]) * sqt + hq * sqh + offs_d[None, :],
+                mask=rmask[:, None] & (offs_d < D)[None, :], other=0.0)
+    uq2 = tl.zeros([BLOCK_M], dtype=tl.float32)
+    U_h = U + b * sub + bos * sut + hq * suh
+    if GATED:
+        uq2 = tl.load(U_h + offs_m * sut, mask=rmask, other=0.0).to(tl.float32) * 1.4426950408889634
+    K_h = K + b * skb + bos * skt + hk * skh
+    V_h = V + b * svb + bos * svt + hk * svh
+
+    pos_hi = tl.minimum(start_m + BLOCK_M, Tq) - 1 + off
+    lo, hi = key_span(start_m + off, pos_hi, Sk, CAUSAL, WINDOW)
+    full_lo, full_hi = full_key_span(start_m + off, pos_hi, Sk, CAUSAL, WINDOW)
+    a, bb, c = tile_loop_bounds(lo, hi, full_lo, full_hi, BLOCK_N)
+
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, uq2, pos, K_h, V_h, U_h, skt, svt, sut, Sk, a, bb, sm_scale2,
+                               D, DV, CAUSAL, WINDOW, GATED, True, BLOCK_N, BLOCK_D, BLOCK_DV, PRECISION)
+    acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, uq2, pos, K_h, V_h, U_h, skt, svt, sut, Sk, bb, c, sm_scale2,
+                               D, DV, CAUSAL, WINDOW, GATED, False, BLOCK_N, BLOCK_D, BLOCK_DV, PRECISION)
+    acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, uq2, pos, K_h, V_h, U_h, skt, svt, sut, Sk, c, hi, sm_scale2,
+                               D, DV, CAUSAL, WINDOW, GATED, True, BLOCK_N, BLOCK_D, BLOCK_DV, PRECISION)
+    o, lse2 = softmax_finish(acc, m_i, l_i)
+    tl.store(O + b * sob + (bos + offs_m[:, None]) * sot + hq * soh + offs_dv[None, :], o.to(O.dtype.element_ty),
+             mask=rmask[:, None] & (offs_dv < DV)[None, :])
+    tl.store(LSE + b * slb + (bos + offs_m) * slt + hq * slh, lse2, mask=rmask)
+
+
+@triton.jit
+def _bwd_kv_tiles(dk, dv, du, k, v, uk2, offs_n, Q_h, DO_h, U_h, LSE_h, DELTA_h, sqt, sdot, sut, slt, Tq, Sk,
+                  off, start, end, sm_scale2, D, DV, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
+                  GATED: tl.constexpr, MASKED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+                  BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr):
+    """Keys on the rows (``[BLOCK_N, BLOCK_M]`` tiles), so no computed tile is transposed before a dot."""
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    for start_m in range(start, end, BLOCK_M):
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        rmask = offs_m < Tq
+        qt = tl.load(Q_h + offs_m[None, :] * sqt + offs_d[:, None], mask=rmask[None, :] & (offs_d < D)[:, None],
+                     other=0.0)
+        do = tl.load(DO_h + offs_m[:, None] * sdot + offs_dv[None, :],
+                     mask=rmask[:, None] & (offs_dv < DV)[None, :], other=0.0)
+        lse2 = tl.load(LSE_h + offs_m * slt, mask=rmask, other=float("inf"))
+        delta = tl.load(DELTA_h + offs_m * slt, mask=rmask, other=0.0)
+        st = tl.dot(k, qt, input_precision=PRECISION) * sm_scale2                  # [BLOCK_N, BLOCK_M]
+        if GATED:
+            uq2 = tl.load(U_h + offs_m * sut, mask=rmask, other=0.0).to(tl.float32) * 1.4426950408889634
+            st = st + uq2[None, :] - uk2[:, None]
+        if MASKED:
+            st = tl.where(visible_mask_t(offs_n, offs_m + off, Sk, CAUSAL, WINDOW) & rmask[None, :], st,
+                          float("-inf"))
+        pt = tl.exp2(st - lse2[None, :])
+        dv += tl.dot(pt.to(do.dtype), do, input_precision=PRECISION)
+        dpt = tl.dot(v, tl.trans(do), input_precision=PRECISION)
+        dst = pt * (dpt - delta[None, :])
+        dk += tl.dot(dst.to(qt.dtype), tl.trans(qt), input_precision=PRECISION)
+        if GATED:
+            du -= tl.sum(dst, 1)
+    return dk, dv, du
+
+
+@triton.jit
+def _bwd_kv_kernel(Q, K, V, U, DO, LSE, DELTA, DK, DV, DU, CU, sm_scale, sm_scale2, T, S, D, DV_DIM,
+                   sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sub, sut, suh, sdob, sdot, sdoh,
+                   slb, slt, slh, sdkb, sdkt, sdkh, sdvb, sdvt, sdvh,
+                   GROUP: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, GATED: tl.constexpr,
+                   VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                   BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr):
+    pid_n = tl.program_id(0)
+    n = tl.program_id(1)
+    hk = tl.program_id(2)
+    b, bos, Tq, Sk = _sequence(CU, n, T, S, VARLEN)
+    start_n = pid_n * BLOCK_N
+    if start_n >= Sk:
+        return
+    off = Sk - Tq
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    kmask = offs_n < Sk
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    k = tl.load(K + b * skb + (bos + offs_n[:, None]) * skt + hk * skh + offs_d[None, :],
+                mask=kmask[:, None] & (offs_d < D)[None, :], other=0.0)
+    v = tl.load(V + b * svb + (bos + offs_n[:, None]) * svt + hk * svh + offs_dv[None, :],
+                mask=kmask[:, None] & (offs_dv < DV_DIM)[None, :], other=0.0)
+
+    key_hi = tl.minimum(start_n + BLOCK_N, Sk) - 1
+    lo, hi, full_lo, full_hi = query_span(start_n, key_hi, Tq, off, CAUSAL, WINDOW)
+    a, bb, c = tile_loop_bounds(lo, hi, full_lo, full_hi, BLOCK_M)
+
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+    for g in range(GROUP):
+        hq = hk * GROUP + g
+        Q_h = Q + b * sqb + bos * sqt + hq * sqh
+        DO_h = DO + b * sdob + bos * sdot + hq * sdoh
+        U_h = U + b * sub + bos * sut + hq * suh
+        LSE_h = LSE + b * slb + bos * slt + hq * slh
+        DELTA_h = DELTA + b * slb + bos * slt + hq * slh
+        du = tl.zeros([BLOCK_N], dtype=tl.float32)
+        uk2 = tl.zeros([BLOCK_N], dtype=tl.float32)
+        if GATED:
+            uk2 = tl.load(U_h + offs_n * sut, mask=kmask, other=0.0).to(tl.float32) * 1.4426950408889634
+        dk, dv, du = _bwd_kv_tiles(dk, dv, du, k, v, uk2, offs_n, Q_h, DO_h, U_h, LSE_h, DELTA_h, sqt, sdot, sut, slt,
+                                   Tq, Sk, off, a, bb, sm_scale2, D, DV_DIM, CAUSAL, WINDOW, GATED, True,
+                                   BLOCK_M, BLOCK_D, BLOCK_DV, PRECISION)
+        dk, dv, du = _bwd_kv_tiles(dk, dv, du, k, v, uk2, offs_n, Q_h, DO_h, U_h, LSE_h, DELTA_h, sqt, sdot, sut, slt,
+                                   Tq, Sk, off, bb, c, sm_scale2, D, DV_DIM, CAUSAL, WINDOW, GATED, False,
+                                   BLOCK_M, BLOCK_D, BLOCK_DV, PRECISION)
+        dk, dv, du = _bwd_kv_tiles(dk, dv, du, k, v, uk2, offs_n, Q_h, DO_h, U_h, LSE_h, DELTA_h, sqt, sdot, sut, slt,
+                                   Tq, Sk, off, c, hi, sm_scale2, D, DV_DIM, CAUSAL, WINDOW, GATED, True,
+                                   BLOCK_M, BLOCK_D, BLOCK_DV, PRECISION)
+        if GATED:
+            tl.store(DU + b * slb + (bos + offs_n) * slt + hq * slh, du, mask=kmask)
+    tl.store(DK + b * sdkb + (bos + offs_n[:, None]) * sdkt + hk * sdkh + offs_d[None, :],
+             (dk * sm_scale).to(DK.dtype.element_ty), mask=kmask[:, None] & (offs_d < D)[None, :])
+    tl.store(DV + b * sdvb + (bos + offs_n[:, None]) * sdvt + hk * sdvh + offs_dv[None, :],
+             dv.to(DV.dtype.element_ty), mask=kmask[:, None] & (offs_dv < DV_DIM)[None, :])
+
+
+@triton.jit
+def _bwd_q_tiles(dq, duq, q, do, uq2, lse2, delta, pos, K_h, V_h, U_k, skt, svt, sut, Sk, start, end, sm_scale2,
+                 D, DV, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, GATED: tl.constexpr, MASKED: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr):
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    for start_n in range(start, end, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        kmask = offs_n < Sk
+        k = tl.load(K_h + offs_n[:, None] * skt + offs_d[None, :], mask=kmask[:, None] & (offs_d < D)[None, :],
+                    other=0.0)
+        vt = tl.load(V_h + offs_n[None, :] * svt + offs_dv[:, None],
+                     mask=kmask[None, :] & (offs_dv < DV)[:, None], other=0.0)
+        s2 = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale2
+        s2 = _gate_logits(s2, uq2, U_k, offs_n, sut, kmask, GATED)
+        if MASKED:
+            s2 = tl.where(visible_mask(pos, offs_n, Sk, CAUSAL, WINDOW), s2, float("-inf"))
+        p = tl.exp2(s2 - lse2[:, None])
+        dp = tl.dot(do, vt, input_precision=PRECISION)
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
+        if GATED:
+            duq += tl.sum(ds, 1)
+    return dq, duq
+
+
+@triton.jit
+def _bwd_q_kernel(Q, K, V, U, DO, LSE, DELTA, DQ, DU, CU, sm_scale, sm_scale2, T, S, D, DV,
+                  sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sub, sut, suh, sdob, sdot, sdoh,
+                  slb, slt, slh, sdqb, sdqt, sdqh,
+                  GROUP: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, GATED: tl.constexpr,
+                  VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                  BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr):
+    pid_m = tl.program_id(0)
+    n = tl.program_id(1)
+    hq = tl.program_id(2)
+    hk = hq // GROUP
+    b, bos, Tq, Sk = _sequence(CU, n, T, S, VARLEN)
+    start_m = pid_m * BLOCK_M
+    if start_m >= Tq:
+        return
+    off = Sk - Tq
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    rmask = offs_m < Tq
+    pos = offs_m + off
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    q = tl.load(Q + b * sqb + (bos + offs_m[:, None]) * sqt + hq * sqh + offs_d[None, :],
+                mask=rmask[:, None] & (offs_d < D)[None, :], other=0.0)
+    do = tl.load(DO + b * sdob + (bos + offs_m[:, None]) * sdot + hq * sdoh + offs_dv[None, :],
+                 mask=rmask[:, None] & (offs_dv < DV)[None, :], other=0.0)
+    row = b * slb + (bos + offs_m) * slt + hq * slh
+    lse2 = tl.load(LSE + row, mask=rmask, other=float("inf"))
+    delta = tl.load(DELTA + row, mask=rmask, other=0.0)
+    U_h = U + b * sub + bos * sut + hq * suh
+    uq2 = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if GATED:
+        uq2 = tl.load(U_h + offs_m * sut, mask=rmask, other=0.0).to(tl.float32) * 1.4426950408889634
+    K_h = K + b * skb + bos * skt + hk * skh
+    V_h = V + b * svb + bos * svt + hk * svh
+
+    pos_hi = tl.minimum(start_m + BLOCK_M, Tq) - 1 + off
+    lo, hi = key_span(start_m + off, pos_hi, Sk, CAUSAL, WINDOW)
+    full_lo, full_hi = full_key_span(start_m + off, pos_hi, Sk, CAUSAL, WINDOW)
+    a, bb, c = tile_loop_bounds(lo, hi, full_lo, full_hi, BLOCK_N)
+
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    duq = tl.zeros([BLOCK_M], dtype=tl.float32)
+    dq, duq = _bwd_q_tiles(dq, duq, q, do, uq2, lse2, delta, pos, K_h, V_h, U_h, skt, svt, sut, Sk, a, bb,
+                           sm_scale2, D, DV, CAUSAL, WINDOW, GATED, True, BLOCK_N, BLOCK_D, BLOCK_DV, PRECISION)
+    dq, duq = _bwd_q_tiles(dq, duq, q, do, uq2, lse2, delta, pos, K_h, V_h, U_h, skt, svt, sut, Sk, bb, c,
+                           sm_scale2, D, DV, CAUSAL, WINDOW, GATED, False, BLOCK_N, BLOCK_D, BLOCK_DV, PRECISION)
+    dq, duq = _bwd_q_tiles(dq, duq, q, do, uq2, lse2, delta, pos, K_h, V_h, U_h, skt, svt, sut, Sk, c, hi,
+                           sm_scale2, D, DV, CAUSAL, WINDOW, GATED, True, BLOCK_N, BLOCK_D, BLOCK_DV, PRECISION)
+    tl.store(DQ + b * sdqb + (bos + offs_m[:, None]) * sdqt + hq * sdqh + offs_d[None, :],
+             (dq * sm_scale).to(DQ.dtype.element_ty), mask=rmask[:, None] & (offs_d < D)[None, :])
+    if GATED:
+        # The key part du^k of these positions was written by the key-tile kernel; add the query part.
+        duk = tl.load(DU + row, mask=rmask, other=0.0)
+        tl.store(DU + row, duk + duq, mask=rmask)
+
+
+def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _strides3(x: torch.Tensor):
+    return x.stride(0), x.stride(1), x.stride(2)
+
+
+def _grid_sizes(q, k, cu_seqlens):
+    """``(number of sequences, longest query length, longest key length)``."""
+    if cu_seqlens is None:
+        return q.shape[0], q.shape[1], k.shape[1]
+    longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max().item())
+    return cu_seqlens.numel() - 1, longest, longest
+
+
+def _launch_flags(q, k, u, causal, window, cu_seqlens):
+    return dict(GROUP=q.shape[2] // k.shape[2], CAUSAL=bool(causal), WINDOW=int(window or 0),
+                GATED=u is not None, VARLEN=cu_seqlens is not None, BLOCK_D=head_block(q.shape[3]),
+                PRECISION=dot_precision(q.dtype))
+
+
+def attention_forward(q, k, v, u, *, causal, window, scale, cu_seqlens):
+    """Returns ``(o: [B, T, HQ, Dv] in q's dtype, lse2: [B, T, HQ] fp32)`` (base-2 log-sum-exp)."""
+    q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
+    B, T, HQ, D = q.shape
+    S, DV = k.shape[1], v.shape[3]
+    o = torch.empty(B, T, HQ, DV, device=q.device, dtype=q.dtype)
+    lse = torch.empty(B, T, HQ, device=q.device, dtype=torch.float32)
+    u_arg = u if u is not None else lse
+    cu = cu_seqlens if cu_seqlens is not None else lse
+    n_seq, t_max, _ = _grid_sizes(q, k, cu_seqlens)
+    cfg = attention_blocks(D, q.dtype, "fwd")
+    grid = (triton.cdiv(t_max, cfg["BLOCK_M"]), n_seq, HQ)
+    _fwd_kernel[grid](q, k, v, u_arg, o, lse, cu, scale * LOG2E, T, S, D, DV,
+                      *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(u_arg), *_strides3(o),
+                      *_strides3(lse), BLOCK_DV=head_block(DV), **_launch_flags(q, k, u, causal, window, cu_seqlens),
+                      **cfg)
+    return o, lse
+
+
+def attention_backward(do, q, k, v, u, o, lse, *, causal, window, scale, cu_seqlens):
+    """Returns ``(dq, dk, dv, du)``; ``du`` is None without a gate, else fp32 ``[B, T, HQ]``."""
+    do = do.contiguous()
+    q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
+    B, T, HQ, D = q.shape
+    S, H, DV = k.shape[1], k.shape[2], v.shape[3]
+    delta = row_dot(o.contiguous(), do)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    du = torch.empty(B, T, HQ, device=q.device, dtype=torch.float32) if u is not None else None
+    u_arg = u if u is not None else lse
+    du_arg = du if du is not None else lse
+    cu = cu_seqlens if cu_seqlens is not None else lse
+    n_seq, t_max, s_max = _grid_sizes(q, k, cu_seqlens)
+    flags = _launch_flags(q, k, u, causal, window, cu_seqlens)
+    common = (*_strides3(q), *_strides3(k), *_strides3(v), *_strides3(u_arg), *_strides3(do), *_strides3(lse))
+
+    cfg = attention_blocks(D, q.dtype, "bwd_kv")
+    grid = (triton.cdiv(s_max, cfg["BLOCK_N"]), n_seq, H)
+    _bwd_kv_kernel[grid](q, k, v, u_arg, do, lse, delta, dk, dv, du_arg, cu, scale, scale * LOG2E, T, S, D, DV,
+                         *common, *_strides3(dk), *_strides3(dv), BLOCK_DV=head_block(DV), **flags, **cfg)
+    cfg = attention_blocks(D, q.dtype, "bwd_q")
+    grid = (triton.cdiv(t_max, cfg["BLOCK_M"]), n_seq, HQ)
+    _bwd_q_kernel[grid](q, k, v, u_arg, do, lse, delta, dq, du_arg, cu, scale, scale * LOG2E, T, S, D, DV,
+                        *common, *_strides3(dq), BLOCK_DV=head_block(DV), **flags, **cfg)
+    return dq, dk, dv, du
+
+
+class FlashAttentionFunction(torch.autograd.Function):
+    """Autograd wrapper: saves ``q, k, v, u, o`` and the log-sum-exp, nothing of size ``T x S``."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, u, causal, window, scale, cu_seqlens):
+        o, lse = attention_forward(q, k, v, u, causal=causal, window=window, scale=scale, cu_seqlens=cu_seqlens)
+        ctx.save_for_backward(q, k, v, u, o, lse, cu_seqlens)
+        ctx.options = dict(causal=causal, window=window, scale=scale)
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, u, o, lse, cu_seqlens = ctx.saved_tensors
+        dq, dk, dv, du = attention_backward(do, q, k, v, u, o, lse, cu_seqlens=cu_seqlens, **ctx.options)
+        if du is not None:
+            du = du.to(u.dtype)
+        return dq, dk, dv, du, None, None, None, None
+
+
+def flash_attention(q, k, v, u=None, *, causal=True, window=None, scale, cu_seqlens=None):
+    """Fused attention; inputs as in :func:`regattn.softmax_attention` (already checked)."""
+    return FlashAttentionFunction.apply(q, k, v, u, causal, window, scale, cu_seqlens)

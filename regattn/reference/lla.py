@@ -1,0 +1,265 @@
+"""Local Linear Attention (lla-local-linear-attention.txt eq. 6-16, Algorithm 2, Appendix E.1) in plain PyTorch.
+
+Two formulations of the same function:
+
+* the explicit one (eq. 7-8): centred differences ``z_ij = k_j - q_i``, the statistics
+  ``omega_i, mu_i, Sigma_i`` materialised per query and ``rho_i = Sigma_i^-1 mu_i`` by
+  ``torch.linalg.solve`` (``cg_iters=None``);
+* the matrix-free one (eq. 10-16): uncentred sums, ``Sigma_i p`` built implicitly (eq. 13),
+  conjugate gradients with an active mask (Algorithm 2), the output through relmm (eq. 12).
+
+Weights are ``w_ij = exp(scale * q_i.k_j - m_i)`` with ``m_i`` the row maximum over visible keys,
+so the largest weight of every row is 1 and the ridge ``lam`` is measured against it.
+Low-precision inputs are computed in float32 and returned in their own dtype.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from regattn.reference.common import repeat_kv, visible
+
+
+class LLAStatistics(NamedTuple):
+    """Per-query statistics of eq. 7, heads-first: ``w [B, HQ, T, S]``, ``omega [B, HQ, T]``,
+    ``mu [B, HQ, T, D]``, ``Sigma [B, HQ, T, D, D]`` (ridge and block structure included)."""
+    w: torch.Tensor
+    omega: torch.Tensor
+    mu: torch.Tensor
+    Sigma: torch.Tensor
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """float64 stays float64; every other dtype computes in float32."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def heads_first(x: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """``[B, T, H, D] -> [B, HQ, T, D]`` (key/value heads repeated for GQA)."""
+    return repeat_kv(x, num_heads).transpose(1, 2)
+
+
+def lla_weights(q, k, *, scale, window=None):
+    """Kernel weights ``w_ij = exp(scale q_i.k_j - m_i)`` over visible keys, 0 elsewhere.
+
+    Args: q ``[B, T, HQ, D]``, k ``[B, S, H, D]``. Returns ``(w [B, HQ, T, S], m [B, HQ, T])``;
+    ``m`` is 0 for a query that sees no key. Gradients flow through the row maximum too.
+    """
+    T, HQ, S = q.shape[1], q.shape[2], k.shape[1]
+    s = torch.einsum("bhtd,bhsd->bhts", q.transpose(1, 2), heads_first(k, HQ)) * scale
+    mask = visible(T, S, causal=True, window=window, device=q.device)
+    s = s.masked_fill(~mask, float("-inf"))
+    m = s.amax(dim=-1)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    return torch.exp(s - m[..., None]), m
+
+
+def ridge(lam, shape, *, dtype, device) -> torch.Tensor:
+    """The ridge as a diagonal ``[B, HQ, T, D]`` from a float, ``[B, T, HQ]`` or ``[B, T, HQ, D]``.
+
+    ``shape = (B, HQ, T, D)``.
+    """
+    B, HQ, T, D = shape
+    if not isinstance(lam, torch.Tensor):
+        return torch.full(shape, float(lam), dtype=dtype, device=device)
+    lam = lam.to(dtype)
+    if lam.dim() == 3:
+        lam = lam[..., None]
+    return lam.transpose(1, 2).expand(B, HQ, T, D)
+
+
+def block_mask(D: int, blocks, *, dtype, device) -> torch.Tensor:
+    """``[D, D]`` 0/1 mask of ``blocks`` diagonal blocks of size ``D / blocks`` (all ones when None)."""
+    if blocks is None:
+        return torch.ones(D, D, dtype=dtype, device=device)
+    idx = torch.arange(D, device=device) // (D // blocks)
+    return (idx[:, None] == idx[None, :]).to(dtype)
+
+
+def lla_statistics(q, k, *, lam, scale, window=None, blocks=None) -> LLAStatistics:
+    """Eq. 7 from the definition: ``z_ij = k_j - q_i`` materialised, ``[B, HQ, T, S, D]``.
+
+    ``Sigma_i = blockdiag_g(sum_j w_ij z_ij z_ij^T) + diag(lam_i)``; BD-LLA keeps only the
+    ``g = blocks`` diagonal blocks of the weighted scatter (Appendix E.1).
+    """
+    B, T, HQ, D = q.shape
+    w, _ = lla_weights(q, k, scale=scale, window=window)
+    z = heads_first(k, HQ)[:, :, None, :, :] - q.transpose(1, 2)[:, :, :, None, :]
+    omega = w.sum(-1)
+    mu = torch.einsum("bhts,bhtsd->bhtd", w, z)
+    scatter = torch.einsum("bhts,bhtsd,bhtse->bhtde", w, z, z)
+    scatter = scatter * block_mask(D, blocks, dtype=q.dtype, device=q.device)
+    lam_diag = ridge(lam, (B, HQ, T, D), dtype=q.dtype, device=q.device)
+    return LLAStatistics(w, omega, mu, scatter + torch.diag_embed(lam_diag))
+
+
+def lla_probe(stats: LLAStatistics) -> torch.Tensor:
+    """``rho_i = Sigma_i^-1 mu_i``, ``[B, HQ, T, D]``, by an exact solve."""
+    return torch.linalg.solve(stats.Sigma, stats.mu[..., None])[..., 0]
+
+
+def relmm(x, q, k) -> torch.Tensor:
+    """Eq. 12: ``relmm(X, Q, K)_ij = x_i.k_j - x_i.q_i = z_ij.x_i``; heads-first ``[B, HQ, T, S]``.
+
+    ``x, q: [B, HQ, T, D]``, ``k: [B, HQ, S, D]``.
+    """
+    return x @ k.transpose(-1, -2) - (x * q).sum(-1, keepdim=True)
+
+
+def lla_output(w, omega, mu, rho, q, k, v) -> torch.Tensor:
+    """Eq. 8 / 16: ``o_i = sum_j w_ij (1 - z_ij.rho_i) v_j / (omega_i - mu_i.rho_i)``.
+
+    Heads-first ``w [B, HQ, T, S]``, ``omega [B, HQ, T]``, ``mu, rho, q [B, HQ, T, D]``,
+    ``k [B, HQ, S, D]``, ``v [B, HQ, S, Dv]``; returns ``[B, T, HQ, Dv]``. A query that sees no
+    key (``omega = 0``) gets zeros.
+    """
+    delta = omega - (mu * rho).sum(-1)
+    seen = omega > 0
+    delta = torch.where(seen, delta, torch.ones_like(delta))
+    scores = w * (1 - relmm(rho, q, k)) / delta[..., None]
+    return (scores @ v).transpose(1, 2)
+
+
+def sigma_matvec(p, q, k, w, omega, mu_tilde, lam_diag, blocks) -> torch.Tensor:
+    """Eq. 13 without materialising ``Sigma_i``: ``Sigma_i p_i`` for every query, ``[B, HQ, T, D]``.
+
+    ``p, q, mu_tilde (= sum_j w_ij k_j), lam_diag: [B, HQ, T, D]``, ``k: [B, HQ, S, D]``,
+    ``w: [B, HQ, T, S]``, ``omega: [B, HQ, T]``. With ``blocks = g`` every inner product runs
+    within each of the g feature blocks (BD-LLA).
+    """
+    g = 1 if blocks is None else blocks
+    B, HQ, T, D = p.shape
+
+    def split(x):  # [..., D] -> [..., g, D/g]
+        return x.reshape(*x.shape[:-1], g, D // g)
+
+    pb, qb, mb, kb = split(p), split(q), split(mu_tilde), split(k)
+    kp = torch.einsum("bhsgc,bhtgc->bhtsg", kb, pb)          # k_j.p_i per block
+    data = torch.einsum("bhts,bhtsg,bhsgc->bhtgc", w, kp, kb)  # sum_j w_ij (k_j.p) k_j
+    qp = (qb * pb).sum(-1, keepdim=True)
+    mp = (mb * pb).sum(-1, keepdim=True)
+    out = data - qp * mb - mp * qb + omega[..., None, None] * qp * qb
+    return out.reshape(B, HQ, T, D) + lam_diag * p
+
+
+def conjugate_gradient(matvec, y, *, iters: int, tol: float) -> torch.Tensor:
+    """Algorithm 2: solve ``A x = y`` for every row of ``y [..., D]`` from ``x = 0``.
+
+    A system is active while its residual norm exceeds ``tol * ||y||`` (and is > 0); inactive
+    systems keep their iterate unchanged, so a converged row never divides by zero.
+    """
+    x = torch.zeros_like(y)
+    r, p = y, y
+    rr = (r * r).sum(-1)
+    bound = (tol ** 2) * rr
+    for _ in range(iters):
+        active = (rr > bound) & (rr > 0)
+        Ap = matvec(p)
+        pAp = (p * Ap).sum(-1)
+        alpha = torch.where(active, rr / torch.where(active, pAp, torch.ones_like(pAp)), torch.zeros_like(rr))
+        x = x + alpha[..., None] * p
+        r = r - alpha[..., None] * Ap
+        rr_new = (r * r).sum(-1)
+        beta = torch.where(active, rr_new / torch.where(active, rr, torch.ones_like(rr)), torch.zeros_like(rr))
+        p = torch.where(active[..., None], r + beta[..., None] * p, p)
+        rr = torch.where(active, rr_new, rr)
+    return x
+
+
+def _lla_explicit(q, k, v, *, lam, scale, window, blocks):
+    stats = lla_statistics(q, k, lam=lam, scale=scale, window=window, blocks=blocks)
+    rho = lla_probe(stats)
+    HQ = q.shape[2]
+    return lla_output(stats.w, stats.omega, stats.mu, rho, q.transpose(1, 2), heads_first(k, HQ),
+                      heads_first(v, HQ))
+
+
+def lla_matrix_free(q, k, v, *, lam, scale, window=None, blocks=None, cg_iters: int, cg_tol=1e-6):
+    """Eq. 10-16 with Algorithm 2: uncentred sums, implicit ``Sigma_i p``, CG, relmm output.
+
+    Same arguments and result as :func:`lla` with an integer ``cg_iters``.
+    """
+    B, T, HQ, D = q.shape
+    w, _ = lla_weights(q, k, scale=scale, window=window)
+    qh, kh, vh = q.transpose(1, 2), heads_first(k, HQ), heads_first(v, HQ)
+    omega = w.sum(-1)
+    mu_tilde = w @ kh                                   # eq. 10
+    mu = mu_tilde - omega[..., None] * qh               # eq. 11
+    lam_diag = ridge(lam, (B, HQ, T, D), dtype=q.dtype, device=q.device)
+
+    def matvec(p):
+        return sigma_matvec(p, qh, kh, w, omega, mu_tilde, lam_diag, blocks)
+
+    rho = conjugate_gradient(matvec, mu, iters=cg_iters, tol=cg_tol)
+    return lla_output(w, omega, mu, rho, qh, kh, vh)
+
+
+def lla_blocks_uncentred(q, k, v, *, lam, scale, window=None, blocks: int):
+    """BD-LLA through eq. 10-11 per feature block, without ``z_ij``: ``[B, T, HQ, Dv]``.
+
+    Each of the ``g = blocks`` diagonal blocks of ``Sigma_i`` is ``sum_j w_ij k_j^b k_j^bT`` (from the
+    per-block products ``k^b k^bT``, ``[S, g, D/g, D/g]``) centred by eq. 11, plus the ridge; the
+    ``g`` small systems are solved exactly. Memory ``O(T S + S D^2 / g + T D^2 / g)``.
+    """
+    B, T, HQ, D = q.shape
+    c = D // blocks
+    w, _ = lla_weights(q, k, scale=scale, window=window)
+    qh, kh, vh = q.transpose(1, 2), heads_first(k, HQ), heads_first(v, HQ)
+    omega = w.sum(-1)
+    mt = w @ kh
+    mu = mt - omega[..., None] * qh
+
+    def split(x):  # [..., D] -> [..., g, c]
+        return x.reshape(*x.shape[:-1], blocks, c)
+
+    kb = split(kh)
+    kk = (kb[..., :, None] * kb[..., None, :]).flatten(-3)                     # [B, HQ, S, g c c]
+    second = (w @ kk).view(B, HQ, T, blocks, c, c)
+    qb, mb = split(qh), split(mt)
+    sigma = (second - mb[..., :, None] * qb[..., None, :] - qb[..., :, None] * mb[..., None, :]
+             + omega[..., None, None, None] * qb[..., :, None] * qb[..., None, :])
+    sigma = sigma + torch.diag_embed(split(ridge(lam, (B, HQ, T, D), dtype=q.dtype, device=q.device)))
+    rho = torch.linalg.solve(sigma, split(mu)[..., None])[..., 0].reshape(B, HQ, T, D)
+    return lla_output(w, omega, mu, rho, qh, kh, vh)
+
+
+def lla(q, k, v, *, lam, scale=None, window=None, blocks=None, cg_iters=None, cg_tol=1e-6):
+    """Local Linear Attention, ``[B, T, HQ, Dv]`` (see :func:`regattn.lla` for the definition).
+
+    Args:
+        q: ``[B, T, HQ, D]``; k: ``[B, S, H, D]``; v: ``[B, S, H, Dv]``; queries aligned to the end of the keys.
+        lam: float, ``[B, T, HQ]`` or ``[B, T, HQ, D]``; scale: defaults to ``D ** -0.5``.
+        window: SW-LLA; blocks: BD-LLA with ``g`` diagonal blocks; cg_iters: None (exact solve,
+            eq. 7-8) or CG iterations (matrix-free eq. 10-16, Algorithm 2); cg_tol: relative residual.
+    """
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    dtype = compute_dtype(q)
+    q32, k32, v32 = q.to(dtype), k.to(dtype), v.to(dtype)
+    if isinstance(lam, torch.Tensor):
+        lam = lam.to(dtype)
+    if cg_iters is None:
+        o = _lla_explicit(q32, k32, v32, lam=lam, scale=scale, window=window, blocks=blocks)
+    else:
+        o = lla_matrix_free(q32, k32, v32, lam=lam, scale=scale, window=window, blocks=blocks,
+                            cg_iters=cg_iters, cg_tol=cg_tol)
+    return o.to(q.dtype)
+
+
+def lla_decomposition(q, k, v, *, lam, scale=None, window=None):
+    """Parallax eq. 7 pieces, heads-first: ``o_SA, Sigma_KV [.., Dv, D], rho*, tbar, eta``.
+
+    ``o_LLA = o_SA - (1 + eta) Sigma_KV rho*`` with ``p_i = w_i / omega_i``, ``tbar_i = E_p[z_ij.rho*_i]``
+    and ``eta_i = tbar_i / (1 - tbar_i)`` (parallax Prop. 3.1: ``tbar in [0, 1)``).
+    """
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    HQ = q.shape[2]
+    stats = lla_statistics(q, k, lam=lam, scale=scale, window=window)
+    rho = lla_probe(stats)
+    p = stats.w / stats.omega[..., None]
+    kh, vh, qh = heads_first(k, HQ), heads_first(v, HQ), q.transpose(1, 2)
+    k_bar, v_bar = p @ kh, p @ vh
+    cross = torch.einsum("bhts,bhse,bhsd->bhted", p, vh, kh)
+    sigma_kv = cross - v_bar[..., :, None] * k_bar[..., None, :]
+    t_bar = ((k_bar - qh) * rho).sum(-1)
+    return v_bar, sigma_kv, rho, t_bar, t_bar / (1 - t_bar)

@@ -1,0 +1,43 @@
+"""Softmax attention (Nadaraya-Watson), sliding window and the GatedFWA gate bias, in plain PyTorch."""
+from __future__ import annotations
+
+import torch
+
+from regattn.reference.common import per_sequence, repeat_kv, visible
+
+
+def attention_logits(q, k, *, causal=True, window=None, gate=None, scale):
+    """Masked logits ``[B, HQ, T, S]`` in q's dtype: ``scale * q.k (+ u_i - u_j)``, ``-inf`` where hidden."""
+    HQ, T, S = q.shape[2], q.shape[1], k.shape[1]
+    k = repeat_kv(k, HQ)
+    s = torch.einsum("bthd,bshd->bhts", q, k) * scale
+    if gate is not None:
+        u = gate.to(s.dtype).transpose(1, 2)  # [B, HQ, T]
+        s = s + u[:, :, :, None] - u[:, :, None, :]
+    mask = visible(T, S, causal=causal, window=window, device=q.device)
+    return s.masked_fill(~mask, float("-inf"))
+
+
+def softmax_weights(logits):
+    """Row softmax that gives zero rows (not NaN) where a query sees no key."""
+    p = torch.softmax(logits, dim=-1)
+    return torch.nan_to_num(p, nan=0.0)
+
+
+def _softmax_attention(q, k, v, *, causal, window, gate, scale):
+    p = softmax_weights(attention_logits(q, k, causal=causal, window=window, gate=gate, scale=scale))
+    return torch.einsum("bhts,bshd->bthd", p, repeat_kv(v, q.shape[2]))
+
+
+def softmax_attention(q, k, v, *, causal=True, window=None, gate=None, scale=None, cu_seqlens=None):
+    """``o_i = sum_j softmax_j(scale q_i.k_j + u_i - u_j) v_j`` over the visible keys; ``[B, T, HQ, Dv]``.
+
+    Computed in the inputs' dtype (pass float64 for the exact spec).
+    """
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if gate is None:
+        return per_sequence(_softmax_attention, cu_seqlens, q, q, k, v, causal=causal, window=window,
+                            gate=None, scale=scale)
+    return per_sequence(lambda q, k, v, g: _softmax_attention(q, k, v, causal=causal, window=window, gate=g,
+                                                              scale=scale),
+                        cu_seqlens, q, q, k, v, gate)

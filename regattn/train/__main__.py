@@ -1,0 +1,9 @@
+"""``python -m regattn.train lm ...`` trains a language model (:mod:`regattn.train.lm`, torchrun-ready);
+``python -m regattn.train TASK ...`` trains on a synthetic task (:mod:`regattn.train.cli`)."""
+import sys
+
+if len(sys.argv) > 1 and sys.argv[1] == "lm":
+    from regattn.train.lm import main
+    sys.exit(main(sys.argv[2:]))
+from regattn.train.cli import main
+sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,96 @@
+"""Plots of training results: curves per mixer, and the sweep's metric against the varied setting."""
+from __future__ import annotations
+
+import numpy as np
+
+
+def _pyplot():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def _mean_curve(runs: list[dict], part: str, key: str) -> tuple[np.ndarray, np.ndarray]:
+    """Steps and the seed-mean of ``history[part][*][key]`` (runs share their step grid)."""
+    curves = [[row[key] for row in r["history"][part]] for r in runs]
+    n = min(len(c) for c in curves)
+    steps = np.array([row["step"] for row in runs[0]["history"][part][:n]])
+    return steps, np.mean([c[:n] for c in curves], axis=0)
+
+
+def plot_curves(runs_by_label: dict[str, list[dict]], path: str, *, title: str = "") -> None:
+    """Training loss and test metric against the step, one line per label (mean over its runs)."""
+    plt = _pyplot()
+    fig, (ax_loss, ax_test) = plt.subplots(1, 2, figsize=(10, 3.6))
+    for label, runs in runs_by_label.items():
+        if not runs:
+            continue
+        metric = runs[0]["metric"]
+        steps, loss = _mean_curve(runs, "train", "loss")
+        width = max(1, len(loss) // 50)
+        smooth = np.convolve(loss, np.ones(width) / width, mode="valid")
+        ax_loss.plot(steps[width - 1:], smooth, label=label)
+        if runs[0]["history"]["eval"]:
+            steps, test = _mean_curve(runs, "eval", metric)
+            ax_test.plot(steps, test, marker=".", label=label)
+        ax_test.set_ylabel(f"test {metric}")
+    ax_loss.set_ylabel("train loss")
+    for ax in (ax_loss, ax_test):
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    if runs_by_label and next(iter(runs_by_label.values()))[0]["metric"] == "mse":
+        ax_test.set_yscale("log")
+    ax_test.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_sweep(summary: dict, path: str, *, xlabel: str, metric: str, title: str = "") -> None:
+    """``summary[mixer][point] = {"x": value, "mean": m, "std": s}``: metric against x, one line per mixer."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(5.5, 3.8))
+    for mixer, points in summary.items():
+        rows = sorted(points.values(), key=lambda r: (isinstance(r["x"], str), r["x"]))
+        xs = [str(r["x"]) for r in rows]
+        means = np.array([np.nan if r["mean"] is None else r["mean"] for r in rows])
+        stds = np.array([0.0 if r["std"] is None else r["std"] for r in rows])
+        ax.errorbar(xs, means, yerr=stds, marker="o", capsize=3, label=mixer)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(f"test {metric} (best lr, mean over seeds)")
+    if metric == "mse":
+        ax.set_yscale("log")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_diagnostics(run: dict, path: str, *, title: str = "") -> list[str]:
+    """Each recorded diagnostic (COR, probe norm, ...) against the step, one line per layer; returns the keys drawn."""
+    rows = run["history"].get("analysis") or []
+    if not rows:
+        return []
+    keys = [k for k in ("cor", "corr_f", "cpa", "probe_norm", "score_range", "entropy", "sink_base", "density")
+            if k in rows[0]["layers"][0]]
+    if not keys:
+        return []
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, len(keys), figsize=(3.2 * len(keys), 3), squeeze=False)
+    steps = [r["step"] for r in rows]
+    for ax, key in zip(axes[0], keys):
+        for layer in range(len(rows[0]["layers"])):
+            ax.plot(steps, [r["layers"][layer][key] for r in rows], marker=".", label=f"layer {layer}")
+        ax.set_title(key)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return keys

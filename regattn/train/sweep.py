@@ -1,0 +1,247 @@
+"""``regattn sweep TASK --mixers a,b,c --lrs ... [--seeds ...] [--vary KEY=v1,v2,...]`` or ``regattn sweep --preset NAME``.
+
+For every point of the sweep (a value of the varied task setting; for ``mad`` each of the six
+tasks, for ``mad_benchmark`` every benchmark setting, for ``mad_hard`` the harder sweep), every
+seed, mixer and learning rate, one run. A run's score is its best test metric over the
+evaluations (the papers report the best checkpoint); per mixer and point the score is averaged
+over seeds and the best learning rate is kept, as the papers report. Writes ``sweep.json`` (every
+run and the summary) and plots: the metric against the varied setting, and the training curves
+at each mixer's best learning rate.
+
+``--vary a:b=1:10,2:20`` varies two settings together (zipped); repeated ``--vary`` options form a
+grid; a key ``cfg.NAME`` varies a training setting instead of a task setting (``--vary cfg.dim=64,128``,
+the model widths of gatedfwa Figure 8). A preset (:data:`PRESETS`) writes a paper's protocol as arguments; arguments after it
+override it (a ``--vary`` of the same key replaces the preset's).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import os
+import statistics
+import sys
+
+from regattn.models.mixers import MIXERS
+from regattn.tasks import MAD_TASKS, TASKS, mad_benchmark_settings, mad_hard_settings, make_task
+from regattn.train.cli import add_common, base_config, parse_list, parse_value, record, write_json
+from regattn.train.plots import plot_curves, plot_sweep
+from regattn.train.trainer import TrainConfig, score, train
+
+SUITES = ("mad", "mad_benchmark", "mad_hard")
+
+_ADAMW = "--optimizer adamw --betas 0.9,0.999 --weight-decay 0.1 --batch-size 256 --schedule constant --seeds 0,1,2"
+_MUON = "--optimizer muon --schedule wsd --warmup 0 --decay-start 0.8 --epochs 60 --batch-size 128 --lrs 5e-3,1e-3,5e-4"
+PRESETS = {
+    # lla Appendix F.2 (AdamW (0.9, 0.999), weight decay 0.1, batch 256; the paper names no schedule: constant)
+    "lla-icr": f"icr --no-mlp --vary length=64,128,256,512 --vary segments=8,4,2,1 --lrs 5e-5,1e-4,5e-4,1e-3 "
+               f"--epochs 100 --set num_train=100000 --set num_test=1000 --mixers softmax,lla {_ADAMW}",
+    "lla-mqar": f"mqar --vary length=64,128,256,512 --vary pairs_per_length:num_train=16:20000,8:40000,4:60000 "
+                f"--lrs 1e-4,5e-4,1e-3 --epochs 32 --set vocab_size=8192 --set num_test=1000 "
+                f"--mixers softmax,parallax,lla {_ADAMW}",
+    "lla-state": f"state --vary positions=16,24,48,96 --lrs 1e-4,5e-4,1e-3 --epochs 64 --set items=8192 --set queries=8 "
+                 f"--set num_train=100000 --set num_test=1000 --mixers softmax,lla {_ADAMW}",
+    # gatedfwa Section 4.1 (w = N / 2 is the windowed mixers' default; training settings as lla-mqar)
+    "gatedfwa-mqar": f"mqar --vary length=128,256,512 --vary cfg.dim=64,128,256,512 --lrs 1e-4,5e-4,1e-3 --epochs 32 --set num_train=20000 "
+                     f"--set num_test=1000 --mixers softmax,swa,gatedfwa {_ADAMW}",
+    # parallax Appendix E (Muon, WSD without warm-up, last 20% decayed, 60 epochs, three peak rates)
+    "parallax-mad": f"mad --mixers softmax,parallax,gatedfwa,decay {_MUON}",
+    "parallax-mad-benchmark": f"mad_benchmark --mixers softmax,parallax,gatedfwa,decay {_MUON}",
+    "parallax-mad-hard": f"mad_hard --mixers softmax,parallax,gatedfwa,decay {_MUON}",
+}
+
+
+def expand_preset(argv: list[str]) -> list[str]:
+    """``--preset NAME rest`` -> the preset's arguments followed by ``rest``."""
+    if "--preset" not in argv:
+        return argv
+    i = argv.index("--preset")
+    if i + 1 >= len(argv) or argv[i + 1] not in PRESETS:
+        raise SystemExit(f"--preset: expected one of {sorted(PRESETS)}, got {argv[i + 1:i + 2]}")
+    return PRESETS[argv[i + 1]].split() + argv[:i] + argv[i + 2:]
+
+
+def parse_vary(items: list[str]) -> list[tuple[str, list]]:
+    """``["a=1,2", "b:c=1:10,2:20"]`` -> ``[("a", [1, 2]), ("b:c", [(1, 10), (2, 20)])]``; a later entry of
+    the same key replaces the values of an earlier one, in its place."""
+    out: dict = {}
+    for item in items:
+        if "=" not in item:
+            raise SystemExit(f"--vary: expected KEY=V1,V2,..., got {item!r}")
+        key, values = item.split("=", 1)
+        width = len(key.split(":"))
+        parsed = []
+        for value in values.split(","):
+            parts = [parse_value(v) for v in value.split(":")]
+            if len(parts) != width:
+                raise SystemExit(f"--vary: {key!r} needs {width} values per point, got {value!r}")
+            parsed.append(tuple(parts) if width > 1 else parts[0])
+        out[key] = parsed                       # a repeated key keeps its place
+    return list(out.items())
+
+
+def label(setting: dict) -> str:
+    return ",".join(f"{k}={v}" for k, v in setting.items()) or "baseline"
+
+
+def sweep_points(task: str, vary: list[tuple[str, list]] | None) -> list[tuple[str, dict, object]]:
+    """``(task name, task settings, x)`` for each point. ``vary``: :func:`parse_vary` entries whose product
+    is swept; x is the value when one setting varies, else the settings' label."""
+    if task == "mad":
+        return [(f"mad_{name}", {}, name) for name in MAD_TASKS]
+    if task == "mad_benchmark":
+        return [(f"mad_{name}", s, f"{name}:{label(s)}") for name, s in mad_benchmark_settings()]
+    if task == "mad_hard":
+        return [(f"mad_{name}", s, f"{name}:{label(s)}") for name, s in mad_hard_settings()]
+    if not vary:
+        return [(task, {}, "default")]
+    axes = [[dict(zip(key.split(":"), v if isinstance(v, tuple) else (v,))) for v in values] for key, values in vary]
+    grid = [{k: v for part in parts for k, v in part.items()} for parts in itertools.product(*axes)]
+    single = len(vary) == 1 and ":" not in vary[0][0]
+    return [(task, g, g[vary[0][0]] if single else label(g)) for g in grid]
+
+
+def by_first_key(summary: dict, runs: list[dict], key: str) -> dict:
+    """The summary averaged over every varied setting but ``key``: ``{mixer: {value: {x, mean, std}}}``."""
+    setting_of = {str(r["x"]): r["setting"] for r in runs}
+    out = {}
+    for mixer, cells in summary.items():
+        groups: dict = {}
+        for x, cell in cells.items():
+            groups.setdefault(setting_of[x][key], []).append(cell["mean"])
+        out[mixer] = {str(v): dict(x=v, mean=statistics.fmean(m), std=statistics.pstdev(m) if len(m) > 1 else 0.0)
+                      for v, m in groups.items()}
+    return out
+
+
+CONFIG_PREFIX = "cfg."
+
+
+def run_key(mixer: str, x, lr: float, seed: int) -> tuple:
+    return (mixer, str(x), float(lr), int(seed))
+
+
+def run_sweep(base: TrainConfig, *, mixers: list[str], lrs: list[float], seeds: list[int],
+              points: list[tuple[str, dict, object]], done: list[dict] | None = None, on_run=None) -> list[dict]:
+    """Every run of the grid; each record carries ``mixer, x, lr, seed``. Data is built once per point and seed.
+
+    done: records of an earlier, interrupted sweep; their runs are kept, not repeated.
+    on_run: called with the list of records after each run (to save partial results).
+    """
+    runs = list(done or [])
+    finished = {run_key(r["mixer"], r["x"], r["lr"], r["seed"]) for r in runs}
+    for task, setting, x in points:
+        model = {k[len(CONFIG_PREFIX):]: v for k, v in setting.items() if k.startswith(CONFIG_PREFIX)}
+        options = {**base.task_options, **{k: v for k, v in setting.items() if not k.startswith(CONFIG_PREFIX)}}
+        for seed in seeds:
+            pending = [(m, lr) for m in mixers for lr in lrs if run_key(m, x, lr, seed) not in finished]
+            if not pending:
+                continue
+            data = make_task(task, seed=seed, **options)
+            for mixer, lr in pending:
+                config = dataclasses.replace(base, task=task, task_options=options, mixer=mixer, lr=lr, seed=seed,
+                                             **model)
+                run = record(train(config, data=data))
+                run.update(mixer=mixer, x=x, setting=setting, lr=lr, seed=seed)
+                runs.append(run)
+                best = run["best"][run["metric"]] if run["best"] else float("nan")
+                print(f"{task} {label(setting)} {mixer} lr {lr:g} seed {seed}: best {run['metric']} {best:.4f}"
+                      f"{' (diverged)' if run['diverged'] else ''} ({run['seconds']:.0f} s)")
+                if on_run is not None:
+                    on_run(runs)
+    return runs
+
+
+def summarize_sweep(runs: list[dict]) -> dict:
+    """``{mixer: {str(x): {x, best_lr, mean, std, per_lr: {lr: mean}}}}`` over the seeds' best scores
+    (a diverged or failed run scores the worst; a mean with one is NaN and never the best)."""
+    out: dict = {}
+    for r in runs:
+        cell = out.setdefault(r["mixer"], {}).setdefault(str(r["x"]), {"x": r["x"], "scores": {}, "metric": r["metric"]})
+        value = r["best"][r["metric"]] if r["best"] else float("nan")
+        cell["scores"].setdefault(r["lr"], []).append(value)
+    for points in out.values():
+        for cell in points.values():
+            scores, metric = cell.pop("scores"), cell.pop("metric")
+            per_lr = {lr: statistics.fmean(v) for lr, v in scores.items()}
+            best = max(per_lr, key=lambda lr: score(metric, per_lr[lr]))
+            cell.update(best_lr=best, mean=per_lr[best],
+                        std=statistics.pstdev(scores[best]) if len(scores[best]) > 1 else 0.0,
+                        per_lr={str(lr): m for lr, m in per_lr.items()})
+    return out
+
+
+def suite_average(summary: dict) -> dict:
+    """Per mixer: the mean over MAD tasks of each task's mean over its settings (Table 1a's Avg)."""
+    out = {}
+    for mixer, points in summary.items():
+        per_task: dict = {}
+        for key, cell in points.items():
+            per_task.setdefault(str(key).split(":")[0], []).append(cell["mean"])
+        tasks = {t: statistics.fmean(v) for t, v in per_task.items()}
+        out[mixer] = dict(tasks=tasks, average=statistics.fmean(tasks.values()))
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="regattn sweep", description=__doc__.split("\n")[0])
+    add_common(p)
+    p.add_argument("--mixers", required=True, help=f"comma-separated, from {', '.join(sorted(MIXERS))}")
+    p.add_argument("--lrs", default="1e-3", help="comma-separated learning rates")
+    p.add_argument("--vary", action="append", metavar="KEY=V1,V2,...",
+                   help="a task setting to sweep; repeat for a grid (the first is the plot's x-axis, "
+                        "the others are averaged in the plot)")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the runs already in the output JSON (written after every run) and do the rest")
+    p.add_argument("--preset", choices=sorted(PRESETS), help="a paper's protocol (see PRESETS); give no TASK")
+    return p
+
+
+def main(argv=None) -> int:
+    p = build_parser()
+    args = p.parse_args(expand_preset(list(sys.argv[1:] if argv is None else argv)))
+    if args.task not in TASKS and args.task not in SUITES:
+        p.error(f"task: expected one of {sorted(TASKS) + list(SUITES)}, got {args.task!r}")
+    mixers = [m for m in args.mixers.split(",") if m]
+    unknown = [m for m in mixers if m not in MIXERS]
+    if unknown:
+        p.error(f"--mixers: unknown {unknown}; expected from {sorted(MIXERS)}")
+    vary = parse_vary(args.vary or [])
+    base = base_config(args, task=args.task if args.task in TASKS else "mad_recall")
+    points = sweep_points(args.task, vary)
+    stem = os.path.join(args.out, f"sweep-{args.task}")
+    head = dict(task=args.task, mixers=mixers, lrs=parse_list(args.lrs), seeds=parse_list(args.seeds, int),
+                vary=[k for k, _ in vary])
+    done = []
+    if args.resume and os.path.exists(stem + ".json"):
+        with open(stem + ".json") as f:
+            done = json.load(f)["runs"]
+
+    def save(runs):
+        payload = dict(head, summary=summarize_sweep(runs), runs=runs)
+        if args.task in SUITES:
+            payload["average"] = suite_average(payload["summary"])
+        write_json(stem + ".json", payload)
+        return payload
+
+    runs = run_sweep(base, mixers=mixers, lrs=head["lrs"], seeds=head["seeds"], points=points, done=done,
+                     on_run=save)
+    payload = save(runs)
+    summary = payload["summary"]
+    metric = runs[0]["metric"]
+    first = vary[0][0].split(":")[0] if vary else None
+    single = len(vary) == 1 and ":" not in vary[0][0]
+    shown = summary if single or not vary else by_first_key(summary, runs, first)
+    others = [k for key, _ in vary for k in key.split(":") if k != first]
+    xlabel = "task" if not vary else first + (f" (mean over {', '.join(others)})" if others else "")
+    plot_sweep(shown, stem + ".png", xlabel=xlabel, metric=metric, title=args.task)
+    for i, (_, _, x) in enumerate(points):
+        best = {m: [r for r in runs if r["mixer"] == m and str(r["x"]) == str(x)
+                    and r["lr"] == summary[m][str(x)]["best_lr"]] for m in mixers}
+        plot_curves(best, f"{stem}-curves-{i}.png", title=f"{args.task} {x}")
+    print(json.dumps({m: {k: round(c["mean"], 4) for k, c in pts.items()} for m, pts in summary.items()}))
+    if "average" in payload:
+        print(json.dumps({m: round(a["average"], 4) for m, a in payload["average"].items()}))
+    print(f"wrote {stem}.json and plots")
+    return 0

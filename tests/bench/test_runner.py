@@ -1,0 +1,113 @@
+"""Timing statuses, ratios, the table, shape parsing."""
+import pytest
+import torch
+
+from regattn.bench import cli, suites
+from regattn.bench.runner import add_ratios, format_table, relative_diff, shape_label
+from regattn.bench.timing import describe, measure
+
+
+def test_measure_times_a_call_on_cpu():
+    m = measure(lambda: torch.ones(8).sum(), cuda=False)
+    assert m.status == "ok" and m.ms > 0 and m.peak_mb is None
+
+
+def test_measure_reports_oom_and_errors_as_status():
+    def oom():
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 4 GiB")
+
+    def broken():
+        raise NotImplementedError("no kernel\nsecond line")
+
+    assert measure(oom, cuda=False).status == "OOM"
+    assert measure(broken, cuda=False).status == "error: NotImplementedError: no kernel"
+    assert describe(RuntimeError("No available kernel. Aborting execution.")) == "unsupported"
+
+
+def rows(*specs):
+    return [{"shape": "s", "mode": mode, "op": op, "ours": ours, "status": "ok" if ms else "OOM", "ms": ms}
+            for op, mode, ours, ms in specs]
+
+
+def test_ratio_is_time_over_the_best_peer_of_the_same_shape_and_mode():
+    r = rows(("ours", "fwd", True, 1.0), ("a", "fwd", False, 4.0), ("b", "fwd", False, 2.0), ("c", "fwd", False, None),
+             ("ours", "fwd+bwd", True, 3.0), ("a", "fwd+bwd", False, 6.0), ("only-ours", "decode", True, 1.0))
+    add_ratios(r)
+    assert [x["ratio"] for x in r] == [0.5, 2.0, 1.0, None, 0.5, 1.0, None]
+
+
+def test_table_shows_status_in_place_of_time():
+    r = rows(("ours", "fwd", True, 1.0), ("peer", "fwd", False, None))
+    add_ratios(r)
+    for x in r:
+        x.update(tflops=None, gbps=None, peak_mb=None, params={})
+    text = format_table(r)
+    assert "OOM" in text and "ratio" in text and "peak MB" in text and "TFLOP/s" in text
+
+
+def test_relative_diff():
+    a = torch.tensor([1.0, 2.0])
+    assert relative_diff(a, a) == 0.0
+    assert relative_diff(torch.tensor([float("nan"), 2.0]), a) == float("inf")
+    assert relative_diff(a, torch.ones(3)) is None
+
+
+def test_parse_shapes_expands_alternatives_and_grid_names():
+    suite = suites.get("softmax")
+    shapes = cli.parse_shapes(["B=4,H=16,T=2048/8192,D=128,window=none/1024"], suite, cuda=True)
+    assert shapes == [dict(B=4, H=16, T=T, D=128, window=w) for T in (2048, 8192) for w in (None, 1024)]
+    assert cli.parse_shapes(["tiny"], suite, cuda=True) == suite.GRIDS["tiny"]
+    assert cli.parse_shapes(None, suite, cuda=False) == suite.GRIDS["tiny"]
+    with pytest.raises(ValueError, match="--shapes"):
+        cli.parse_shapes(["B4"], suite, cuda=True)
+    assert shape_label(dict(B=1, window=None, T=8)) == "B=1 T=8"
+
+
+def test_unknown_suite_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["nonsense"])
+    assert "suite" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="suite"):
+        suites.get("nonsense")
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """The CUDA calls of the timing module, replaced by counters, to exercise its GPU control flow on CPU."""
+    import triton.testing
+
+    state = {"allocated": 1024 * 2**20, "peak": 1536 * 2**20, "graph_fails": False, "calls": []}
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a: state["allocated"])
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: state["peak"])
+
+    def do_bench(fn, warmup, rep, return_mode):
+        state["calls"].append(("do_bench", return_mode))
+        fn()
+        return 2.5
+
+    def do_bench_cudagraph(fn, rep, return_mode):
+        state["calls"].append(("graph", return_mode))
+        if state["graph_fails"]:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return 0.25
+
+    monkeypatch.setattr(triton.testing, "do_bench", do_bench)
+    monkeypatch.setattr(triton.testing, "do_bench_cudagraph", do_bench_cudagraph)
+    return state
+
+
+def test_measure_on_cuda_takes_the_median_and_the_peak_above_the_inputs(fake_cuda):
+    m = measure(lambda: None, cuda=True)
+    assert (m.status, m.ms, m.peak_mb, m.graph) == ("ok", 2.5, 512.0, False)
+    assert fake_cuda["calls"] == [("do_bench", "median")]
+
+
+def test_measure_replays_a_cuda_graph_and_falls_back_when_capture_fails(fake_cuda):
+    m = measure(lambda: None, cuda=True, graph=True)
+    assert (m.ms, m.graph) == (0.25, True)
+    fake_cuda["graph_fails"] = True
+    m = measure(lambda: None, cuda=True, graph=True)
+    assert (m.status, m.ms, m.graph) == ("ok", 2.5, False)

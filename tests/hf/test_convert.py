@@ -1,0 +1,182 @@
+"""convert_to_parallax on tiny Llama / Qwen3 models: same logits at zero W_R, training, save/load, errors."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+transformers = pytest.importorskip("transformers")
+
+import torch  # noqa: E402
+from transformers import AutoModelForCausalLM, LlamaModel  # noqa: E402
+
+import regattn  # noqa: E402
+import regattn.hf  # noqa: E402
+from regattn.hf import ParallaxAttention, ParallaxQwen3ForCausalLM  # noqa: E402
+from regattn.layers.parallax import Parallax  # noqa: E402
+from tests.helpers import rel_err  # noqa: E402
+from tests.hf import tiny  # noqa: E402
+from tests.hf.test_attention import packed_check  # noqa: E402
+
+ARCHS = ["llama", "qwen3", "qwen3_sliding"]
+
+
+def _train_step(model, x, lr=1e-2):
+    """One AdamW step on the LM loss; returns the loss."""
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    loss = model(x, labels=x).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return model.eval()
+
+
+def _probe_weights(model):
+    return [layer.self_attn.r_proj.weight for layer in model.model.layers]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_zero_probe_keeps_logits(arch):
+    x = tiny.tokens(T=13)
+    model = tiny.model(arch)
+    before = model(x).logits
+    converted = regattn.convert_to_parallax(model)
+    assert converted is model and type(model).__name__.startswith("Parallax")
+    assert all(isinstance(layer.self_attn, ParallaxAttention) for layer in model.model.layers)
+    assert all(w.shape == layer.self_attn.q_proj.weight.shape and not w.any()
+               for w, layer in zip(_probe_weights(model), model.model.layers))
+    assert rel_err(model(x).logits, before) < 1e-5
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_training_moves_probe_and_logits(arch):
+    x = tiny.tokens(T=13)
+    model = regattn.convert_to_parallax(tiny.model(arch))
+    before = model(x).logits.detach()
+    model.train()
+    model(x, labels=x).loss.backward()
+    assert all(w.grad is not None and w.grad.abs().sum() > 0 for w in _probe_weights(model))
+    model.zero_grad()
+    _train_step(model, x)
+    assert all(w.abs().sum() > 0 for w in _probe_weights(model))
+    after = model(x).logits
+    assert torch.isfinite(after).all() and rel_err(after, before) > 1e-3
+
+
+def test_layer_equals_regattn_parallax_layer():
+    """A converted Qwen3 attention layer with a trained W_R is regattn's Parallax layer (RMSNorm + RoPE on rho)."""
+    model = regattn.convert_to_parallax(tiny.model("qwen3"))
+    attn = model.model.layers[0].self_attn
+    torch.nn.init.normal_(attn.r_proj.weight, std=0.2)
+    torch.nn.init.normal_(attn.r_norm.weight, mean=1.0, std=0.1)
+    cfg = model.config
+    rope_base = cfg.rope_parameters["rope_theta"] if getattr(cfg, "rope_parameters", None) else cfg.rope_theta
+    layer = Parallax(cfg.hidden_size, cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads,
+                     head_dim=cfg.head_dim, rope_base=rope_base, norm_eps=cfg.rms_norm_eps)
+    for name in ("q_proj", "k_proj", "v_proj", "o_proj", "r_proj", "q_norm", "k_norm", "r_norm"):
+        getattr(layer, name).load_state_dict(getattr(attn, name).state_dict())
+    x = torch.randn(2, 9, cfg.hidden_size)
+    positions = torch.arange(9)[None].expand(2, -1)
+    ours = attn(x, model.model.rotary_emb(x, positions))[0]
+    assert rel_err(ours, layer(x)) < 1e-5
+
+
+def test_rope_on_probe_matters():
+    """rope_probe=False gives a different model once W_R is nonzero (same weights)."""
+    x = tiny.tokens(T=13)
+    a, b = (regattn.convert_to_parallax(tiny.model("llama"), rope_probe=flag) for flag in (True, False))
+    for ma, mb in zip(_probe_weights(a), _probe_weights(b)):
+        with torch.no_grad():
+            ma.normal_(std=0.2)
+            mb.copy_(ma)
+    assert rel_err(a(x).logits, b(x).logits) > 1e-4
+
+
+@pytest.mark.parametrize("arch,rope_probe", [("llama", True), ("qwen3_sliding", False)])
+def test_save_load_round_trip(tmp_path, arch, rope_probe):
+    x = tiny.tokens(T=13)
+    model = _train_step(regattn.convert_to_parallax(tiny.model(arch), rope_probe=rope_probe), x)
+    expected = model(x).logits
+    model.save_pretrained(tmp_path)
+    loaded, info = AutoModelForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
+    assert type(loaded) is type(model)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    assert loaded.config.parallax_rope_probe is rope_probe
+    assert all(layer.self_attn.rope_probe is rope_probe for layer in loaded.model.layers)
+    assert rel_err(loaded.eval()(x).logits, expected) < 1e-6
+
+
+def test_cached_decoding_matches_full_forward():
+    """After training, logits through the KV cache (prefill, a 2-token chunk, single steps past the window)
+    equal one forward over the whole sequence; greedy generation with and without the cache agrees."""
+    x = tiny.tokens(B=2, T=11)
+    model = _train_step(regattn.convert_to_parallax(tiny.model("qwen3_sliding")), tiny.tokens(T=13))
+    with torch.no_grad():
+        full = model(x).logits
+        out = model(x[:, :4], use_cache=True)
+        steps = [out.logits]
+        for a, b in [(4, 6), *((t, t + 1) for t in range(6, 11))]:
+            out = model(x[:, a:b], past_key_values=out.past_key_values, use_cache=True)
+            steps.append(out.logits)
+    assert rel_err(torch.cat(steps, 1), full) < 1e-5
+    prompt = x[:, :5]
+    kwargs = dict(max_new_tokens=6, do_sample=False, attention_mask=torch.ones_like(prompt))
+    assert torch.equal(model.generate(prompt, **kwargs), model.generate(prompt, use_cache=False, **kwargs))
+
+
+def test_packed_sequences():
+    model = _train_step(regattn.convert_to_parallax(tiny.model("qwen3_sliding")), tiny.tokens(T=13))
+    packed_check(model)
+
+
+def test_converted_model_runs_on_regattn_attention_config():
+    """A model built for regattn_softmax converts too (its mask is checked the same way)."""
+    x = tiny.tokens(T=13)
+    model = tiny.model("llama", "regattn_softmax")
+    before = model(x).logits
+    assert rel_err(regattn.convert_to_parallax(model)(x).logits, before) < 1e-5
+
+
+def test_bad_inputs():
+    with pytest.raises(TypeError, match="model"):
+        regattn.convert_to_parallax(LlamaModel(tiny.config("llama")))
+    with pytest.raises(TypeError, match="model"):
+        regattn.convert_to_parallax(torch.nn.Linear(2, 2))
+    converted = regattn.convert_to_parallax(tiny.model("qwen3"))
+    assert isinstance(converted, ParallaxQwen3ForCausalLM)
+    with pytest.raises(TypeError, match="model"):
+        regattn.convert_to_parallax(converted)
+    with pytest.raises(TypeError, match="rope_probe"):
+        regattn.convert_to_parallax(tiny.model("llama"), rope_probe="yes")
+    with pytest.raises(ValueError, match="attention_dropout"):
+        regattn.convert_to_parallax(tiny.model("llama", attention_dropout=0.1))
+    x = tiny.tokens(B=2, T=7)
+    mask = torch.ones_like(x)
+    mask[1, :3] = 0
+    with pytest.raises(ValueError, match="attention_mask"):
+        converted(x, attention_mask=mask)
+    with pytest.raises(ValueError, match="static cache"):
+        converted.generate(x[:1], max_new_tokens=2, do_sample=False, cache_implementation="static")
+
+
+def test_import_regattn_needs_no_transformers():
+    code = ("import sys; sys.modules['transformers'] = None\n"
+            "import regattn\n"
+            "try:\n    regattn.convert_to_parallax\n"
+            "except ImportError as e:\n    print('hf extra' if 'regattn[hf]' in str(e) else e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parents[2])
+    assert out.stdout.strip() == "hf extra"
+
+
+def test_triton_kernel_in_converted_model(interpret):
+    """The fused Parallax kernel (interpreter on CPU) inside a converted model with a trained W_R."""
+    x = tiny.tokens(B=1, T=9)
+    model = _train_step(regattn.convert_to_parallax(tiny.model("qwen3_sliding")), x)
+    expected = model(x).logits
+    model.config.regattn_backend = "triton"
+    assert rel_err(model(x).logits, expected) < 1e-5
+    prompt = x[:, :4]
+    kwargs = dict(max_new_tokens=4, do_sample=False, attention_mask=torch.ones_like(prompt))
+    assert torch.equal(model.generate(prompt, **kwargs), model.generate(prompt, use_cache=False, **kwargs))

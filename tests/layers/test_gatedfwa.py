@@ -1,0 +1,139 @@
+"""The GatedFWA layer: shapes, init, generation cache, kernel path vs torch path, varlen, bad input."""
+import pytest
+import torch
+
+from regattn import reference
+from regattn.layers import GatedFWA, GatedFWANSA
+from tests.helpers import randn, rel_err
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _layer(dtype=torch.float64, seed=0, **kw):
+    torch.manual_seed(seed)
+    args = dict(d_model=32, num_heads=4, window=5, num_kv_heads=2)
+    args.update(kw)
+    layer = GatedFWA(**args)
+    with torch.no_grad():  # leave the init: make beta data-dependent so its gradient path is exercised
+        layer.beta_proj.weight.normal_(0, 0.3)
+    return layer.to(dtype)
+
+
+def test_init_beta_is_one_and_shapes():
+    torch.manual_seed(0)
+    layer = GatedFWA(32, 4, window=8)
+    x = randn(2, 11, 32, dtype=torch.float32)
+    h, beta = layer.gate_inputs(x)
+    assert torch.equal(beta, torch.ones_like(beta))
+    assert h.shape == (2, 11, 4)
+    assert layer(x).shape == (2, 11, 32)
+
+
+def test_every_parameter_gets_a_gradient():
+    layer = _layer()
+    layer(randn(2, 9, 32)).square().sum().backward()
+    for name, p in layer.named_parameters():
+        assert p.grad is not None and p.grad.abs().sum() > 0, name
+
+
+@pytest.mark.parametrize("window,rope", [(5, False), (None, True)])
+def test_step_by_step_generation_equals_forward(window, rope):
+    layer = _layer(window=window, rope=rope)
+    x = randn(2, 13, 32)
+    full = layer(x)
+    y, cache = layer.prefill(x[:, :4])
+    outs = [y]
+    for t in range(4, 13):
+        y, cache = layer.step(x[:, t:t + 1], cache)
+        outs.append(y)
+        if window is not None:
+            assert cache.k.shape[1] <= window
+    assert rel_err(torch.cat(outs, 1), full) < 1e-12
+    y0, _ = layer.step(x[:, :1], None)
+    assert rel_err(y0, full[:, :1]) < 1e-12
+
+
+def test_varlen_equals_separate_sequences():
+    layer = _layer()
+    x = randn(1, 15, 32)
+    cu = torch.tensor([0, 6, 15])
+    packed = layer(x, cu_seqlens=cu)
+    assert rel_err(packed[:, :6], layer(x[:, :6])) < 1e-12
+    assert rel_err(packed[:, 6:], layer(x[:, 6:])) < 1e-12
+
+
+def test_kernel_path_matches_torch_path(interpret):
+    """Output and gradients of every weight (through q, k, v, h and beta) agree with the float64 layer."""
+    fast = _layer(torch.float32, backend="triton", d_model=32, num_heads=2, num_kv_heads=1, window=7).to(DEV)
+    exact = _layer(torch.float64, backend="torch", d_model=32, num_heads=2, num_kv_heads=1, window=7).to(DEV)
+    x = randn(1, 37, 32, device=DEV)
+    dy = randn(1, 37, 32, device=DEV)
+    fast(x.float()).backward(dy.float())
+    y = exact(x)
+    y.backward(dy)
+    assert rel_err(fast(x.float()), y) < 2e-5
+    for (name, a), (_, b) in zip(fast.named_parameters(), exact.named_parameters()):
+        assert rel_err(a.grad, b.grad) < 5e-5, name
+
+
+def test_bad_input():
+    with pytest.raises(ValueError, match="window"):
+        GatedFWA(32, 4, window=0)
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        GatedFWA(32, 4, window=4, num_kv_heads=3)
+    layer = GatedFWA(32, 4, window=4)
+    with pytest.raises(ValueError, match="x"):
+        layer(randn(2, 3, 4, 32, dtype=torch.float32))
+    with pytest.raises(ValueError, match="x"):
+        layer.step(randn(1, 2, 32, dtype=torch.float32), None)
+
+
+def _nsa(**kw):
+    torch.manual_seed(0)
+    args = dict(d_model=32, num_heads=4, window=4, num_kv_heads=2, block_cmp=4, stride_cmp=2, block_slc=4, topk=2)
+    args.update(kw)
+    return GatedFWANSA(**args).double()
+
+
+def test_nsa_selection_of_every_block_is_causal_attention():
+    layer = _nsa(topk=100)
+    x = randn(2, 19, 32)
+    _, o_slc, _ = layer.branches(x)
+    q, k, v = layer._qkv(x)
+    assert rel_err(o_slc, reference.softmax_attention(q, k, v, causal=True)) < 1e-12
+
+
+def test_nsa_local_branch_is_gatedfwa_and_compression_matches_loop():
+    layer = _nsa()
+    x = randn(1, 15, 32)
+    o_cmp, o_slc, o_loc = layer.branches(x)
+    q, k, v = layer._qkv(x)
+    h, beta = layer.gate_inputs(x)
+    assert rel_err(o_loc, reference.gatedfwa(q, k, v, reference.gatedfwa_gate(h, beta), window=4)) < 1e-12
+    # Query t = 9 sees compressed blocks ending at or before 9: starts 0, 2, 4, 6 (block 4, stride 2).
+    t, head, kv = 9, 3, 1
+    kc = [layer.phi_k((k[0, s:s + 4, kv] + layer.cmp_pos).flatten()) for s in (0, 2, 4, 6)]
+    vc = [layer.phi_v((v[0, s:s + 4, kv] + layer.cmp_pos).flatten()) for s in (0, 2, 4, 6)]
+    w = torch.softmax(torch.stack([q[0, t, head] @ c for c in kc]) * 8 ** -0.5, 0)
+    assert rel_err(o_cmp[0, t, head], sum(wi * vi for wi, vi in zip(w, vc))) < 1e-12
+
+
+def test_nsa_is_causal_and_trains():
+    layer = _nsa()
+    x = randn(2, 21, 32)
+    y = layer(x)
+    x2 = x.clone()
+    x2[:, 12:] = randn(2, 9, 32)
+    assert rel_err(layer(x2)[:, :12], y[:, :12]) < 1e-12
+    y.square().sum().backward()
+    for name, p in layer.named_parameters():
+        if name != "beta_proj.weight":  # zero at init: its gradient is data-dependent but may vanish
+            assert p.grad is not None and torch.isfinite(p.grad).all(), name
+    assert layer.phi_k[0].weight.grad.abs().sum() > 0 and layer.branch_gate.weight.grad.abs().sum() > 0
+
+
+def test_nsa_bad_input():
+    with pytest.raises(ValueError, match="stride_cmp"):
+        GatedFWANSA(32, 4, window=4, block_cmp=4, stride_cmp=8)
+    with pytest.raises(ValueError, match="topk"):
+        GatedFWANSA(32, 4, window=4, topk=0)

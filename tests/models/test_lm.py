@@ -1,0 +1,171 @@
+"""DecoderLM: every mixer trains and generates with its cache exactly as without it."""
+import pytest
+import torch
+
+from regattn.models import LM_MIXERS, DecoderLM, LMConfig
+
+VOCAB = 48
+NSA = {"gatedfwa_nsa": dict(block_cmp=4, stride_cmp=2, block_slc=4, topk=2)}
+
+
+def tiny(mixer, **kw) -> DecoderLM:
+    """Two layers, width 32, 4 query heads over 2 key/value heads (GQA; decay has none), window 4."""
+    names = [mixer] if isinstance(mixer, str) else mixer
+    kv = None if "decay" in names else 2
+    options = dict(vocab_size=VOCAB, dim=32, layers=2, heads=4, kv_heads=kv, mixer=mixer, window=4,
+                   mixer_options=NSA)
+    options.update(kw)
+    torch.manual_seed(0)
+    return DecoderLM(LMConfig(**options))
+
+
+@pytest.mark.parametrize("mixer", LM_MIXERS)
+def test_forward_backward(mixer):
+    model = tiny(mixer)
+    tokens = torch.randint(0, VOCAB, (2, 11))
+    logits = model(tokens)
+    assert logits.shape == (2, 11, VOCAB)
+    loss = model(tokens[:, :-1], tokens[:, 1:])
+    assert torch.isfinite(loss) and abs(loss.item() - torch.log(torch.tensor(VOCAB)).item()) < 1.0
+    loss.backward()
+    for name, p in model.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all(), name
+    assert model.embed.weight.grad.abs().sum() > 0
+    assert sum(p.grad.abs().sum() for p in model.blocks[0].mixer.parameters()) > 0
+
+
+@pytest.mark.parametrize("mixer", LM_MIXERS)
+def test_greedy_generation_with_cache_equals_without(mixer):
+    """Prompt of 5 tokens, 7 new ones: the window of 4 is passed, so cached windows are evicted."""
+    model = tiny(mixer)
+    prompt = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(1))
+    cached = model.generate(prompt, 7)
+    uncached = model.generate(prompt, 7, use_cache=False)
+    assert cached.shape == (2, 12)
+    assert torch.equal(cached[:, :5], prompt)
+    assert torch.equal(cached, uncached)
+
+
+def test_lla_generation_at_head_dim_16():
+    """LLA's default exact solve at a head dim where 8 CG iterations would not be exact."""
+    model = tiny("lla", dim=64)
+    assert model.blocks[0].mixer.layer.cg_iters is None and model.blocks[0].mixer.layer.head_dim == 16
+    prompt = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(6))
+    assert torch.equal(model.generate(prompt, 8), model.generate(prompt, 8, use_cache=False))
+
+
+def test_generation_per_layer_mixers():
+    model = tiny(["parallax", "decay", "gatedfwa"], layers=3, kv_heads=None)
+    prompt = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(2))
+    assert torch.equal(model.generate(prompt, 6), model.generate(prompt, 6, use_cache=False))
+    assert [type(b.mixer.layer).__name__ for b in model.blocks] == ["Parallax", "Retention", "GatedFWA"]
+
+
+def test_cached_logits_match_full_forward():
+    """The last-position logits of each cached step equal the full forward's, for a Parallax model."""
+    model = tiny("parallax").eval()
+    tokens = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        full = model(tokens)
+        logits, caches = model._run(tokens[:, :4], None)
+        steps = [logits]
+        for t in range(4, 9):
+            logits, caches = model._run(tokens[:, t:t + 1], caches)
+            steps.append(logits)
+    got = torch.stack(steps, 1)
+    ref = full[:, 3:]
+    assert (got - ref).norm() / ref.norm() < 1e-5
+
+
+def test_tied_embeddings():
+    model = tiny("softmax")
+    assert model.head.weight is model.embed.weight
+    params = dict(model.named_parameters())
+    assert "head.weight" not in params
+    assert model.num_parameters() == sum(p.numel() for p in params.values())
+    untied = tiny("softmax", tie_embeddings=False)
+    assert untied.num_parameters() == model.num_parameters() + VOCAB * 32
+    tokens = torch.randint(0, VOCAB, (1, 6))
+    model(tokens[:, :-1], tokens[:, 1:]).backward()
+    unused = torch.ones(VOCAB, dtype=torch.bool)      # rows never looked up get the output head's gradient
+    unused[tokens[0, :-1]] = False
+    assert model.embed.weight.grad[unused].abs().sum() > 0
+
+
+def test_zero_probe_parallax_is_the_softmax_model():
+    """Parallax with W_R = 0 (parallax.txt Section 5) computes the same logits as the softmax decoder."""
+    plx = tiny("parallax", mixer_options={"parallax": {"zero_init_probe": True}})
+    soft = tiny("softmax")
+    state = {k.replace("mixer.layer.", "mixer."): v for k, v in plx.state_dict().items() if ".r_proj." not in k
+             and ".r_norm." not in k}
+    soft.load_state_dict(state)
+    tokens = torch.randint(0, VOCAB, (2, 10))
+    a, b = plx(tokens), soft(tokens)
+    assert (a - b).norm() / b.norm() < 1e-6
+
+
+def test_sampling():
+    model = tiny("decay")
+    prompt = torch.randint(0, VOCAB, (2, 3))
+    assert torch.equal(model.generate(prompt, 5, temperature=1.0, top_k=1), model.generate(prompt, 5))
+    a = model.generate(prompt, 8, temperature=1.0, generator=torch.Generator().manual_seed(5))
+    b = model.generate(prompt, 8, temperature=1.0, generator=torch.Generator().manual_seed(5), use_cache=False)
+    assert torch.equal(a, b)
+    assert ((0 <= a) & (a < VOCAB)).all()
+
+
+def test_checkpointing_gives_the_same_gradients():
+    tokens = torch.randint(0, VOCAB, (2, 8))
+    grads = []
+    for flag in (False, True):
+        model = tiny("gatedfwa", checkpointing=flag)
+        model(tokens[:, :-1], tokens[:, 1:]).backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    assert torch.allclose(grads[0], grads[1], rtol=1e-5, atol=1e-7)
+
+
+def test_bad_inputs():
+    with pytest.raises(ValueError, match="mixer"):
+        tiny("nope")
+    with pytest.raises(ValueError, match="window"):
+        tiny("gatedfwa", window=None)
+    with pytest.raises(ValueError, match="mixer"):
+        tiny(["softmax"], layers=2)
+    with pytest.raises(ValueError, match="kv_heads"):
+        tiny("decay", kv_heads=2)
+    model = tiny("softmax")
+    with pytest.raises(ValueError, match="prompt"):
+        model.generate(torch.zeros(4, dtype=torch.long), 2)
+    with pytest.raises(ValueError, match="temperature"):
+        model.generate(torch.zeros(1, 2, dtype=torch.long), 2, temperature=-1.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mixer", LM_MIXERS)
+def test_gpu_kernels_generate_and_train_in_bf16(mixer):
+    """On CUDA the mixers run their Triton kernels (prefill and decode): cached greedy generation in fp32
+    equals the uncached one, and 20 AdamW steps under bf16 autocast lower the loss on a fixed batch."""
+    model = tiny(mixer, dim=64, window=16).cuda()
+    torch.manual_seed(4)
+    prompt = torch.randint(0, VOCAB, (2, 20), device="cuda")
+    assert torch.equal(model.generate(prompt, 12), model.generate(prompt, 12, use_cache=False))
+    tokens = torch.randint(0, VOCAB, (4, 65), device="cuda")
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(20):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(tokens[:, :-1], tokens[:, 1:])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0] - 0.5, losses
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models: one intra-op thread (spinning threads only slow them down on a busy machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

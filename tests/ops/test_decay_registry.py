@@ -1,0 +1,95 @@
+"""The decay-method registry and method='auto' (tables and the fallback rule)."""
+import pytest
+import torch
+
+import regattn
+from regattn import reference
+from regattn.ops.decay import registry, tune
+from tests.helpers import randn, rel_err
+
+
+def test_register_user_method():
+    calls = []
+
+    @regattn.register_decay_method("test_scaled_vanilla")
+    def mine(b, c, v, gamma):
+        calls.append(b.shape)
+        return reference.decay_linear_attention(b, c, v, gamma, method="block_based", block=5)
+
+    try:
+        assert "test_scaled_vanilla" in registry.method_names()
+        b, c, v = (randn(1, 11, 2, n, seed=i) for i, n in enumerate((3, 3, 4)))
+        g = torch.tensor([0.9, 0.5], dtype=torch.float64)
+        out = regattn.decay_linear_attention(b, c, v, g, method="test_scaled_vanilla")
+        assert calls and rel_err(out, reference.decay_linear_attention(b, c, v, g)) < 1e-12
+        with pytest.raises(ValueError, match="already"):
+            regattn.register_decay_method("test_scaled_vanilla")(mine)
+    finally:
+        registry.unregister_decay_method("test_scaled_vanilla")
+    assert "test_scaled_vanilla" not in registry.method_names()
+
+
+@pytest.mark.parametrize("name", ["auto", "lightning2", "not a name", 3])
+def test_register_bad_names(name):
+    with pytest.raises(ValueError, match="name"):
+        regattn.register_decay_method(name)
+
+
+def entry(B, T, dtype, ms, R=128, D=128, decay=True):
+    return dict(B=B, T=T, H=32, R=R, D=D, dtype=dtype, decay=decay, ms=ms)
+
+
+def test_pick_from_table_nearest_point():
+    table = {"entries": [
+        entry(1, 128, "bfloat16", {"vanilla": 0.01, "lightning2": 0.02}),
+        entry(1, 100000, "bfloat16", {"vanilla": "OOM", "lightning2": 1.0, "fleet": 9.0}),
+        entry(16, 8192, "bfloat16", {"lightning2": 3.0, "causal_dot_product": 2.0}),
+        entry(16, 8192, "float32", {"fleet": 1.0, "lightning2": 3.0}),
+        entry(1, 512, "bfloat16", {"vanilla": "OOM", "someone_elses": 0.001}),
+    ]}
+    pick = lambda B, T, dt=torch.bfloat16: tune.pick_from_table(table, B, T, 32, 128, 128, dt, True)
+    assert pick(1, 100) == "vanilla"
+    assert pick(1, 90000) == "lightning2"          # OOM entries are never chosen
+    assert pick(16, 8000) == "causal_dot_product"
+    assert pick(16, 8000, torch.float32) == "fleet"  # same dtype preferred
+    assert pick(1, 512) in ("vanilla", "lightning2")  # unregistered names are skipped
+    assert tune.pick_from_table({"entries": []}, 1, 10, 1, 1, 1, torch.float32, True) is None
+
+
+def test_fallback_rules():
+    cpu = torch.device("cpu")
+    assert tune.choose_method(1, 64, 2, 8, 8, torch.float32, True, cpu) == "vanilla"
+    assert tune.choose_method(1, 1000, 2, 8, 8, torch.float32, True, cpu) == "lightning2"
+    assert tune.choose_method(1, 10000, 2, 8, 8, torch.float32, True, cpu) == "block_based"
+    assert tune.gpu_kind("NVIDIA H100 80GB HBM3") == "h100"
+    assert tune.gpu_kind("NVIDIA H200") == "h200"
+    assert tune.load_table("no_such_gpu") is None
+
+
+def test_shipped_tables_are_well_formed():
+    for path in tune.TABLES.glob("*.json"):
+        table = tune.load_table(path.stem)
+        assert table["entries"], path
+        for e in table["entries"]:
+            assert {"B", "T", "H", "R", "D", "dtype", "decay", "ms"} <= set(e)
+            assert all(isinstance(v, float) or v in ("OOM", "skipped", "error") for v in e["ms"].values())
+
+
+def test_torch_methods_accumulate_in_fp32():
+    """bf16 inputs through the torch backend: decay powers and sums in float32, result in bf16."""
+    b, c, v = (randn(1, 300, 2, n, seed=i, scale=n ** -0.25) for i, n in enumerate((8, 8, 8)))
+    g = torch.tensor([0.999, 0.99])
+    truth = reference.decay_linear_attention(b, c, v, g.double())
+    low = [x.bfloat16() for x in (b, c, v)]
+    out = regattn.decay_linear_attention(*low, g, method="block_based", backend="torch")
+    assert out.dtype == torch.bfloat16
+    # only the rounding of inputs and output to bf16 remains
+    assert rel_err(out, truth) < 1.5e-2
+
+
+def test_tune_command_needs_a_gpu(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("on a GPU this would run the whole tuning grid")
+    from regattn import cli
+    assert cli.main(["tune", "decay"]) == 1
+    assert "needs a CUDA device" in capsys.readouterr().out

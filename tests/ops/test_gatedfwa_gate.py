@@ -1,0 +1,91 @@
+"""The fused gate scan (Algorithm 1 and scan-then-propagate) against the float64 reference."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import regattn
+from regattn import reference
+from tests.helpers import randn, rel_err
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _gate_inputs(B, T, H, dtype, device=DEV):
+    h = randn(B, T, H, dtype=dtype, device=device, scale=3.0, requires_grad=True)
+    beta = (1 + F.elu(randn(B, T, H, device=device))).to(dtype).requires_grad_(True)
+    return h, beta
+
+
+def _check(B, T, H, dtype, scan, bound):
+    h, beta = _gate_inputs(B, T, H, dtype)
+    du = randn(B, T, H, device=DEV, dtype=torch.float32)
+    u = regattn.gatedfwa_gate(h, beta, scan=scan, backend="triton")
+    dh, dbeta = torch.autograd.grad(u, [h, beta], du)
+    hd, bd = (x.detach().double().requires_grad_(True) for x in (h, beta))
+    ud = reference.gatedfwa_gate(hd, bd)
+    rh, rb = torch.autograd.grad(ud, [hd, bd], du.double())
+    assert u.dtype == torch.float32 and u.shape == (B, T, H)
+    assert rel_err(u, ud) < bound
+    assert rel_err(dh, rh) < bound
+    assert rel_err(dbeta, rb) < bound
+
+
+@pytest.mark.parametrize("scan", ["one_pass", "scan_then_propagate"])
+def test_gate_matches_reference(scan, interpret):
+    _check(2, 37, 3, torch.float32, scan, 1e-5)   # several time tiles, T not a multiple of the tile
+    _check(1, 1, 20, torch.float32, scan, 1e-5)   # one token, head block larger than one tile
+
+
+def test_gate_low_precision_inputs_accumulate_in_fp32(interpret):
+    _check(1, 70, 4, torch.float16, "one_pass", 1e-3)
+
+
+def test_gate_strided_inputs(interpret):
+    x = randn(1, 40, 6, device=DEV, dtype=torch.float32)
+    h, beta = x[..., :3], 1 + F.elu(x[..., 3:])
+    u = regattn.gatedfwa_gate(h, beta, backend="triton")
+    assert rel_err(u, reference.gatedfwa_gate(h.double(), beta.double())) < 1e-5
+
+
+def test_gate_strong_gates_stay_finite(interpret):
+    h = torch.full((1, 50, 2), 1e4, device=DEV)
+    beta = torch.ones_like(h)
+    u = regattn.gatedfwa_gate(h, beta, backend="triton")
+    assert torch.isfinite(u).all()
+    assert rel_err(u, reference.gatedfwa_gate(h.double(), beta.double())) < 1e-6
+
+
+def test_gate_bad_input():
+    h = randn(1, 5, 2, dtype=torch.float32)
+    with pytest.raises(ValueError, match="beta"):
+        regattn.gatedfwa_gate(h, -torch.ones_like(h))
+    with pytest.raises(ValueError, match="scan"):
+        regattn.gatedfwa_gate(h, torch.ones_like(h), scan="tree")
+    with pytest.raises(ValueError, match="beta"):
+        regattn.gatedfwa_gate(h, torch.ones(1, 5, 3))
+
+
+def test_gate_feeds_attention_end_to_end(interpret):
+    """gate kernel -> attention kernel: gradients of q, k, v, h and beta match the reference chain."""
+    B, T, HQ, H, D = 1, 36, 2, 1, 16
+    q, k, v = (randn(B, T, n, D, device=DEV, dtype=torch.float32, requires_grad=True) for n in (HQ, H, H))
+    h, beta = _gate_inputs(B, T, HQ, torch.float32)
+    do = randn(B, T, HQ, D, device=DEV, dtype=torch.float32)
+
+    def chain(q, k, v, h, beta, backend):
+        u = regattn.gatedfwa_gate(h, beta, backend=backend) * 0.1
+        return regattn.gatedfwa(q, k, v, u, window=11, backend=backend)
+
+    leaves = [q, k, v, h, beta]
+    got = torch.autograd.grad(chain(*leaves, "triton"), leaves, do)
+    exact_leaves = [x.detach().double().requires_grad_(True) for x in leaves]
+    exact = torch.autograd.grad(chain(*exact_leaves, "torch"), exact_leaves, do.double())
+    for a, b in zip(got, exact):
+        assert rel_err(a, b) < 2e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scan", ["one_pass", "scan_then_propagate"])
+def test_gate_full_size_gpu(scan):
+    _check(2, 65536, 64, torch.float32, scan, 1e-4)  # a 65536-long fp32 sum: rounding grows with T
+    _check(1, 4097, 128, torch.bfloat16, scan, 1e-2)  # dh, dbeta come back in bf16

@@ -1,0 +1,188 @@
+"""Parallax Triton kernels (forward, backward, decode) against the float64 reference.
+
+Run in the interpreter on CPU (TRITON_INTERPRET=1) at small awkward sizes; the ``gpu`` tests repeat
+them at full size on CUDA.
+"""
+import pytest
+import torch
+
+import regattn
+from regattn.reference.parallax import parallax as parallax_ref
+from tests.helpers import TOL, randn, rel_err
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _inputs(B, T, S, HQ, H, D, Dv, dtype, seed=0, device=DEVICE, logit_scale=1.0):
+    q = randn(B, T, HQ, D, dtype=dtype, device=device, seed=seed, scale=logit_scale)
+    r = randn(B, T, HQ, D, dtype=dtype, device=device, seed=seed + 1, scale=0.3)
+    k = randn(B, S, H, D, dtype=dtype, device=device, seed=seed + 2)
+    v = randn(B, S, H, Dv, dtype=dtype, device=device, seed=seed + 3)
+    return q, r, k, v
+
+
+def _bound(dtype, torch_err):
+    """fp32: the dtype bound; fp16/bf16: 2x the same-precision reference's error plus slack."""
+    return TOL[dtype] if dtype == torch.float32 else 2 * torch_err + 1e-3
+
+
+def _check(q, r, k, v, *, grad=True, **kw):
+    """Kernel forward (and backward) vs float64; low precision judged against the torch reference in it."""
+    dtype = q.dtype
+    x64 = [t.detach().double().requires_grad_() for t in (q, r, k, v)]
+    ref = parallax_ref(*x64, **kw)
+    do = randn(*ref.shape, dtype=dtype, device=q.device, seed=7)
+    xk = [t.detach().clone().requires_grad_() for t in (q, r, k, v)]
+    out = regattn.parallax(*xk, backend="triton", **kw)
+    assert out.dtype == dtype and out.shape == ref.shape
+    xt = [t.detach().clone().requires_grad_() for t in (q, r, k, v)]
+    low = parallax_ref(*xt, **kw)
+    assert rel_err(out, ref) <= _bound(dtype, rel_err(low, ref)), rel_err(out, ref)
+    if not grad:
+        return
+    g_ref = torch.autograd.grad(ref, x64, do.double())
+    g_out = torch.autograd.grad(out, xk, do)
+    g_low = torch.autograd.grad(low, xt, do)
+    for name, a, b, c in zip("qrkv", g_out, g_ref, g_low):
+        assert rel_err(a, b) <= _bound(dtype, rel_err(c, b)), (name, rel_err(a, b))
+
+
+CASES = [  # B, T, S, HQ, H, D, Dv, causal, window
+    (2, 37, 37, 2, 2, 16, 16, True, None),   # T not a tile multiple
+    (1, 1, 6, 1, 1, 16, 16, True, None),     # T = 1 (one query over six keys)
+    (1, 29, 29, 4, 2, 24, 20, True, 7),      # window < T, GQA 2, padded head dims
+    (1, 21, 21, 4, 1, 32, 32, True, 40),     # window > T, GQA 4
+    (1, 19, 19, 3, 1, 16, 16, False, None),  # non-causal, group of 3 padded to 4
+    (1, 9, 30, 2, 1, 16, 16, True, None),    # chunked prefill (T < S)
+    (1, 20, 12, 2, 2, 16, 16, True, None),   # T > S: the first queries see nothing
+]
+
+
+@pytest.mark.parametrize("B,T,S,HQ,H,D,Dv,causal,window", CASES)
+def test_forward_backward_fp32(interpret, B, T, S, HQ, H, D, Dv, causal, window):
+    q, r, k, v = _inputs(B, T, S, HQ, H, D, Dv, torch.float32)
+    _check(q, r, k, v, causal=causal, window=window)
+
+
+def test_forward_backward_fp16(interpret):
+    q, r, k, v = _inputs(1, 33, 33, 4, 2, 16, 16, torch.float16)
+    _check(q, r, k, v, window=12)
+
+
+def test_varlen(interpret):
+    cu = torch.tensor([0, 5, 5, 6, 29, 40], dtype=torch.int32, device=DEVICE)  # an empty and a length-1 sequence
+    q, r, k, v = _inputs(1, 40, 40, 4, 2, 16, 16, torch.float32)
+    _check(q, r, k, v, window=6, cu_seqlens=cu)
+
+
+def test_large_logits_and_zero_probe(interpret):
+    """|scale q.k| up to ~1e4 and r = 0 (softmax attention): finite and exact."""
+    q, r, k, v = _inputs(1, 24, 24, 2, 1, 16, 16, torch.float32, logit_scale=2000.0)
+    o = regattn.parallax(q, r, k, v, backend="triton")
+    assert (q[0, :, 0] @ k[0, :, 0].T).abs().max() * 16 ** -0.5 > 5e3
+    assert rel_err(o, parallax_ref(q.double(), r.double(), k.double(), v.double())) < 1e-5
+    zero = torch.zeros_like(r)
+    _check(q, zero, k, v, window=5, grad=False)
+    # The softmax saturates: dQ and dR are ~0 and the fp32 logits (~1e4) carry ~1e-3 absolute rounding,
+    # so gradients are judged at fp32 precision of their natural scale ||dO|| ||q|| scale, not relatively.
+    for probe in (r, zero):
+        x = [t.clone().requires_grad_() for t in (q, probe, k, v)]
+        x64 = [t.detach().double().requires_grad_() for t in (q, probe, k, v)]
+        do = randn(*o.shape, device=DEVICE, seed=9, dtype=torch.float32)
+        g = torch.autograd.grad(regattn.parallax(*x, backend="triton"), x, do)
+        g_ref = torch.autograd.grad(parallax_ref(*x64), x64, do.double())
+        natural = do.norm() * q.norm() * 16 ** -0.5
+        for a, b in zip(g, g_ref):
+            assert torch.isfinite(a).all() and (a.double() - b).norm() <= 1e-6 * natural + 1e-5 * b.norm()
+        assert rel_err(g[3], g_ref[3]) < 1e-5
+    o0 = regattn.parallax(q, zero, k, v, backend="triton")
+    assert rel_err(o0, regattn.softmax_attention(q.double(), k.double(), v.double(), backend="torch")) < 1e-5
+
+
+def test_compile_no_graph_break(interpret):
+    q, r, k, v = [t.requires_grad_() for t in _inputs(1, 17, 17, 2, 1, 16, 16, torch.float32)]
+    f = torch.compile(lambda *a: regattn.parallax(*a, backend="triton", window=5), backend="aot_eager",
+                      fullgraph=True)
+    out = f(q, r, k, v)
+    out.square().sum().backward()
+    assert rel_err(out, parallax_ref(q.double(), r.double(), k.double(), v.double(), window=5)) < 1e-5
+    assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in (q, r, k, v))
+
+
+DECODE_CASES = [  # B, Tn, S, HQ, H, D, window, cache_seqlens, num_splits
+    (2, 1, 45, 4, 1, 16, None, None, None),
+    (3, 1, 70, 8, 2, 32, None, [70, 1, 33], 4),
+    (2, 6, 50, 4, 2, 16, 9, [50, 20], 2),      # chunk of new tokens, window
+]
+
+
+@pytest.mark.parametrize("B,Tn,S,HQ,H,D,window,lens,splits", DECODE_CASES)
+def test_decode(interpret, B, Tn, S, HQ, H, D, window, lens, splits):
+    from regattn.ops.parallax.decode import parallax_decode_fwd
+    q, r, k, v = _inputs(B, Tn, S, HQ, H, D, D, torch.float32)
+    cache_seqlens = None if lens is None else torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    o = regattn.parallax_decode(q, r, k, v, cache_seqlens=cache_seqlens, window=window, backend="triton")
+    o_split = parallax_decode_fwd(q, r, k, v, cache_seqlens=cache_seqlens, window=window, scale=D ** -0.5,
+                                  num_splits=splits or 1)
+    for b in range(B):
+        n = S if lens is None else lens[b]
+        ref = parallax_ref(q[b:b + 1].double(), r[b:b + 1].double(), k[b:b + 1, :n].double(),
+                           v[b:b + 1, :n].double(), window=window)
+        assert rel_err(o[b:b + 1], ref) < 1e-5
+        assert rel_err(o_split[b:b + 1], ref) < 1e-5
+    torch_o = regattn.parallax_decode(q, r, k, v, cache_seqlens=cache_seqlens, window=window, backend="torch")
+    assert rel_err(torch_o, o) < 1e-5
+
+
+def test_decode_bad_input(interpret):
+    q, r, k, v = _inputs(2, 1, 10, 4, 2, 16, 16, torch.float32)
+    dec = regattn.parallax_decode
+    with pytest.raises(ValueError, match="cache_seqlens"):
+        dec(q, r, k, v, cache_seqlens=torch.tensor([10, 11], dtype=torch.int32), backend="triton")
+    with pytest.raises(ValueError, match="cache_seqlens"):
+        dec(q, r, k, v, cache_seqlens=torch.tensor([0, 3]), backend="triton")
+    with pytest.raises(ValueError, match="cache_seqlens"):
+        dec(q, r, k, v, cache_seqlens=torch.tensor([3]), backend="triton")
+    with pytest.raises(TypeError, match="cache_seqlens"):
+        dec(q, r, k, v, cache_seqlens=torch.tensor([3.0, 4.0]), backend="triton")
+    with pytest.raises(ValueError, match="k_cache"):
+        dec(q, r, k[:, :, :, :8], v, backend="triton")
+    with pytest.raises(ValueError, match="v_cache"):
+        dec(q, r, k, v[:1], backend="triton")
+    with pytest.raises(ValueError, match="q"):
+        dec(q[:, :, :3], r[:, :, :3], k, v, backend="triton")
+    with pytest.raises(ValueError, match="r"):
+        dec(q, r[:, :, :2], k, v, backend="triton")
+
+
+def test_bad_input(interpret):
+    q, r, k, v = _inputs(1, 10, 10, 4, 2, 16, 16, torch.float32)
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        regattn.parallax(q, r, k, v, cu_seqlens=torch.tensor([0, 6, 4, 10]), backend="triton")
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        regattn.parallax(q, r, k, v, cu_seqlens=torch.tensor([0, 6, 9]), backend="triton")
+    with pytest.raises(ValueError, match="q"):
+        regattn.parallax(q[:, :, :3], r[:, :, :3], k, v, backend="triton")
+    with pytest.raises(TypeError, match="q"):
+        regattn.parallax(q.double(), r.double(), k.double(), v.double(), backend="triton")
+    with pytest.raises(ValueError, match="window"):
+        regattn.parallax(q, r, k, v, window=0, backend="triton")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("D,window,groups", [(64, None, 1), (128, 500, 4), (128, None, 2)])
+def test_full_size_gpu(dtype, D, window, groups):
+    q, r, k, v = _inputs(2, 1000, 1000, 8, 8 // groups, D, D, dtype, device="cuda")
+    _check(q, r, k, v, window=window)
+
+
+@pytest.mark.gpu
+def test_decode_gpu():
+    q, r, k, v = _inputs(3, 1, 5000, 32, 8, 128, 128, torch.bfloat16, device="cuda")
+    lens = torch.tensor([5000, 1, 2345], dtype=torch.int32, device="cuda")
+    o = regattn.parallax_decode(q, r, k, v, cache_seqlens=lens)
+    for b, n in enumerate(lens.tolist()):
+        ref = parallax_ref(q[b:b + 1].double(), r[b:b + 1].double(), k[b:b + 1, :n].double(), v[b:b + 1, :n].double())
+        low = parallax_ref(q[b:b + 1], r[b:b + 1], k[b:b + 1, :n], v[b:b + 1, :n])
+        assert rel_err(o[b:b + 1], ref) <= 2 * rel_err(low, ref) + 1e-3

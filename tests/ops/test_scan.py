@@ -1,0 +1,177 @@
+"""The ELSA scan kernel against the float64 reference: forward, backward, awkward sizes, bad input."""
+import pytest
+import torch
+
+import regattn
+from regattn.ops.scan.api import partition_offsets
+from regattn.reference.elsa import scan_attention as scan_reference
+from regattn.reference.softmax import softmax_attention
+from tests.helpers import randn, rel_err
+
+FP32_TOL = 1e-5
+
+
+def _inputs(B, T, S, HQ, H, D, Dv, dtype=torch.float32, scale=1.0, seed=None):
+    q = randn(B, T, HQ, D, dtype=dtype, seed=seed, scale=scale, requires_grad=True)
+    k = randn(B, S, H, D, dtype=dtype, seed=None if seed is None else seed + 1, scale=scale, requires_grad=True)
+    v = randn(B, S, H, Dv, dtype=dtype, seed=None if seed is None else seed + 2, requires_grad=True)
+    return q, k, v
+
+
+def _double(*xs):
+    return [x.detach().double().requires_grad_() for x in xs]
+
+
+def _run(q, k, v, **kwargs):
+    """Kernel output and gradients, and the float64 reference's, for one random output gradient."""
+    o = regattn.scan_attention(q, k, v, backend="triton", **kwargs)
+    qd, kd, vd = _double(q, k, v)
+    ref_kwargs = {key: kwargs[key] for key in ("causal", "window", "cu_seqlens", "scale") if key in kwargs}
+    r = softmax_attention(qd, kd, vd, causal=ref_kwargs.pop("causal", False), **ref_kwargs)
+    do = randn(*r.shape)
+    o.backward(do.to(o.dtype))
+    r.backward(do)
+    return (o, q.grad, k.grad, v.grad), (r, qd.grad, kd.grad, vd.grad)
+
+
+def _assert_close(got, want, tol):
+    for name, a, b in zip(("o", "dq", "dk", "dv"), got, want):
+        assert a.dtype == got[0].dtype and a.shape == b.shape, name
+        err = rel_err(a, b) if b.norm() > 0 else (a.double() - b).abs().max().item()
+        assert err < tol, f"{name}: relative error {err:.2e} >= {tol:.0e}"
+
+
+CASES = [
+    # B, T, S, HQ, H, D, Dv, causal, window, splits
+    dict(shape=(1, 20, 20, 2, 2, 16, 16), causal=False, window=None, splits=1),
+    dict(shape=(2, 37, 37, 4, 2, 24, 16), causal=True, window=None, splits=1),  # GQA, T % 16 != 0, D padded
+    dict(shape=(1, 37, 29, 2, 1, 32, 32), causal=True, window=7, splits=1),  # T > S: first rows see nothing
+    dict(shape=(1, 29, 37, 2, 1, 32, 32), causal=False, window=7, splits=1),
+    dict(shape=(1, 45, 45, 2, 2, 16, 16), causal=False, window=None, splits=4),  # tree merge of 4 slices
+    dict(shape=(1, 45, 45, 2, 1, 16, 16), causal=True, window=None, splits=2),
+    dict(shape=(1, 1, 1, 1, 1, 16, 16), causal=False, window=None, splits=1),  # n = 1
+    dict(shape=(1, 1, 1, 1, 1, 16, 16), causal=True, window=None, splits=2),  # n = 1, an empty slice
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c["shape"])) + f"-c{int(c['causal'])}"
+                         f"-w{c['window']}-s{c['splits']}")
+def test_forward_backward_fp32(interpret, case):
+    q, k, v = _inputs(*case["shape"])
+    got, want = _run(q, k, v, causal=case["causal"], window=case["window"], num_splits=case["splits"])
+    _assert_close(got, want, FP32_TOL)
+
+
+@pytest.mark.parametrize("precision,tol", [("tf32x3", FP32_TOL), ("tf32", 2e-3)])
+def test_precisions(interpret, precision, tol):
+    q, k, v = _inputs(1, 33, 33, 2, 1, 32, 32)
+    got, want = _run(q, k, v, causal=True, precision=precision)
+    _assert_close(got, want, tol)
+
+
+def test_fp16_within_twice_torch_half_error(interpret):
+    q, k, v = _inputs(1, 40, 40, 2, 1, 32, 32, dtype=torch.float16)
+    got, want = _run(q, k, v, causal=True)
+    half = softmax_attention(q.detach(), k.detach(), v.detach(), causal=True)
+    bound = 2 * rel_err(half, want[0]) + 1e-4
+    assert got[0].dtype == torch.float16
+    assert rel_err(got[0], want[0]) <= bound
+    for a, b in zip(got[1:], want[1:]):
+        assert rel_err(a, b) < 1e-2
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+def test_varlen_with_empty_and_single_token_sequences(interpret, splits):
+    cu = torch.tensor([0, 1, 17, 17, 40], dtype=torch.int32)
+    q, k, v = _inputs(1, 40, 40, 2, 1, 16, 16)
+    got, want = _run(q, k, v, causal=True, cu_seqlens=cu, num_splits=splits)
+    _assert_close(got, want, FP32_TOL)
+
+
+def test_partition_is_window_attention(interpret):
+    """Swin-style windows: each window of 16 tokens (the last of 8) attends only within itself."""
+    B, T, w = 2, 40, 16
+    q, k, v = _inputs(B, T, T, 2, 2, 16, 16)
+    o = regattn.scan_attention(q, k, v, partition=w, backend="triton")
+    qd, kd, vd = _double(q, k, v)
+    parts = [softmax_attention(qd[:, a:a + w], kd[:, a:a + w], vd[:, a:a + w], causal=False) for a in range(0, T, w)]
+    ref = torch.cat(parts, 1)
+    assert rel_err(o, ref) < FP32_TOL
+    assert rel_err(regattn.scan_attention(qd, kd, vd, partition=w, backend="torch"), ref) < 1e-12
+    do = randn(*ref.shape)
+    o.backward(do.float())
+    ref.backward(do)
+    assert rel_err(q.grad, qd.grad) < FP32_TOL and rel_err(k.grad, kd.grad) < FP32_TOL
+
+
+def test_partition_offsets():
+    assert partition_offsets(2, 5, 2, "cpu").tolist() == [0, 2, 4, 5, 7, 9, 10]
+
+
+def test_large_logits_do_not_overflow(interpret):
+    """|q.k| up to 1e4: every exponent is taken against the running maximum."""
+    q, k, v = _inputs(1, 24, 24, 1, 1, 16, 16)
+    with torch.no_grad():
+        q.mul_(100.0 / q.norm(dim=-1, keepdim=True))
+        k.mul_(100.0 / k.norm(dim=-1, keepdim=True))
+    for splits in (1, 2):
+        o = regattn.scan_attention(q, k, v, scale=1.0, num_splits=splits, backend="triton")
+        ref = softmax_attention(*_double(q, k, v), causal=False, scale=1.0)
+        assert torch.isfinite(o).all()
+        assert rel_err(o, ref) < 1e-4  # logits of 1e4 carry fp32 rounding of ~1e-3 absolute
+
+
+def test_fully_masked_rows_are_zero_with_zero_gradient(interpret):
+    q, k, v = _inputs(1, 24, 8, 2, 1, 16, 16)
+    o = regattn.scan_attention(q, k, v, causal=True, backend="triton")
+    assert torch.equal(o[:, :16], torch.zeros_like(o[:, :16]))
+    o.sum().backward()
+    assert torch.equal(q.grad[:, :16], torch.zeros_like(q.grad[:, :16]))
+
+
+def test_no_grad_forward_matches(interpret):
+    q, k, v = _inputs(1, 33, 33, 2, 1, 16, 16)
+    with torch.no_grad():
+        a = regattn.scan_attention(q, k, v, causal=True, backend="triton")
+    b = regattn.scan_attention(q, k, v, causal=True, backend="triton")
+    assert torch.equal(a, b.detach())
+
+
+def test_torch_backend_is_the_blocked_scan():
+    q, k, v = _double(*_inputs(2, 19, 19, 4, 2, 8, 8))
+    for causal, window in ((False, None), (True, 5)):
+        a = regattn.scan_attention(q, k, v, causal=causal, window=window, backend="torch")
+        b = scan_reference(q, k, v, causal=causal, window=window, order="tree")
+        assert rel_err(a, b) < 1e-13
+
+
+def _qkv(dtype=torch.float32, T=8, S=8):
+    return randn(1, T, 2, 16, dtype=dtype), randn(1, S, 2, 16, dtype=dtype), randn(1, S, 2, 16, dtype=dtype)
+
+
+@pytest.mark.parametrize("kwargs,name", [
+    (dict(partition=0), "partition"),
+    (dict(partition=2.0), "partition"),
+    (dict(partition=4, cu_seqlens=torch.tensor([0, 8])), "partition"),
+    (dict(num_splits=3), "num_splits"),
+    (dict(num_splits=0), "num_splits"),
+    (dict(num_splits=128), "num_splits"),
+    (dict(causal="yes"), "causal"),
+    (dict(precision="fp16"), "precision"),
+    (dict(window=0), "window"),
+    (dict(cu_seqlens=torch.tensor([0, 3, 9])), "cu_seqlens"),
+    (dict(cu_seqlens=torch.tensor([0.0, 8.0])), "cu_seqlens"),
+])
+def test_bad_input(kwargs, name):
+    with pytest.raises((ValueError, TypeError), match=name):
+        regattn.scan_attention(*_qkv(), backend="torch", **kwargs)
+
+
+def test_bad_input_shapes_and_dtypes(interpret):
+    q, k, v = _qkv(T=8, S=6)
+    with pytest.raises(ValueError, match="partition"):
+        regattn.scan_attention(q, k, v, partition=2)
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        regattn.scan_attention(q, k, v, cu_seqlens=torch.tensor([0, 8]))
+    with pytest.raises(TypeError, match="q"):
+        regattn.scan_attention(*_qkv(torch.float64), backend="triton")

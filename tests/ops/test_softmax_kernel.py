@@ -1,0 +1,115 @@
+"""The fused softmax / sliding-window / gated attention kernel against the float64 reference."""
+import pytest
+import torch
+
+import regattn
+from tests.helpers import randn, rel_err
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+# The torch reference in fp16/bf16 casts the gate u to that dtype and can be far off, so the
+# flash-attn rule (2 x its error) is also capped by a fixed bound per dtype.
+CAP = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+def _inputs(B, T, S, HQ, H, D, Dv, dtype, gated, device=DEV, u_rate=0.5):
+    q = randn(B, T, HQ, D, dtype=dtype, device=device, requires_grad=True)
+    k = randn(B, S, H, D, dtype=dtype, device=device, requires_grad=True)
+    v = randn(B, S, H, Dv, dtype=dtype, device=device, requires_grad=True)
+    u = None
+    if gated:
+        alpha = torch.rand(B, T, HQ, dtype=torch.float64) * u_rate
+        u = (-torch.cumsum(alpha, 1)).float().to(device).requires_grad_(True)
+    return q, k, v, u
+
+
+def _outputs(fn, q, k, v, u, do):
+    """Output and gradients of q, k, v (and u) for ``fn``."""
+    leaves = [x for x in (q, k, v, u) if x is not None]
+    o = fn(*leaves)
+    return [o, *torch.autograd.grad(o, leaves, do)]
+
+
+def _compare(q, k, v, u, do, bound, **kw):
+    """Kernel vs float64 reference, and the torch path in the inputs' precision for the low-precision rule."""
+    def run(backend):
+        return lambda q, k, v, *u: regattn.softmax_attention(q, k, v, gate=u[0] if u else None, backend=backend,
+                                                             **kw)
+    got = _outputs(run("triton"), q, k, v, u, do)
+    exact = _outputs(run("torch"), *(x.detach().double().requires_grad_(True) if x is not None else None
+                                     for x in (q, k, v, u)), do.double())
+    same = _outputs(run("torch"), q, k, v, u, do) if q.dtype != torch.float32 else None
+    for i, (a, b) in enumerate(zip(got, exact)):
+        limit = bound if same is None else min(2 * rel_err(same[i], b) + bound, CAP[q.dtype])
+        assert rel_err(a, b) <= limit, (i, rel_err(a, b), limit)
+
+
+CASES = [
+    # B, T, S, HQ, H, D, Dv, causal, window, gated
+    (1, 37, 37, 2, 1, 16, 16, True, None, False),   # full causal, T not a multiple of the tile, GQA
+    (2, 45, 45, 4, 2, 32, 24, True, 17, True),      # gated window, GQA, Dv != D, padded head dim
+    (1, 40, 40, 2, 2, 16, 16, True, 64, True),      # window >= T equals causal
+    (1, 21, 34, 2, 1, 16, 16, False, None, False),  # non-causal, S != T
+    (1, 34, 21, 2, 2, 16, 16, True, 5, False),      # causal with more queries than keys: empty rows
+]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_kernel_matches_reference_fp32(case, interpret):
+    B, T, S, HQ, H, D, Dv, causal, window, gated = case
+    q, k, v, u = _inputs(B, T, S, HQ, H, D, Dv, torch.float32, gated)
+    do = randn(B, T, HQ, Dv, device=DEV, dtype=torch.float32)
+    _compare(q, k, v, u, do, 2e-5, causal=causal, window=window)
+
+
+def test_kernel_fp16(interpret):
+    q, k, v, u = _inputs(1, 35, 35, 2, 1, 32, 32, torch.float16, True)
+    do = randn(1, 35, 2, 32, device=DEV, dtype=torch.float16)
+    _compare(q, k, v, u, do, 1e-3, window=9)
+
+
+def test_varlen_matches_per_sequence(interpret):
+    q, k, v, u = _inputs(1, 50, 50, 4, 2, 16, 16, torch.float32, True)
+    do = randn(1, 50, 4, 16, device=DEV, dtype=torch.float32)
+    cu = torch.tensor([0, 3, 3, 21, 50], device=DEV, dtype=torch.int32)
+    _compare(q, k, v, u, do, 2e-5, window=7, cu_seqlens=cu)
+
+
+def test_window_one_returns_v_with_zero_grads_of_q_k_u(interpret):
+    q, k, v, u = _inputs(1, 33, 33, 2, 1, 16, 16, torch.float32, True)
+    do = randn(1, 33, 2, 16, device=DEV, dtype=torch.float32)
+    o, dq, dk, dv, du = _outputs(lambda q, k, v, u: regattn.gatedfwa(q, k, v, u, window=1, backend="triton"),
+                                 q, k, v, u, do)
+    assert rel_err(o, v.repeat_interleave(2, 2)) < 1e-6
+    assert rel_err(dv, do.view(1, 33, 1, 2, 16).sum(3)) < 1e-6
+    for g in (dq, dk, du):
+        assert torch.isfinite(g).all() and g.abs().max() < 1e-5
+
+
+def test_strong_gates_no_nan_and_first_token_attends_to_itself(interpret):
+    q, k, v, _ = _inputs(1, 40, 40, 2, 2, 16, 16, torch.float32, False)
+    u = (-torch.cumsum(torch.full((1, 40, 2), 300.0), 1)).to(DEV).requires_grad_(True)
+    do = randn(1, 40, 2, 16, device=DEV, dtype=torch.float32)
+    outs = _outputs(lambda q, k, v, u: regattn.gatedfwa(q, k, v, u, window=8, backend="triton"), q, k, v, u, do)
+    assert all(torch.isfinite(x).all() for x in outs)
+    assert rel_err(outs[0], v) < 1e-5
+    assert rel_err(outs[0][:, 0], v[:, 0]) < 1e-6
+
+
+def test_triton_refuses_float64_and_bad_gate(interpret):
+    q, k, v, u = _inputs(1, 8, 8, 2, 1, 16, 16, torch.float64, True)
+    with pytest.raises(TypeError, match="q"):
+        regattn.gatedfwa(q, k, v, u.double(), window=2, backend="triton")
+    q32 = q.detach().float()
+    with pytest.raises(ValueError, match="gate"):
+        regattn.gatedfwa(q32, q32, q32, u[:, :4].detach(), window=2, backend="triton")
+    with pytest.raises(ValueError, match="window"):
+        regattn.gatedfwa(q32, q32, q32, u.detach().float(), window=0, backend="triton")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("D", [64, 128])
+def test_kernel_full_size_gpu(dtype, D):
+    q, k, v, u = _inputs(2, 1000, 1000, 8, 2, D, D, dtype, True, device="cuda", u_rate=0.05)
+    do = randn(2, 1000, 8, D, device="cuda", dtype=dtype)
+    _compare(q, k, v, u, do, 1e-3 if dtype == torch.float32 else 2e-3, window=256)

@@ -1,0 +1,124 @@
+"""LLA reference against the papers' identities (lla eq. 7-16, parallax eq. 4, 7, 13, Prop. 3.1)."""
+import pytest
+import torch
+
+from regattn.reference import lla, softmax_attention
+from regattn.reference.lla import (
+    lla_blocks_uncentred, lla_decomposition, lla_matrix_free, lla_probe, lla_statistics,
+)
+from regattn.reference.regression import affine_mesanet
+from tests.helpers import randn, rel_err
+
+B, T, H, D, DV = 2, 13, 2, 4, 3
+
+
+def inputs(HQ=H, S=T, Tq=T, dv=DV):
+    return randn(B, Tq, HQ, D), randn(B, S, H, D), randn(B, S, H, dv)
+
+
+def test_large_ridge_gives_softmax():
+    q, k, v = inputs()
+    assert rel_err(lla(q, k, v, lam=1e10), softmax_attention(q, k, v)) < 1e-8
+    assert rel_err(lla(q, k, v, lam=0.1), softmax_attention(q, k, v)) > 1e-3
+
+
+def test_uniform_weights_give_affine_mesanet_with_ridge_over_count():
+    """scale = 0 makes every visible weight 1: LLA's unnormalised ridge lam is lam / n_i on eq. 9's moments."""
+    q, k, v = inputs()
+    n = torch.arange(1, T + 1, dtype=torch.float64)
+    lam_affine = (0.3 / n)[None, :, None].expand(B, T, H)
+    ref = affine_mesanet(q, k, v, lam=lam_affine)
+    assert rel_err(lla(q, k, v, lam=0.3, scale=0.0), ref) < 1e-10
+    errs = [rel_err(lla(q, k, v, lam=0.3, scale=h), ref) for h in (1e-1, 1e-2, 1e-3)]
+    assert errs[0] > errs[1] > errs[2] and errs[2] < 1e-2
+
+
+def test_reformulation_and_boundary_amplification():
+    """parallax eq. 7: o = o_SA - (1 + eta) Sigma_KV rho*, with tbar in [0, 1), eta >= 0 (Prop. 3.1)."""
+    q, k, v = inputs()
+    lam = randn(B, T, H).abs() + 0.05
+    o_sa, sigma_kv, rho, t_bar, eta = lla_decomposition(q, k, v, lam=lam)
+    o = o_sa - (1 + eta)[..., None] * (sigma_kv @ rho[..., None])[..., 0]
+    assert rel_err(o.transpose(1, 2), lla(q, k, v, lam=lam)) < 1e-10
+    assert rel_err(o_sa.transpose(1, 2), softmax_attention(q, k, v)) < 1e-12
+    assert bool((t_bar >= -1e-12).all()) and bool((t_bar < 1).all()) and bool((eta >= -1e-12).all())
+
+
+@pytest.mark.parametrize("blocks", [None, 2])
+def test_cg_with_d_iterations_equals_exact_solve(blocks):
+    q, k, v = inputs()
+    lam = randn(B, T, H, D).abs() + 0.1
+    exact = lla(q, k, v, lam=lam, blocks=blocks)
+    assert rel_err(lla(q, k, v, lam=lam, blocks=blocks, cg_iters=D, cg_tol=0.0), exact) < 1e-8
+    assert rel_err(lla(q, k, v, lam=lam, blocks=blocks, cg_iters=1, cg_tol=0.0), exact) > 1e-4
+
+
+def test_cg_active_mask_freezes_converged_rows():
+    """Many more iterations than D: converged systems stay put, no NaN."""
+    q, k, v = inputs()
+    out = lla(q, k, v, lam=0.5, cg_iters=4 * D, cg_tol=1e-9)
+    assert torch.isfinite(out).all()
+    assert rel_err(out, lla(q, k, v, lam=0.5)) < 1e-8
+
+
+def test_one_block_is_lla_and_diagonal_blocks_solve_per_feature():
+    q, k, v = inputs()
+    assert rel_err(lla(q, k, v, lam=0.2, blocks=1), lla(q, k, v, lam=0.2)) == 0.0
+    stats = lla_statistics(q, k, lam=0.2, scale=D ** -0.5, blocks=D)
+    diag = torch.diagonal(stats.Sigma, dim1=-2, dim2=-1)
+    assert torch.allclose(stats.Sigma, torch.diag_embed(diag))
+    assert rel_err(lla_probe(stats), stats.mu / diag) < 1e-12
+
+
+@pytest.mark.parametrize("blocks", [1, 2, D])
+def test_block_uncentred_form_matches_definition(blocks):
+    q, k, v = inputs(HQ=4, S=17, Tq=9)
+    lam = randn(B, 9, 4, D).abs() + 0.1
+    ref = lla(q, k, v, lam=lam, blocks=blocks, window=6)
+    assert rel_err(lla_blocks_uncentred(q, k, v, lam=lam, scale=0.6, window=6, blocks=blocks),
+                   lla(q, k, v, lam=lam, blocks=blocks, window=6, scale=0.6)) < 1e-10
+    assert ref.shape == (B, 9, 4, DV)
+
+
+def test_matrix_free_statistics_match_definition():
+    """Eq. 10-11 (uncentred) against eq. 7 (centred) through the implicit product of eq. 13."""
+    from regattn.reference.lla import heads_first, lla_weights, ridge, sigma_matvec
+    q, k, _ = inputs()
+    stats = lla_statistics(q, k, lam=0.4, scale=0.7)
+    w, _ = lla_weights(q, k, scale=0.7)
+    qh, kh = q.transpose(1, 2), heads_first(k, H)
+    p = randn(B, H, T, D)
+    lam = ridge(0.4, (B, H, T, D), dtype=q.dtype, device=q.device)
+    implicit = sigma_matvec(p, qh, kh, w, w.sum(-1), w @ kh, lam, None)
+    assert rel_err(implicit, (stats.Sigma @ p[..., None])[..., 0]) < 1e-12
+
+
+def test_window_gqa_and_queries_aligned_to_the_end():
+    HQ, S, Tq = 4, 17, 6
+    q, k, v = inputs(HQ=HQ, S=S, Tq=Tq)
+    lam = randn(B, Tq, HQ).abs() + 0.1
+    out = lla(q, k, v, lam=lam, window=5)
+    k_rep, v_rep = k.repeat_interleave(2, dim=2), v.repeat_interleave(2, dim=2)
+    for i in (0, Tq - 1):
+        pos = S - Tq + i
+        keys = slice(pos - 4, pos + 1)
+        alone = lla(q[:, i:i + 1], k_rep[:, keys], v_rep[:, keys], lam=lam[:, i:i + 1], window=None)
+        assert rel_err(out[:, i:i + 1], alone) < 1e-10
+    assert rel_err(lla(q, k, v, lam=lam, window=5, cg_iters=D, cg_tol=0.0), out) < 1e-8
+
+
+def test_low_precision_returns_input_dtype():
+    q, k, v = inputs()
+    ref = lla(q, k, v, lam=0.5)
+    out = lla(q.bfloat16(), k.bfloat16(), v.bfloat16(), lam=0.5)
+    assert out.dtype == torch.bfloat16 and rel_err(out, ref) < 5e-2
+
+
+def test_gradcheck_exact_and_cg():
+    q, k, v = (randn(1, 5, 2, 3, requires_grad=True), randn(1, 5, 1, 3, requires_grad=True),
+               randn(1, 5, 1, 2, requires_grad=True))
+    lam = (randn(1, 5, 2, 3).abs() + 0.2).requires_grad_(True)
+    assert torch.autograd.gradcheck(lambda *a: lla(*a[:3], lam=a[3], window=4), (q, k, v, lam))
+    assert torch.autograd.gradcheck(lambda *a: lla(*a[:3], lam=a[3], blocks=3), (q, k, v, lam))
+    assert torch.autograd.gradcheck(lambda *a: lla_matrix_free(*a[:3], lam=a[3], scale=0.5, cg_iters=3,
+                                                               cg_tol=0.0), (q, k, v, lam))

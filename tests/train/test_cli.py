@@ -1,0 +1,116 @@
+import json
+
+from regattn.cli import COMMANDS
+from regattn.train import cli, sweep
+
+BASE = ["--set", "vocab_size=32", "--set", "num_train=16", "--set", "num_test=4", "--dim", "16", "--steps", "2",
+        "--batch-size", "4", "--quiet"]
+TINY = ["--set", "length=16", "--set", "pairs=2"] + BASE
+
+
+def test_registered():
+    assert COMMANDS["train"][0] == "regattn.train.cli" and COMMANDS["sweep"][0] == "regattn.train.sweep"
+
+
+def test_parse_values_and_lists():
+    assert cli.parse_pairs(["a=1", "b=0.5", "c=true", "d=none", "e=x"], "--set") == \
+        dict(a=1, b=0.5, c=True, d=None, e="x")
+    assert cli.parse_list("1e-3,5e-4") == [1e-3, 5e-4]
+
+
+def test_train_writes_json_and_plot(tmp_path, capsys):
+    out = tmp_path / "t"
+    assert cli.main(["mqar", "--mixer", "parallax", "--seeds", "0,1", "--analyze-every", "2", "--out", str(out)]
+                    + TINY) == 0
+    payload = json.loads((out / "mqar-parallax.json").read_text())
+    assert len(payload["runs"]) == 2 and payload["summary"]["metric"] == "accuracy"
+    assert payload["summary"]["best_mean"] == sum(r["best"]["accuracy"] for r in payload["runs"]) / 2
+    assert (out / "mqar-parallax-curves.png").stat().st_size > 0
+    assert (out / "mqar-parallax-diagnostics-seed1.png").stat().st_size > 0
+
+
+def test_sweep_picks_best_lr_and_averages_seeds(tmp_path):
+    out = tmp_path / "s"
+    args = ["mqar", "--mixers", "softmax", "--lrs", "1e-3,1e-2", "--seeds", "0,1", "--vary", "length=16",
+            "--out", str(out)] + TINY
+    assert sweep.main(args) == 0
+    payload = json.loads((out / "sweep-mqar.json").read_text())
+    assert len(payload["runs"]) == 2 * 2
+    for mixer in ("softmax",):
+        for x in ("16",):
+            cell = payload["summary"][mixer][x]
+            runs = [r for r in payload["runs"] if r["mixer"] == mixer and str(r["x"]) == x]
+            means = {lr: sum(r["best"]["accuracy"] for r in runs if r["lr"] == lr) / 2 for lr in (1e-3, 1e-2)}
+            assert cell["mean"] == max(means.values()) and means[cell["best_lr"]] == cell["mean"]
+    assert (out / "sweep-mqar.png").exists() and (out / "sweep-mqar-curves-0.png").exists()
+
+
+def test_sweep_points_for_suites():
+    assert [x for _, _, x in sweep.sweep_points("mad", None)][0] == "recall"
+    assert len(sweep.sweep_points("mad_benchmark", None)) == 66
+    assert sweep.sweep_points("icr", [("segment", [4, 8])])[1] == ("icr", {"segment": 8}, 8)
+    grid = sweep.sweep_points("mqar", [("length", [16, 32]), ("pairs_per_length", [8, 4])])
+    assert [x for _, _, x in grid] == ["length=16,pairs_per_length=8", "length=16,pairs_per_length=4",
+                                      "length=32,pairs_per_length=8", "length=32,pairs_per_length=4"]
+    summary = {"m": {"recall:a": {"mean": 0.5}, "recall:b": {"mean": 1.0}, "copy:a": {"mean": 0.25}}}
+    assert sweep.suite_average(summary)["m"] == dict(tasks={"recall": 0.75, "copy": 0.25}, average=0.5)
+
+
+def test_sweep_resume_keeps_done_runs(tmp_path):
+    out = tmp_path / "r"
+    args = ["mqar", "--mixers", "softmax", "--lrs", "1e-3", "--out", str(out)] + TINY
+    assert sweep.main(args + ["--seeds", "0"]) == 0
+    first = json.loads((out / "sweep-mqar.json").read_text())["runs"]
+    assert sweep.main(args + ["--seeds", "0,1", "--resume"]) == 0
+    runs = json.loads((out / "sweep-mqar.json").read_text())["runs"]
+    assert [r["seed"] for r in runs] == [0, 1] and runs[0] == first[0]
+
+
+def test_summary_ranks_failed_runs_last():
+    def run(lr, seed, value, metric="accuracy"):
+        return dict(mixer="m", x=1, lr=lr, seed=seed, metric=metric, best=None if value is None else {metric: value})
+    summary = sweep.summarize_sweep([run(1e-3, 0, 0.5), run(1e-3, 1, 0.7), run(1e-2, 0, 0.9), run(1e-2, 1, None)])
+    cell = summary["m"]["1"]
+    assert cell["best_lr"] == 1e-3 and abs(cell["mean"] - 0.6) < 1e-12
+    mse = sweep.summarize_sweep([run(1e-3, 0, 0.2, "mse"), run(1e-2, 0, 0.1, "mse"), run(1e-1, 0, float("nan"), "mse")])
+    assert mse["m"]["1"]["best_lr"] == 1e-2
+
+
+def test_sweep_grid_plot_averages_the_other_keys(tmp_path):
+    out = tmp_path / "g"
+    args = ["mqar", "--mixers", "softmax", "--lrs", "1e-3", "--vary", "length=16,32", "--vary",
+            "pairs_per_length=8,4", "--out", str(out)] + BASE
+    assert sweep.main(args) == 0
+    payload = json.loads((out / "sweep-mqar.json").read_text())
+    assert len(payload["runs"]) == 4 and payload["vary"] == ["length", "pairs_per_length"]
+    shown = sweep.by_first_key(payload["summary"], payload["runs"], "length")
+    cells = payload["summary"]["softmax"]
+    expect = (cells["length=16,pairs_per_length=8"]["mean"] + cells["length=16,pairs_per_length=4"]["mean"]) / 2
+    assert abs(shown["softmax"]["16"]["mean"] - expect) < 1e-12
+    assert (out / "sweep-mqar.png").exists()
+
+
+def test_presets_parse_into_valid_sweeps():
+    from regattn.models.mixers import MIXERS
+    from regattn.tasks import TASKS
+    for name in sweep.PRESETS:
+        args = sweep.build_parser().parse_args(sweep.expand_preset(["--preset", name, "--seeds", "0"]))
+        assert args.task in TASKS or args.task in sweep.SUITES, name
+        assert all(m in MIXERS for m in args.mixers.split(",")) and args.seeds == "0"
+        assert sweep.sweep_points(args.task, sweep.parse_vary(args.vary or [])), name
+    args = sweep.build_parser().parse_args(sweep.expand_preset(["--preset", "lla-mqar", "--vary", "length=64"]))
+    vary = sweep.parse_vary(args.vary)
+    assert [k for k, _ in vary] == ["length", "pairs_per_length:num_train"]
+    points = sweep.sweep_points(args.task, vary)
+    assert [s for _, s, _ in points] == [dict(length=64, pairs_per_length=16, num_train=20000),
+                                         dict(length=64, pairs_per_length=8, num_train=40000),
+                                         dict(length=64, pairs_per_length=4, num_train=60000)]
+    assert args.epochs == 32 and args.batch_size == 256 and args.optimizer == "adamw"
+
+
+def test_sweep_varies_a_training_setting(tmp_path):
+    out = tmp_path / "d"
+    assert sweep.main(["mqar", "--mixers", "softmax", "--vary", "cfg.dim=8,16", "--out", str(out)] + TINY) == 0
+    runs = json.loads((out / "sweep-mqar.json").read_text())["runs"]
+    assert [r["config"]["dim"] for r in runs] == [8, 16] and [r["x"] for r in runs] == [8, 16]
+    assert runs[0]["parameters"] < runs[1]["parameters"]

@@ -1,0 +1,144 @@
+"""LM training on the standard-library byte corpus: loss goes down, perplexity, checkpoints, the command."""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from regattn.data import ByteTokenizer, stdlib_corpus
+from regattn.data.text import stdlib_files
+from regattn.train.lm import LMTrainConfig, Runtime, build_model, perplexity, train_lm
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models: one intra-op thread (spinning threads only slow them down on a busy machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    return stdlib_corpus(400_000)
+
+
+def small(**kw) -> LMTrainConfig:
+    options = dict(mixer="softmax", dim=32, layers=2, heads=2, seq_len=32, batch_size=8, steps=30, lr=0.02,
+                   eval_tokens=2048, log_every=5, device="cpu")
+    options.update(kw)
+    return LMTrainConfig(**options)
+
+
+def test_tokenizer_round_trip():
+    tok = ByteTokenizer()
+    text = "def f(x):\n    return x + 1  # é ∑"
+    ids = tok.encode(text)
+    assert max(ids) < 256 and tok.decode(ids) == text
+    assert tok.decode([104, 105, tok.EOT]) == "hi\n"
+
+
+def test_corpus_is_the_standard_library(corpus):
+    files = stdlib_files()
+    assert len(files) > 50 and all(f.endswith(".py") for f in files)
+    again = stdlib_corpus(400_000)
+    assert torch.equal(again.train, corpus.train) and torch.equal(again.val, corpus.val)
+    assert corpus.info["sha256"] == again.info["sha256"] and corpus.info["bytes"] >= 400_000
+    eot = ByteTokenizer.EOT
+    docs = corpus.info["files"]
+    assert int((corpus.train == eot).sum()) + int((corpus.val == eot).sum()) == docs
+    assert corpus.train.max() <= eot and corpus.train.min() >= 0
+    with open(files[0], "rb") as f:                       # file 0 opens the training stream
+        head = f.read(200)
+    assert bytes(corpus.train[:200].tolist()) == head
+    with open(files[9], "rb") as f:                       # file 9 (val_every = 10) opens the validation stream
+        head = f.read(200)
+    assert bytes(corpus.val[:200].tolist()) == head
+
+
+def test_batches_and_windows(corpus):
+    g = torch.Generator().manual_seed(0)
+    x, y = corpus.batch("train", 4, 16, g)
+    assert x.shape == y.shape == (4, 16)
+    assert torch.equal(x[:, 1:], y[:, :-1])
+    wx, wy = corpus.windows("val", 16, max_tokens=160)
+    assert wx.shape == (10, 16) and torch.equal(wx.flatten()[1:], wy.flatten()[:-1])
+    with pytest.raises(ValueError, match="split"):
+        corpus.batch("test", 1, 4, g)
+
+
+def test_perplexity_is_exp_of_mean_nll(corpus):
+    config = small()
+    rt = Runtime(0, 1, torch.device("cpu"))
+    model = build_model(config, rt)
+    result = perplexity(model, corpus, config, rt)
+    x, y = corpus.windows("val", config.seq_len, config.eval_tokens)
+    with torch.no_grad():
+        logits = model(x)
+    nll = F.cross_entropy(logits.flatten(0, 1).double(), y.flatten(), reduction="sum").item() / y.numel()
+    assert result["tokens"] == y.numel() == 2048
+    assert math.isclose(result["nll"], nll, rel_tol=1e-5)
+    assert math.isclose(result["ppl"], math.exp(nll), rel_tol=1e-5)
+    assert math.isclose(result["bits_per_byte"], nll / math.log(2), rel_tol=1e-5)
+    assert abs(result["nll"] - math.log(ByteTokenizer.vocab_size)) < 0.5      # an untrained model is near uniform
+
+
+def test_training_lowers_validation_loss(corpus):
+    config = small(mixer="parallax")
+    rt = Runtime(0, 1, torch.device("cpu"))
+    before = perplexity(build_model(config, rt), corpus, config, rt)
+    result = train_lm(config, corpus=corpus, log=lambda *_: None)
+    after = result["final"]
+    assert result["steps"] == 30 and len(result["history"]["train"]) == 6
+    assert after["nll"] < before["nll"] - 1.0, (before, after)
+    assert result["history"]["train"][-1]["loss"] < result["history"]["train"][0]["loss"]
+    assert result["history"]["train"][-1]["lr"] < config.lr          # WSD decays over the last 20 %
+
+
+def test_checkpoint_resume_matches_one_run(corpus, tmp_path):
+    config = small(steps=6, log_every=3, optimizer="muon", checkpoint=str(tmp_path / "ck"))
+    train_lm(config, corpus=corpus, stop_at=3, log=lambda *_: None)
+    assert json.load(open(tmp_path / "ck" / "meta.json"))["step"] == 3
+    resumed = train_lm(config, corpus=corpus, log=lambda *_: None)["model"]
+    whole = train_lm(small(steps=6, log_every=3, optimizer="muon"), corpus=corpus, log=lambda *_: None)["model"]
+    for (name, a), b in zip(resumed.state_dict().items(), whole.state_dict().values()):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), name
+
+
+def run_command(args, cwd) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    env.pop("WORLD_SIZE", None)
+    cmd = [sys.executable, "-m", "regattn.train", "lm", "--dim", "32", "--layers", "2", "--heads", "2",
+           "--seq-len", "16", "--batch-size", "2", "--steps", "3", "--max-bytes", "200000", "--eval-tokens", "256",
+           "--device", "cpu", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=cwd, timeout=120)
+
+
+def test_command(tmp_path):
+    out = tmp_path / "out"
+    proc = run_command(["--mixer", "gatedfwa,decay", "--window", "8", "--sample-tokens", "4", "--out", str(out)],
+                       tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    result = json.load(open(out / "lm-gatedfwa-decay-world1.json"))
+    assert result["steps"] == 3 and result["world_size"] == 1
+    assert result["config"]["mixer"] == ["gatedfwa", "decay"]
+    assert result["tokens_per_second"] > 0 and all(row["tokens_per_second"] > 0 for row in result["history"]["train"])
+    assert math.isfinite(result["final"]["ppl"]) and result["corpus"]["source"] == "python-stdlib"
+    assert isinstance(result["sample"]["continuation"], str)
+
+
+def test_command_compare(tmp_path):
+    out = tmp_path / "out"
+    proc = run_command(["--compare", "softmax,swa", "--window", "8", "--out", str(out)], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    for name in ("softmax", "swa"):
+        result = json.load(open(out / f"lm-{name}-world1.json"))
+        assert result["config"]["mixer"] == name and math.isfinite(result["final"]["ppl"])
+    assert (out / "lm-compare-world1-curves.png").stat().st_size > 0

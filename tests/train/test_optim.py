@@ -1,0 +1,69 @@
+import torch
+
+from regattn.models.stack import build_model
+from regattn.tasks import mqar
+from regattn.train.optim import apply_schedule, build_optimizer, parameter_roles
+
+
+def model():
+    torch.manual_seed(0)
+    return build_model(mqar(length=16, pairs=2, vocab_size=30, num_train=4, num_test=1), "softmax", dim=16, heads=2)
+
+
+def test_roles():
+    m = model()
+    roles = parameter_roles(m)
+    ids = {k: {id(p) for p in v} for k, v in roles.items()}
+    assert id(m.embed.weight) in ids["embed"] and id(m.head.weight) in ids["embed"]
+    assert id(m.norm.weight) in ids["scalar"]
+    assert id(m.blocks[0].mixer.q_proj.weight) in ids["hidden"]
+    assert all(p.ndim == 2 for p in roles["hidden"]) and all(p.ndim != 2 for p in roles["scalar"])
+    assert sum(len(v) for v in roles.values()) == len(list(m.parameters()))
+
+
+def step(m, opt):
+    x = torch.randint(0, 30, (4, 16))
+    loss = m(x).logsumexp(-1).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+
+
+def test_muon_groups_and_update():
+    m = model()
+    opt = build_optimizer(m, "muon", lr=0.02, weight_decay=0.1)
+    muon, adam = opt.optimizers
+    assert isinstance(muon, torch.optim.Muon) and all(p.ndim == 2 for g in muon.param_groups for p in g["params"])
+    lrs = sorted(g["lr"] for g in adam.param_groups)
+    assert lrs == [0.02 * 0.015, 0.02 * 0.3]
+    before = [p.detach().clone() for p in m.parameters()]
+    step(m, opt)
+    changed = [not torch.equal(a, p) for a, p in zip(before, m.parameters())]
+    assert sum(changed) == len(changed)
+    apply_schedule(opt, 0.5, 0.25)
+    assert muon.param_groups[0]["lr"] == 0.01 and muon.param_groups[0]["weight_decay"] == 0.1 * 0.25
+
+
+def test_adamw_decay_groups_and_state_roundtrip():
+    m = model()
+    opt = build_optimizer(m, "adamw", lr=1e-3, weight_decay=0.1)
+    wds = sorted(g["weight_decay"] for g in opt.param_groups)
+    assert wds == [0.0, 0.1]
+    step(m, opt)
+    other = build_optimizer(m, "adamw", lr=1e-3)
+    other.load_state_dict(opt.state_dict())
+    assert other.state_dict()[0]["state"].keys() == opt.state_dict()[0]["state"].keys()
+
+
+def test_embeddings_anywhere_are_not_hidden():
+    class LM(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.tokens = torch.nn.Embedding(10, 8)
+            self.body = torch.nn.Linear(8, 8)
+            self.lm_head = torch.nn.Linear(8, 10, bias=False)
+
+    m = LM()
+    roles = {k: {id(p) for p in v} for k, v in parameter_roles(m).items()}
+    assert roles["embed"] == {id(m.tokens.weight), id(m.lm_head.weight)}
+    assert roles["hidden"] == {id(m.body.weight)} and roles["scalar"] == {id(m.body.bias)}
