@@ -1,7 +1,31 @@
 import os
+import random
+import zlib
 
 import pytest
 import torch
+
+from tests.helpers import reseed
+
+# Every run draws new inputs; the seed is printed so that a failing run can be replayed exactly.
+SEED = int(os.environ.get("REGATTN_TEST_SEED") or random.SystemRandom().randrange(2**31))
+
+
+def pytest_report_header(config):
+    return f"REGATTN_TEST_SEED={SEED}"
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if exitstatus != 0:
+        terminalreporter.write_line(f"replay these inputs with REGATTN_TEST_SEED={SEED}")
+
+
+@pytest.fixture(autouse=True)
+def fresh_inputs(request):
+    """Per test, a seed from the run's seed and the test's id: one test replays alone as in the suite."""
+    seed = zlib.crc32(f"{SEED}:{request.node.nodeid}".encode())
+    reseed(seed)
+    torch.manual_seed(seed)
 
 
 def pytest_collection_modifyitems(config, items):

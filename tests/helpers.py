@@ -12,11 +12,19 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
 
 
+_fresh = torch.Generator(device="cpu")
+
+
+def reseed(seed: int) -> None:
+    """Start the stream of fresh inputs (``randn`` without ``seed``) at ``seed``."""
+    _fresh.manual_seed(seed)
+
+
 def randn(*shape, dtype=torch.float64, device="cpu", seed=None, scale=1.0, requires_grad=False):
-    g = torch.Generator(device="cpu")
+    """Gaussian input; ``seed=None`` draws from the run's fresh stream (see tests/conftest.py)."""
+    g = _fresh
     if seed is not None:
+        g = torch.Generator(device="cpu")
         g.manual_seed(seed)
-    else:
-        g.seed()
     x = (torch.randn(*shape, generator=g, dtype=torch.float64) * scale).to(device=device, dtype=dtype)
     return x.requires_grad_(requires_grad)

@@ -79,7 +79,8 @@ def test_large_logits_and_zero_probe(interpret):
     """|scale q.k| up to ~1e4 and r = 0 (softmax attention): finite and exact."""
     q, r, k, v = _inputs(1, 24, 24, 2, 1, 16, 16, torch.float32, logit_scale=2000.0)
     o = regattn.parallax(q, r, k, v, backend="triton")
-    assert (q[0, :, 0] @ k[0, :, 0].T).abs().max() * 16 ** -0.5 > 5e3
+    max_logit = (q[0, :, 0] @ k[0, :, 0].T).abs().max().item() * 16 ** -0.5
+    assert max_logit > 5e3
     assert rel_err(o, parallax_ref(q.double(), r.double(), k.double(), v.double())) < 1e-5
     zero = torch.zeros_like(r)
     _check(q, zero, k, v, window=5, grad=False)
@@ -94,7 +95,9 @@ def test_large_logits_and_zero_probe(interpret):
         natural = do.norm() * q.norm() * 16 ** -0.5
         for a, b in zip(g, g_ref):
             assert torch.isfinite(a).all() and (a.double() - b).norm() <= 1e-6 * natural + 1e-5 * b.norm()
-        assert rel_err(g[3], g_ref[3]) < 1e-5
+        # dV = P^T dO with P recomputed from the saved log-sum-exp: the recomputed logit carries the
+        # fp32 rounding of its size, so P's relative error is about eps * max|logit|.
+        assert rel_err(g[3], g_ref[3]) < 2 ** -23 * max_logit
     o0 = regattn.parallax(q, zero, k, v, backend="triton")
     assert rel_err(o0, regattn.softmax_attention(q.double(), k.double(), v.double(), backend="torch")) < 1e-5
 

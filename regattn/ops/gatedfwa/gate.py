@@ -102,10 +102,9 @@ def _gate_bwd_kernel(H_ptr, BETA, DU, DH, DBETA, T, NH, eps, shb, sht, shh, sbb,
         offs_t = t0 + tl.arange(0, BLOCK_T)
         grad = offs_t[:, None] * sdt + offs_h[None, :] * sdh + b * sdb
         du = tl.load(DU + grad, mask=mask, other=0.0).to(tl.float32)
-        total = tl.sum(du, 0)
-        # Reverse inclusive sum inside the tile as total - prefix + own: the carry dominates its size.
-        dalpha = -(total[None, :] - tl.cumsum(du, 0) + du + carry[None, :])
-        carry += total
+        # A reverse scan, not total - prefix: that difference cancels at the tile's end.
+        dalpha = -(tl.cumsum(du, 0, reverse=True) + carry[None, :])
+        carry += tl.sum(du, 0)
         z = beta * h
         inv = 1.0 / (beta + eps)
         sig = tl.sigmoid(z)
