@@ -40,6 +40,22 @@ def test_gate_low_precision_inputs_accumulate_in_fp32(interpret):
     _check(1, 70, 4, torch.float16, "one_pass", 1e-3)
 
 
+def test_gate_backward_in_one_long_tile(interpret):
+    """A GPU-sized time tile (1024 rows): the reverse sums near the tile's end stay accurate where the
+    whole tile's sum of du is large against them (``total - prefix`` would cancel there)."""
+    from regattn.ops.gatedfwa.gate import gate_backward
+    T = 1000
+    h, beta = (x.detach().float() for x in _gate_inputs(1, T, 4, torch.float32, device="cpu"))
+    du = randn(1, T, 4, dtype=torch.float32)
+    du[:, : T // 2] += 100.0  # early rows dominate the tile's sum; late rows carry small reverse sums
+    dh, dbeta = gate_backward(du.to(DEV), h.to(DEV), beta.to(DEV), 1e-6, blocks=(1024, 4))
+    hd, bd = (x.double().requires_grad_(True) for x in (h, beta))
+    rh, rb = torch.autograd.grad(reference.gatedfwa_gate(hd, bd), [hd, bd], du.double())
+    tail = slice(T - 64, T)
+    assert rel_err(dh.cpu()[:, tail], rh[:, tail]) < 1e-5
+    assert rel_err(dbeta.cpu()[:, tail], rb[:, tail]) < 1e-5
+
+
 def test_gate_strided_inputs(interpret):
     x = randn(1, 40, 6, device=DEV, dtype=torch.float32)
     h, beta = x[..., :3], 1 + F.elu(x[..., 3:])
