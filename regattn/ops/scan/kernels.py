@@ -50,6 +50,28 @@ def _sequence(CU, b, T, S, VARLEN: tl.constexpr):
 
 
 @triton.jit
+def _sequence_head(CU, pid_bh, T, S, HQ, VARLEN: tl.constexpr):
+    """``(batch index, query head, first row, query count, key count)`` of the grid index ``pid_bh``
+    over ``sequences * HQ``."""
+    b = pid_bh // HQ
+    h = pid_bh % HQ
+    bat, row0, Tb, Sb = _sequence(CU, b, T, S, VARLEN)
+    return bat, h, row0, Tb, Sb
+
+
+@triton.jit
+def _head_rows(ptr, bat, head, row0, stride_b, stride_h, stride_t):
+    """``ptr`` moved to the first row of ``head`` in the sequence at ``(bat, row0)`` (64-bit offsets)."""
+    return ptr + bat.to(tl.int64) * stride_b + head.to(tl.int64) * stride_h + row0.to(tl.int64) * stride_t
+
+
+@triton.jit
+def _stats_rows(bat, h, HQ, T, row0):
+    """Index of the sequence's first row in the per-row statistics ``[B * HQ * T]`` (lse, delta, splits)."""
+    return (bat * HQ + h).to(tl.int64) * T + row0
+
+
+@triton.jit
 def _visible(offs_m, offs_n, Tb, Sb, CAUSAL: tl.constexpr, WINDOW: tl.constexpr):
     """``[BLOCK_M, BLOCK_N]``: key ``j`` is seen by query ``i`` (at position ``i + Sb - Tb``).
 
@@ -153,6 +175,15 @@ def _fold_tiles(q, k_base, v_base, skt, svt, lo, hi, offs_m, offs_n0, offs_d, of
     return m_i, l_i, acc
 
 
+@triton.jit
+def _store_output(O, LSE, acc, m, l, rows, bat, h, row0, sob, soh, sot, offs_m, offs_dv, Tb,
+                  DV: tl.constexpr, STORE_LSE: tl.constexpr):
+    """Normalise a final state; store ``o`` and (``STORE_LSE``) the base-2 log-sum-exp at ``rows``."""
+    o, lse = softmax_finish(acc, m, l)
+    _store_rows(_head_rows(O, bat, h, row0, sob, soh, sot), o, offs_m, sot, offs_dv, Tb, DV)
+    if STORE_LSE:
+        tl.store(LSE + rows, lse, mask=offs_m < Tb)
+
 
 @triton.heuristics({
     "EVEN_N": lambda a: (not a["VARLEN"]) and a["S"] % a["BLOCK_N"] == 0 and a["D"] == a["BLOCK_D"]
@@ -174,9 +205,7 @@ def _fwd_kernel(Q, K, V, O, LSE, WS_M, WS_L, WS_ACC, CU,
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     split = tl.program_id(2)
-    b = pid_bh // HQ
-    h = pid_bh % HQ
-    bat, row0, Tb, Sb = _sequence(CU, b, T, S, VARLEN)
+    bat, h, row0, Tb, Sb = _sequence_head(CU, pid_bh, T, S, HQ, VARLEN)
     m0 = pid_m * BLOCK_M
     if m0 >= Tb:
         return
@@ -185,9 +214,9 @@ def _fwd_kernel(Q, K, V, O, LSE, WS_M, WS_L, WS_ACC, CU,
     offs_dv = tl.arange(0, BLOCK_DV)
     offs_n0 = tl.arange(0, BLOCK_N)
     hk = h // GROUP
-    q_base = Q + bat.to(tl.int64) * sqb + h.to(tl.int64) * sqh + row0.to(tl.int64) * sqt
-    k_base = K + bat.to(tl.int64) * skb + hk.to(tl.int64) * skh + row0.to(tl.int64) * skt
-    v_base = V + bat.to(tl.int64) * svb + hk.to(tl.int64) * svh + row0.to(tl.int64) * svt
+    q_base = _head_rows(Q, bat, h, row0, sqb, sqh, sqt)
+    k_base = _head_rows(K, bat, hk, row0, skb, skh, skt)
+    v_base = _head_rows(V, bat, hk, row0, svb, svh, svt)
     q = _tf32(_load_rows(q_base, offs_m, sqt, offs_d, Tb, D, False), ROUND_TF32)
 
     lo, hi = _key_tiles(m0, Tb, Sb, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
@@ -210,13 +239,9 @@ def _fwd_kernel(Q, K, V, O, LSE, WS_M, WS_L, WS_ACC, CU,
                                           BLOCK_N, BLOCK_DV, CAUSAL, WINDOW, EVEN_N, PREC, FRESH, ROUND_TF32)
             m_i, l_i, acc = _combine(m_i, l_i, acc, m_c, l_c, acc_c)
 
-    rows = (bat * HQ + h).to(tl.int64) * T + row0 + offs_m
+    rows = _stats_rows(bat, h, HQ, T, row0) + offs_m
     if NSPLIT == 1:
-        o, lse = softmax_finish(acc, m_i, l_i)
-        o_base = O + bat.to(tl.int64) * sob + h.to(tl.int64) * soh + row0.to(tl.int64) * sot
-        _store_rows(o_base, o, offs_m, sot, offs_dv, Tb, DV)
-        if STORE_LSE:
-            tl.store(LSE + rows, lse, mask=offs_m < Tb)
+        _store_output(O, LSE, acc, m_i, l_i, rows, bat, h, row0, sob, soh, sot, offs_m, offs_dv, Tb, DV, STORE_LSE)
     else:
         ws = split.to(tl.int64) * ws_stride + rows
         tl.store(WS_M + ws, m_i, mask=offs_m < Tb)
@@ -243,17 +268,14 @@ def _merge_kernel(WS_M, WS_L, WS_ACC, O, LSE, CU, sob, sot, soh, T, HQ, ws_strid
                   NSPLIT: tl.constexpr, LOG_NSPLIT: tl.constexpr, STORE_LSE: tl.constexpr):
     """Combine the ``NSPLIT`` key-slice states of ``BLOCK_M`` queries by a balanced pairwise tree."""
     pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = pid_bh // HQ
-    h = pid_bh % HQ
-    bat, row0, Tb, _ = _sequence(CU, b, T, T, VARLEN)
+    bat, h, row0, Tb, _ = _sequence_head(CU, tl.program_id(1), T, T, HQ, VARLEN)
     m0 = pid_m * BLOCK_M
     if m0 >= Tb:
         return
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_dv = tl.arange(0, BLOCK_DV)
     offs_s = tl.arange(0, NSPLIT)
-    rows = (bat * HQ + h).to(tl.int64) * T + row0 + offs_m
+    rows = _stats_rows(bat, h, HQ, T, row0) + offs_m
     ok = offs_m < Tb
     ws = offs_s[None, :].to(tl.int64) * ws_stride + rows[:, None]  # [BM, NSPLIT]
     m = tl.load(WS_M + ws, mask=ok[:, None], other=float("-inf"))
@@ -264,14 +286,34 @@ def _merge_kernel(WS_M, WS_L, WS_ACC, O, LSE, CU, sob, sot, soh, T, HQ, ws_strid
     m = tl.reshape(m, [BLOCK_M])
     l = tl.reshape(l, [BLOCK_M])
     acc = tl.reshape(acc, [BLOCK_M, BLOCK_DV])
-    o, lse = softmax_finish(acc, m, l)
-    o_base = O + bat.to(tl.int64) * sob + h.to(tl.int64) * soh + row0.to(tl.int64) * sot
-    _store_rows(o_base, o, offs_m, sot, offs_dv, Tb, DV)
-    if STORE_LSE:
-        tl.store(LSE + rows, lse, mask=ok)
+    _store_output(O, LSE, acc, m, l, rows, bat, h, row0, sob, soh, sot, offs_m, offs_dv, Tb, DV, STORE_LSE)
 
 
 # ----------------------------------------------------------------------------- backward
+
+@triton.jit
+def _row_stats(LSE, DELTA, stats, offs_m, Tb):
+    """``lse`` (``+inf`` past the end) and ``delta = rowsum(o * dO)`` of the query rows ``offs_m``."""
+    lse = tl.load(LSE + stats + offs_m, mask=offs_m < Tb, other=float("inf"))
+    delta = tl.load(DELTA + stats + offs_m, mask=offs_m < Tb, other=0.0)
+    return lse, delta
+
+
+@triton.jit
+def _probs(q, k, lse, offs_m, offs_n, Tb, Sb, qk_scale, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
+           PREC: tl.constexpr):
+    """``p = exp2(s - lse)`` of a ``[BLOCK_M, BLOCK_N]`` tile, 0 where a key is hidden."""
+    s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+    vis = _visible(offs_m, offs_n, Tb, Sb, CAUSAL, WINDOW)
+    return tl.where(vis, tl.exp2(s - lse[:, None]), 0.0)
+
+
+@triton.jit
+def _score_grads(p, do, v, delta, PREC: tl.constexpr):
+    """``ds = p * (dO v^T - delta)`` of a tile."""
+    dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+    return p * (dp - delta[:, None])
+
 
 @triton.jit
 def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DVV, CU,
@@ -284,10 +326,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DVV, CU,
                      ROUND_TF32: tl.constexpr):
     """``dk, dv`` of ``BLOCK_N`` keys for one query head (summed over the group outside)."""
     pid_n = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = pid_bh // HQ
-    h = pid_bh % HQ
-    bat, row0, Tb, Sb = _sequence(CU, b, T, S, VARLEN)
+    bat, h, row0, Tb, Sb = _sequence_head(CU, tl.program_id(1), T, S, HQ, VARLEN)
     n0 = pid_n * BLOCK_N
     if n0 >= Sb:
         return
@@ -296,34 +335,27 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DVV, CU,
     offs_m0 = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    q_base = Q + bat.to(tl.int64) * sqb + h.to(tl.int64) * sqh + row0.to(tl.int64) * sqt
-    do_base = DO + bat.to(tl.int64) * sdob + h.to(tl.int64) * sdoh + row0.to(tl.int64) * sdot
-    k = _tf32(_load_rows(K + bat.to(tl.int64) * skb + hk.to(tl.int64) * skh + row0.to(tl.int64) * skt,
-                         offs_n, skt, offs_d, Sb, D, False), ROUND_TF32)
-    v = _tf32(_load_rows(V + bat.to(tl.int64) * svb + hk.to(tl.int64) * svh + row0.to(tl.int64) * svt,
-                         offs_n, svt, offs_dv, Sb, DV, False), ROUND_TF32)
+    q_base = _head_rows(Q, bat, h, row0, sqb, sqh, sqt)
+    do_base = _head_rows(DO, bat, h, row0, sdob, sdoh, sdot)
+    k = _tf32(_load_rows(_head_rows(K, bat, hk, row0, skb, skh, skt), offs_n, skt, offs_d, Sb, D, False), ROUND_TF32)
+    v = _tf32(_load_rows(_head_rows(V, bat, hk, row0, svb, svh, svt), offs_n, svt, offs_dv, Sb, DV, False),
+              ROUND_TF32)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
-    stats = (bat * HQ + h).to(tl.int64) * T + row0
+    stats = _stats_rows(bat, h, HQ, T, row0)
     lo, hi = _query_tiles(n0, Tb, Sb, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
     for m0 in range(lo, hi, BLOCK_M):
         offs_m = m0 + offs_m0
         q = _tf32(_load_rows(q_base, offs_m, sqt, offs_d, Tb, D, False), ROUND_TF32)
         do = _tf32(_load_rows(do_base, offs_m, sdot, offs_dv, Tb, DV, False), ROUND_TF32)
-        lse = tl.load(LSE + stats + offs_m, mask=offs_m < Tb, other=float("inf"))
-        delta = tl.load(DELTA + stats + offs_m, mask=offs_m < Tb, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
-        vis = _visible(offs_m, offs_n, Tb, Sb, CAUSAL, WINDOW)
-        p = tl.where(vis, tl.exp2(s - lse[:, None]), 0.0)
+        lse, delta = _row_stats(LSE, DELTA, stats, offs_m, Tb)
+        p = _probs(q, k, lse, offs_m, offs_n, Tb, Sb, qk_scale, CAUSAL, WINDOW, PREC)
         dv = tl.dot(tl.trans(_tf32(p.to(do.dtype), ROUND_TF32)), do, dv, input_precision=PREC)
-        dp = tl.dot(do, tl.trans(v), input_precision=PREC)
-        ds = p * (dp - delta[:, None])
+        ds = _score_grads(p, do, v, delta, PREC)
         dk = tl.dot(tl.trans(_tf32(ds.to(q.dtype), ROUND_TF32)), q, dk, input_precision=PREC)
     dk = dk * sm_scale
-    _store_rows(DK + bat.to(tl.int64) * sdkb + h.to(tl.int64) * sdkh + row0.to(tl.int64) * sdkt,
-                dk, offs_n, sdkt, offs_d, Sb, D)
-    _store_rows(DVV + bat.to(tl.int64) * sdvb + h.to(tl.int64) * sdvh + row0.to(tl.int64) * sdvt,
-                dv, offs_n, sdvt, offs_dv, Sb, DV)
+    _store_rows(_head_rows(DK, bat, h, row0, sdkb, sdkh, sdkt), dk, offs_n, sdkt, offs_d, Sb, D)
+    _store_rows(_head_rows(DVV, bat, h, row0, sdvb, sdvh, sdvt), dv, offs_n, sdvt, offs_dv, Sb, DV)
 
 
 @triton.jit
@@ -336,10 +368,7 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, CU,
                    ROUND_TF32: tl.constexpr):
     """``dq`` of ``BLOCK_M`` queries of one head."""
     pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = pid_bh // HQ
-    h = pid_bh % HQ
-    bat, row0, Tb, Sb = _sequence(CU, b, T, S, VARLEN)
+    bat, h, row0, Tb, Sb = _sequence_head(CU, tl.program_id(1), T, S, HQ, VARLEN)
     m0 = pid_m * BLOCK_M
     if m0 >= Tb:
         return
@@ -348,30 +377,23 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, CU,
     offs_n0 = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    q = _tf32(_load_rows(Q + bat.to(tl.int64) * sqb + h.to(tl.int64) * sqh + row0.to(tl.int64) * sqt,
-                         offs_m, sqt, offs_d, Tb, D, False), ROUND_TF32)
-    do = _tf32(_load_rows(DO + bat.to(tl.int64) * sdob + h.to(tl.int64) * sdoh + row0.to(tl.int64) * sdot,
-                          offs_m, sdot, offs_dv, Tb, DV, False), ROUND_TF32)
-    stats = (bat * HQ + h).to(tl.int64) * T + row0
-    lse = tl.load(LSE + stats + offs_m, mask=offs_m < Tb, other=float("inf"))
-    delta = tl.load(DELTA + stats + offs_m, mask=offs_m < Tb, other=0.0)
-    k_base = K + bat.to(tl.int64) * skb + hk.to(tl.int64) * skh + row0.to(tl.int64) * skt
-    v_base = V + bat.to(tl.int64) * svb + hk.to(tl.int64) * svh + row0.to(tl.int64) * svt
+    q = _tf32(_load_rows(_head_rows(Q, bat, h, row0, sqb, sqh, sqt), offs_m, sqt, offs_d, Tb, D, False), ROUND_TF32)
+    do = _tf32(_load_rows(_head_rows(DO, bat, h, row0, sdob, sdoh, sdot), offs_m, sdot, offs_dv, Tb, DV, False),
+               ROUND_TF32)
+    lse, delta = _row_stats(LSE, DELTA, _stats_rows(bat, h, HQ, T, row0), offs_m, Tb)
+    k_base = _head_rows(K, bat, hk, row0, skb, skh, skt)
+    v_base = _head_rows(V, bat, hk, row0, svb, svh, svt)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     lo, hi = _key_tiles(m0, Tb, Sb, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + offs_n0
         k = _tf32(_load_rows(k_base, offs_n, skt, offs_d, Sb, D, False), ROUND_TF32)
         v = _tf32(_load_rows(v_base, offs_n, svt, offs_dv, Sb, DV, False), ROUND_TF32)
-        s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
-        vis = _visible(offs_m, offs_n, Tb, Sb, CAUSAL, WINDOW)
-        p = tl.where(vis, tl.exp2(s - lse[:, None]), 0.0)
-        dp = tl.dot(do, tl.trans(v), input_precision=PREC)
-        ds = p * (dp - delta[:, None])
+        p = _probs(q, k, lse, offs_m, offs_n, Tb, Sb, qk_scale, CAUSAL, WINDOW, PREC)
+        ds = _score_grads(p, do, v, delta, PREC)
         dq = tl.dot(_tf32(ds.to(k.dtype), ROUND_TF32), k, dq, input_precision=PREC)
     dq = dq * sm_scale
-    _store_rows(DQ + bat.to(tl.int64) * sdqb + h.to(tl.int64) * sdqh + row0.to(tl.int64) * sdqt,
-                dq, offs_m, sdqt, offs_d, Tb, D)
+    _store_rows(_head_rows(DQ, bat, h, row0, sdqb, sdqh, sdqt), dq, offs_m, sdqt, offs_d, Tb, D)
 
 
 # ----------------------------------------------------------------------------- tile choices
