@@ -35,6 +35,64 @@ def _sequence(CU, n, T, S, VARLEN: tl.constexpr):
 
 
 @triton.jit
+def _query_program(CU, T, S, GROUP: tl.constexpr, VARLEN: tl.constexpr, BLOCK_M: tl.constexpr):
+    """``(batch, first token, Tq, Sk, query head, key/value head, first query)`` of a program of the
+    grid ``(query tiles, sequences, HQ)``."""
+    pid_m = tl.program_id(0)
+    n = tl.program_id(1)
+    hq = tl.program_id(2)
+    hk = hq // GROUP
+    b, bos, Tq, Sk = _sequence(CU, n, T, S, VARLEN)
+    return b, bos, Tq, Sk, hq, hk, pid_m * BLOCK_M
+
+
+@triton.jit
+def _head_base(P, b, bos, head, stride_b, stride_t, stride_h):
+    """``P`` moved to the first token of ``head`` in the sequence at ``(b, bos)``."""
+    return P + b * stride_b + bos * stride_t + head * stride_h
+
+
+@triton.jit
+def _tile_ptrs(P, b, bos, rows, head, stride_b, stride_t, stride_h, BLOCK_C: tl.constexpr):
+    """Pointers ``[len(rows), BLOCK_C]`` to tokens ``bos + rows`` of ``head`` in batch row ``b``."""
+    return P + b * stride_b + (bos + rows[:, None]) * stride_t + head * stride_h + tl.arange(0, BLOCK_C)[None, :]
+
+
+@triton.jit
+def _tile_mask(rows, n_rows, n_cols, BLOCK_C: tl.constexpr):
+    """Where :func:`_tile_ptrs` points inside ``n_rows x n_cols``."""
+    return (rows < n_rows)[:, None] & (tl.arange(0, BLOCK_C) < n_cols)[None, :]
+
+
+@triton.jit
+def _load_tile(P, b, bos, rows, head, stride_b, stride_t, stride_h, n_rows, n_cols, BLOCK_C: tl.constexpr):
+    """Tile ``[len(rows), BLOCK_C]`` of ``head``; rows ``>= n_rows`` and columns ``>= n_cols`` read 0."""
+    return tl.load(_tile_ptrs(P, b, bos, rows, head, stride_b, stride_t, stride_h, BLOCK_C),
+                   mask=_tile_mask(rows, n_rows, n_cols, BLOCK_C), other=0.0)
+
+
+@triton.jit
+def _gate2(U_h, rows, stride_ut, n_rows, GATED: tl.constexpr, BLOCK: tl.constexpr):
+    """The base-2 gate ``log2(e) * u`` of ``rows`` (``[BLOCK]``, zeros without a gate)."""
+    u2 = tl.zeros([BLOCK], dtype=tl.float32)
+    if GATED:
+        u2 = tl.load(U_h + rows * stride_ut, mask=rows < n_rows, other=0.0).to(tl.float32) * 1.4426950408889634
+    return u2
+
+
+@triton.jit
+def _key_tiles(start_m, Tq, Sk, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr):
+    """Key tiles of the query tile at ``start_m``: masked ``[a, bb)``, full ``[bb, c)``, masked ``[c, hi)``."""
+    off = Sk - Tq
+    pos_hi = tl.minimum(start_m + BLOCK_M, Tq) - 1 + off
+    lo, hi = key_span(start_m + off, pos_hi, Sk, CAUSAL, WINDOW)
+    full_lo, full_hi = full_key_span(start_m + off, pos_hi, Sk, CAUSAL, WINDOW)
+    a, bb, c = tile_loop_bounds(lo, hi, full_lo, full_hi, BLOCK_N)
+    return a, bb, c, hi
+
+
+@triton.jit
 def _gate_logits(s2, uq2, U_k, offs_n, stride_ut, kmask, GATED: tl.constexpr):
     """Add the base-2 gate bias ``log2(e) * (u_i - u_j)`` to a tile of logits."""
     if GATED:
@@ -72,34 +130,19 @@ def _fwd_kernel(Q, K, V, U, O, LSE, CU, sm_scale2, T, S, D, DV,
                 GROUP: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, GATED: tl.constexpr,
                 VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                 BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr):
-    pid_m = tl.program_id(0)
-    n = tl.program_id(1)
-    hq = tl.program_id(2)
-    hk = hq // GROUP
-    b, bos, Tq, Sk = _sequence(CU, n, T, S, VARLEN)
-    start_m = pid_m * BLOCK_M
+    """``o`` and the base-2 log-sum-exp of ``BLOCK_M`` queries of one query head."""
+    b, bos, Tq, Sk, hq, hk, start_m = _query_program(CU, T, S, GROUP, VARLEN, BLOCK_M)
     if start_m >= Tq:
         return
     off = Sk - Tq
     offs_m = start_m + tl.arange(0, BLOCK_M)
-    rmask = offs_m < Tq
     pos = offs_m + off
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-
-    q = tl.load(Q + b * sqb + (bos + offs_m[:, None]) * sqt + hq * sqh + offs_d[None, :],
-                mask=rmask[:, None] & (offs_d < D)[None, :], other=0.0)
-    uq2 = tl.zeros([BLOCK_M], dtype=tl.float32)
-    U_h = U + b * sub + bos * sut + hq * suh
-    if GATED:
-        uq2 = tl.load(U_h + offs_m * sut, mask=rmask, other=0.0).to(tl.float32) * 1.4426950408889634
-    K_h = K + b * skb + bos * skt + hk * skh
-    V_h = V + b * svb + bos * svt + hk * svh
-
-    pos_hi = tl.minimum(start_m + BLOCK_M, Tq) - 1 + off
-    lo, hi = key_span(start_m + off, pos_hi, Sk, CAUSAL, WINDOW)
-    full_lo, full_hi = full_key_span(start_m + off, pos_hi, Sk, CAUSAL, WINDOW)
-    a, bb, c = tile_loop_bounds(lo, hi, full_lo, full_hi, BLOCK_N)
+    q = _load_tile(Q, b, bos, offs_m, hq, sqb, sqt, sqh, Tq, D, BLOCK_D)
+    U_h = _head_base(U, b, bos, hq, sub, sut, suh)
+    uq2 = _gate2(U_h, offs_m, sut, Tq, GATED, BLOCK_M)
+    K_h = _head_base(K, b, bos, hk, skb, skt, skh)
+    V_h = _head_base(V, b, bos, hk, svb, svt, svh)
+    a, bb, c, hi = _key_tiles(start_m, Tq, Sk, CAUSAL, WINDOW, BLOCK_M, BLOCK_N)
 
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -111,9 +154,9 @@ def _fwd_kernel(Q, K, V, U, O, LSE, CU, sm_scale2, T, S, D, DV,
     acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, uq2, pos, K_h, V_h, U_h, skt, svt, sut, Sk, c, hi, sm_scale2,
                                D, DV, CAUSAL, WINDOW, GATED, True, BLOCK_N, BLOCK_D, BLOCK_DV, PRECISION)
     o, lse2 = softmax_finish(acc, m_i, l_i)
-    tl.store(O + b * sob + (bos + offs_m[:, None]) * sot + hq * soh + offs_dv[None, :], o.to(O.dtype.element_ty),
-             mask=rmask[:, None] & (offs_dv < DV)[None, :])
-    tl.store(LSE + b * slb + (bos + offs_m) * slt + hq * slh, lse2, mask=rmask)
+    tl.store(_tile_ptrs(O, b, bos, offs_m, hq, sob, sot, soh, BLOCK_DV), o.to(O.dtype.element_ty),
+             mask=_tile_mask(offs_m, Tq, DV, BLOCK_DV))
+    tl.store(LSE + b * slb + (bos + offs_m) * slt + hq * slh, lse2, mask=offs_m < Tq)
 
 
 @triton.jit
@@ -157,6 +200,8 @@ def _bwd_kv_kernel(Q, K, V, U, DO, LSE, DELTA, DK, DV, DU, CU, sm_scale, sm_scal
                    GROUP: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, GATED: tl.constexpr,
                    VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr):
+    """``dK, dV`` of ``BLOCK_N`` keys of one key/value head (its query heads summed in the program), and
+    the key part of the gate gradient of each query head."""
     pid_n = tl.program_id(0)
     n = tl.program_id(1)
     hk = tl.program_id(2)
@@ -166,13 +211,8 @@ def _bwd_kv_kernel(Q, K, V, U, DO, LSE, DELTA, DK, DV, DU, CU, sm_scale, sm_scal
         return
     off = Sk - Tq
     offs_n = start_n + tl.arange(0, BLOCK_N)
-    kmask = offs_n < Sk
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    k = tl.load(K + b * skb + (bos + offs_n[:, None]) * skt + hk * skh + offs_d[None, :],
-                mask=kmask[:, None] & (offs_d < D)[None, :], other=0.0)
-    v = tl.load(V + b * svb + (bos + offs_n[:, None]) * svt + hk * svh + offs_dv[None, :],
-                mask=kmask[:, None] & (offs_dv < DV_DIM)[None, :], other=0.0)
+    k = _load_tile(K, b, bos, offs_n, hk, skb, skt, skh, Sk, D, BLOCK_D)
+    v = _load_tile(V, b, bos, offs_n, hk, svb, svt, svh, Sk, DV_DIM, BLOCK_DV)
 
     key_hi = tl.minimum(start_n + BLOCK_N, Sk) - 1
     lo, hi, full_lo, full_hi = query_span(start_n, key_hi, Tq, off, CAUSAL, WINDOW)
@@ -182,15 +222,13 @@ def _bwd_kv_kernel(Q, K, V, U, DO, LSE, DELTA, DK, DV, DU, CU, sm_scale, sm_scal
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
     for g in range(GROUP):
         hq = hk * GROUP + g
-        Q_h = Q + b * sqb + bos * sqt + hq * sqh
-        DO_h = DO + b * sdob + bos * sdot + hq * sdoh
-        U_h = U + b * sub + bos * sut + hq * suh
-        LSE_h = LSE + b * slb + bos * slt + hq * slh
-        DELTA_h = DELTA + b * slb + bos * slt + hq * slh
+        Q_h = _head_base(Q, b, bos, hq, sqb, sqt, sqh)
+        DO_h = _head_base(DO, b, bos, hq, sdob, sdot, sdoh)
+        U_h = _head_base(U, b, bos, hq, sub, sut, suh)
+        LSE_h = _head_base(LSE, b, bos, hq, slb, slt, slh)
+        DELTA_h = _head_base(DELTA, b, bos, hq, slb, slt, slh)
         du = tl.zeros([BLOCK_N], dtype=tl.float32)
-        uk2 = tl.zeros([BLOCK_N], dtype=tl.float32)
-        if GATED:
-            uk2 = tl.load(U_h + offs_n * sut, mask=kmask, other=0.0).to(tl.float32) * 1.4426950408889634
+        uk2 = _gate2(U_h, offs_n, sut, Sk, GATED, BLOCK_N)
         dk, dv, du = _bwd_kv_tiles(dk, dv, du, k, v, uk2, offs_n, Q_h, DO_h, U_h, LSE_h, DELTA_h, sqt, sdot, sut, slt,
                                    Tq, Sk, off, a, bb, sm_scale2, D, DV_DIM, CAUSAL, WINDOW, GATED, True,
                                    BLOCK_M, BLOCK_D, BLOCK_DV, PRECISION)
@@ -201,11 +239,11 @@ def _bwd_kv_kernel(Q, K, V, U, DO, LSE, DELTA, DK, DV, DU, CU, sm_scale, sm_scal
                                    Tq, Sk, off, c, hi, sm_scale2, D, DV_DIM, CAUSAL, WINDOW, GATED, True,
                                    BLOCK_M, BLOCK_D, BLOCK_DV, PRECISION)
         if GATED:
-            tl.store(DU + b * slb + (bos + offs_n) * slt + hq * slh, du, mask=kmask)
-    tl.store(DK + b * sdkb + (bos + offs_n[:, None]) * sdkt + hk * sdkh + offs_d[None, :],
-             (dk * sm_scale).to(DK.dtype.element_ty), mask=kmask[:, None] & (offs_d < D)[None, :])
-    tl.store(DV + b * sdvb + (bos + offs_n[:, None]) * sdvt + hk * sdvh + offs_dv[None, :],
-             dv.to(DV.dtype.element_ty), mask=kmask[:, None] & (offs_dv < DV_DIM)[None, :])
+            tl.store(DU + b * slb + (bos + offs_n) * slt + hq * slh, du, mask=offs_n < Sk)
+    tl.store(_tile_ptrs(DK, b, bos, offs_n, hk, sdkb, sdkt, sdkh, BLOCK_D), (dk * sm_scale).to(DK.dtype.element_ty),
+             mask=_tile_mask(offs_n, Sk, D, BLOCK_D))
+    tl.store(_tile_ptrs(DV, b, bos, offs_n, hk, sdvb, sdvt, sdvh, BLOCK_DV), dv.to(DV.dtype.element_ty),
+             mask=_tile_mask(offs_n, Sk, DV_DIM, BLOCK_DV))
 
 
 @triton.jit
@@ -241,38 +279,24 @@ def _bwd_q_kernel(Q, K, V, U, DO, LSE, DELTA, DQ, DU, CU, sm_scale, sm_scale2, T
                   GROUP: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, GATED: tl.constexpr,
                   VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                   BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr):
-    pid_m = tl.program_id(0)
-    n = tl.program_id(1)
-    hq = tl.program_id(2)
-    hk = hq // GROUP
-    b, bos, Tq, Sk = _sequence(CU, n, T, S, VARLEN)
-    start_m = pid_m * BLOCK_M
+    """``dQ`` of ``BLOCK_M`` queries of one query head, and the query part of the gate gradient."""
+    b, bos, Tq, Sk, hq, hk, start_m = _query_program(CU, T, S, GROUP, VARLEN, BLOCK_M)
     if start_m >= Tq:
         return
     off = Sk - Tq
     offs_m = start_m + tl.arange(0, BLOCK_M)
     rmask = offs_m < Tq
     pos = offs_m + off
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    q = tl.load(Q + b * sqb + (bos + offs_m[:, None]) * sqt + hq * sqh + offs_d[None, :],
-                mask=rmask[:, None] & (offs_d < D)[None, :], other=0.0)
-    do = tl.load(DO + b * sdob + (bos + offs_m[:, None]) * sdot + hq * sdoh + offs_dv[None, :],
-                 mask=rmask[:, None] & (offs_dv < DV)[None, :], other=0.0)
+    q = _load_tile(Q, b, bos, offs_m, hq, sqb, sqt, sqh, Tq, D, BLOCK_D)
+    do = _load_tile(DO, b, bos, offs_m, hq, sdob, sdot, sdoh, Tq, DV, BLOCK_DV)
     row = b * slb + (bos + offs_m) * slt + hq * slh
     lse2 = tl.load(LSE + row, mask=rmask, other=float("inf"))
     delta = tl.load(DELTA + row, mask=rmask, other=0.0)
-    U_h = U + b * sub + bos * sut + hq * suh
-    uq2 = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if GATED:
-        uq2 = tl.load(U_h + offs_m * sut, mask=rmask, other=0.0).to(tl.float32) * 1.4426950408889634
-    K_h = K + b * skb + bos * skt + hk * skh
-    V_h = V + b * svb + bos * svt + hk * svh
-
-    pos_hi = tl.minimum(start_m + BLOCK_M, Tq) - 1 + off
-    lo, hi = key_span(start_m + off, pos_hi, Sk, CAUSAL, WINDOW)
-    full_lo, full_hi = full_key_span(start_m + off, pos_hi, Sk, CAUSAL, WINDOW)
-    a, bb, c = tile_loop_bounds(lo, hi, full_lo, full_hi, BLOCK_N)
+    U_h = _head_base(U, b, bos, hq, sub, sut, suh)
+    uq2 = _gate2(U_h, offs_m, sut, Tq, GATED, BLOCK_M)
+    K_h = _head_base(K, b, bos, hk, skb, skt, skh)
+    V_h = _head_base(V, b, bos, hk, svb, svt, svh)
+    a, bb, c, hi = _key_tiles(start_m, Tq, Sk, CAUSAL, WINDOW, BLOCK_M, BLOCK_N)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     duq = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -282,8 +306,8 @@ def _bwd_q_kernel(Q, K, V, U, DO, LSE, DELTA, DQ, DU, CU, sm_scale, sm_scale2, T
                            sm_scale2, D, DV, CAUSAL, WINDOW, GATED, False, BLOCK_N, BLOCK_D, BLOCK_DV, PRECISION)
     dq, duq = _bwd_q_tiles(dq, duq, q, do, uq2, lse2, delta, pos, K_h, V_h, U_h, skt, svt, sut, Sk, c, hi,
                            sm_scale2, D, DV, CAUSAL, WINDOW, GATED, True, BLOCK_N, BLOCK_D, BLOCK_DV, PRECISION)
-    tl.store(DQ + b * sdqb + (bos + offs_m[:, None]) * sdqt + hq * sdqh + offs_d[None, :],
-             (dq * sm_scale).to(DQ.dtype.element_ty), mask=rmask[:, None] & (offs_d < D)[None, :])
+    tl.store(_tile_ptrs(DQ, b, bos, offs_m, hq, sdqb, sdqt, sdqh, BLOCK_D), (dq * sm_scale).to(DQ.dtype.element_ty),
+             mask=_tile_mask(offs_m, Tq, D, BLOCK_D))
     if GATED:
         # The key part du^k of these positions was written by the key-tile kernel; add the query part.
         duk = tl.load(DU + row, mask=rmask, other=0.0)
