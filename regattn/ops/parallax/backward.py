@@ -17,8 +17,8 @@ import triton
 import triton.language as tl
 
 from regattn.ops.parallax.tiles import (
-    LOG2E, dot_precision, group_pad, head_block, interpreting, key_range, packed_rows, query_range,
-    sequence_bounds, visible, visible_t,
+    LOG2E, dot_precision, group_pad, head_block, interpreting, key_range, load_row_scalars, packed_rows,
+    program_tile, query_range, visible, visible_t,
 )
 
 
@@ -89,11 +89,7 @@ def _parallax_bwd_dq_kernel(
 ):
     """Row-tile pass: dQ and dR of one packed row tile (q, r, dq, dr share strides ``sq``; dO ``so``)."""
     BLOCK_T: tl.constexpr = BLOCK_M // GP
-    pid_t = tl.program_id(0)
-    seq = tl.program_id(1) // H
-    h = tl.program_id(1) % H
-    start, qlen, klen = sequence_bounds(CU, seq, T, S, VARLEN)
-    t0 = pid_t * BLOCK_T
+    t0, h, start, qlen, klen, seq = program_tile(CU, T, S, H, BLOCK_T, VARLEN)
     if t0 >= qlen:
         return
     bb = 0 if VARLEN else seq.to(tl.int64)  # 64-bit batch offsets
@@ -108,11 +104,7 @@ def _parallax_bwd_dq_kernel(
     r = tl.load(R + q_off, mask=dmask, other=0.0)
     do = tl.load(DO + bb * so_b + (start + t)[:, None] * so_t + hq[:, None] * so_h + offs_dv[None, :],
                  mask=row_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
-    row = (bb * HQ + hq) * T + start + t
-    lse = tl.load(LSE + row, mask=row_ok, other=float("inf"))
-    tau = tl.load(TAU + row, mask=row_ok, other=0.0)
-    beta = tl.load(BETA + row, mask=row_ok, other=0.0)
-    tbar = tl.load(TBAR + row, mask=row_ok, other=0.0)
+    lse, tau, beta, tbar = load_row_scalars(LSE, TAU, BETA, TBAR, (bb * HQ + hq) * T + start + t, row_ok)
     K += bb * sk_b + start * sk_t + h * sk_h
     V += bb * sv_b + start * sv_t + h * sv_h
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -144,11 +136,7 @@ def _dk_tile(k, v, Q, R, DO, LSE, TAU, BETA, TBAR, t0, h, qlen, off, start, bb, 
     rt = tl.load(R + q_off, mask=dmask, other=0.0)
     dot_ = tl.load(DO + (start + t)[None, :] * so_t + hq[None, :] * so_h + offs_dv[:, None],
                    mask=row_ok[None, :] & (offs_dv[:, None] < DV), other=0.0)
-    row = (bb * HQ + hq) * T + start + t
-    lse = tl.load(LSE + row, mask=row_ok, other=float("inf"))
-    tau = tl.load(TAU + row, mask=row_ok, other=0.0)
-    beta = tl.load(BETA + row, mask=row_ok, other=0.0)
-    tbar = tl.load(TBAR + row, mask=row_ok, other=0.0)
+    lse, tau, beta, tbar = load_row_scalars(LSE, TAU, BETA, TBAR, (bb * HQ + hq) * T + start + t, row_ok)
     s1 = tl.dot(k, qt, input_precision=PRECISION) * qk_scale  # [N, M]
     if MASK:
         s1 = tl.where(visible_t(j, t + off, klen, window, CAUSAL, HAS_WINDOW), s1, float("-inf"))
@@ -173,11 +161,7 @@ def _parallax_bwd_dk_kernel(
 ):
     """Column-tile pass: dK and dV of one key tile (k, dk share strides ``sk``; v, dv ``sv``)."""
     BLOCK_T: tl.constexpr = BLOCK_M // GP
-    pid_n = tl.program_id(0)
-    seq = tl.program_id(1) // H
-    h = tl.program_id(1) % H
-    start, qlen, klen = sequence_bounds(CU, seq, T, S, VARLEN)
-    j0 = pid_n * BLOCK_N
+    j0, h, start, qlen, klen, seq = program_tile(CU, T, S, H, BLOCK_N, VARLEN)
     if j0 >= klen:
         return
     bb = 0 if VARLEN else seq.to(tl.int64)  # 64-bit batch offsets

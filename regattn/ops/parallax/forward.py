@@ -12,8 +12,7 @@ import triton
 import triton.language as tl
 
 from regattn.ops.parallax.tiles import (
-    LOG2E, dot_precision, group_pad, head_block, interpreting, key_range, packed_rows, sequence_bounds,
-    visible,
+    LOG2E, dot_precision, group_pad, head_block, interpreting, key_range, packed_rows, program_tile, visible,
 )
 
 
@@ -53,11 +52,7 @@ def _parallax_fwd_kernel(
 ):
     """Grid ``(cdiv(max_T, BLOCK_M // GP), B * H)``: one packed row tile of one key/value head."""
     BLOCK_T: tl.constexpr = BLOCK_M // GP
-    pid_t = tl.program_id(0)
-    seq = tl.program_id(1) // H
-    h = tl.program_id(1) % H
-    start, qlen, klen = sequence_bounds(CU, seq, T, S, VARLEN)
-    t0 = pid_t * BLOCK_T
+    t0, h, start, qlen, klen, seq = program_tile(CU, T, S, H, BLOCK_T, VARLEN)
     if t0 >= qlen:
         return
     bb = 0 if VARLEN else seq.to(tl.int64)  # 64-bit batch offsets

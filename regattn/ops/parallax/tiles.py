@@ -95,6 +95,27 @@ def sequence_bounds(CU, seq, T, S, VARLEN: tl.constexpr):
 
 
 @triton.jit
+def program_tile(CU, T, S, H, BLOCK: tl.constexpr, VARLEN: tl.constexpr):
+    """``(tile start, key/value head, first token, qlen, klen, sequence)`` of this program: grid axis 0
+    runs over tiles of ``BLOCK`` rows (or keys), axis 1 over ``sequences * H``."""
+    pid = tl.program_id(0)
+    seq = tl.program_id(1) // H
+    h = tl.program_id(1) % H
+    start, qlen, klen = sequence_bounds(CU, seq, T, S, VARLEN)
+    return pid * BLOCK, h, start, qlen, klen, seq
+
+
+@triton.jit
+def load_row_scalars(LSE, TAU, BETA, TBAR, row, row_ok):
+    """The backward's per-row ``lse`` (``+inf`` outside), ``tau``, ``beta`` and ``tbar`` at ``row``."""
+    lse = tl.load(LSE + row, mask=row_ok, other=float("inf"))
+    tau = tl.load(TAU + row, mask=row_ok, other=0.0)
+    beta = tl.load(BETA + row, mask=row_ok, other=0.0)
+    tbar = tl.load(TBAR + row, mask=row_ok, other=0.0)
+    return lse, tau, beta, tbar
+
+
+@triton.jit
 def visible_t(j, qpos, klen, window, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr):
     """The transpose of :func:`visible`: ``[N, M]`` with keys on rows."""
     ok = j[:, None] < klen
