@@ -29,10 +29,10 @@ import torch
 import triton
 import triton.language as tl
 
-from regattn.ops._common.attention_tiles import LOG2E, dot_precision, head_block, interpreting, key_span
+from regattn.ops._common.attention_tiles import LOG2E, dot_precision, head_block, interpreting
 from regattn.ops.lla.forward import lam_tensor
 from regattn.ops.lla.tiles import (
-    cg_solve, load_cols, load_rows, pair_solve, relmm_tile, swap_pairs, tile_weights,
+    cg_solve, load_cols, load_rows, pair_solve, query_head, query_key_tiles, relmm_tile, swap_pairs, tile_weights,
 )
 
 
@@ -64,11 +64,7 @@ def lla_bwd_q_kernel(Q, K, V, LAM, DO, RHO, DELTA, M2, DQ, U, BETA, DM,
                      T, S, HQ, GROUPS, D, DV, scale, qk_scale2, iters, tol2,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                      WINDOW: tl.constexpr, BD: tl.constexpr, DPREC: tl.constexpr):
-    start_m = tl.program_id(0) * BLOCK_M
-    bh = tl.program_id(1)
-    b = bh // HQ
-    h = bh % HQ
-    hk = h // GROUPS
+    start_m, b, h, hk = query_head(HQ, GROUPS, BLOCK_M)
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -88,8 +84,7 @@ def lla_bwd_q_kernel(Q, K, V, LAM, DO, RHO, DELTA, M2, DQ, U, BETA, DM,
     delta = tl.load(DELTA + stat, mask=row_ok, other=1.0)
     m2 = tl.load(M2 + stat, mask=row_ok, other=0.0)
     delta_safe = tl.where(delta == 0.0, 1.0, delta)  # 0 only for a query that sees no key
-    lo, hi = key_span(start_m + S - T, start_m + BLOCK_M - 1 + S - T, S, True, WINDOW)
-    lo = (lo // BLOCK_N) * BLOCK_N
+    lo, hi = query_key_tiles(start_m, T, S, BLOCK_M, BLOCK_N, WINDOW)
 
     # pass A: omega, mu~ (for Sigma p), sum_j c_ij k_j, sum_j c_ij and sum_j gamma_ij s_ij
     omega = tl.zeros((BLOCK_M,), tl.float32)

@@ -13,10 +13,10 @@ import triton
 import triton.language as tl
 
 from regattn.ops._common.attention_tiles import (
-    LOG2E, dot_precision, head_block, interpreting, key_span, online_softmax_step, visible_mask,
+    LOG2E, dot_precision, head_block, interpreting, online_softmax_step, visible_mask,
 )
 from regattn.ops.lla.tiles import (
-    cg_solve, load_cols, load_rows, pair_solve, relmm_tile, swap_pairs, tile_weights,
+    cg_solve, load_cols, load_rows, pair_solve, query_head, query_key_tiles, relmm_tile, swap_pairs, tile_weights,
 )
 
 SOLVER_CG, SOLVER_DIAG, SOLVER_PAIRS = 0, 1, 2  # the kernel's SOLVER values
@@ -29,11 +29,7 @@ def lla_fwd_kernel(Q, K, V, LAM, O, RHO, DELTA, M2, ARGMAX,
                    T, S, HQ, GROUPS, D, DV, blk_size, qk_scale2, iters, tol2,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                    WINDOW: tl.constexpr, SOLVER: tl.constexpr, G: tl.constexpr, DPREC: tl.constexpr):
-    start_m = tl.program_id(0) * BLOCK_M
-    bh = tl.program_id(1)
-    b = bh // HQ
-    h = bh % HQ
-    hk = h // GROUPS
+    start_m, b, h, hk = query_head(HQ, GROUPS, BLOCK_M)
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -45,8 +41,7 @@ def lla_fwd_kernel(Q, K, V, LAM, O, RHO, DELTA, M2, ARGMAX,
     q32 = q.to(tl.float32)
     lam = load_rows(LAM + b * slb + h * slh, offs_m, offs_d, slt, sld, T, D).to(tl.float32)
     lam = tl.where((offs_m < T)[:, None], lam, 1.0)  # padding rows get a well-posed system
-    lo, hi = key_span(start_m + S - T, start_m + BLOCK_M - 1 + S - T, S, True, WINDOW)
-    lo = (lo // BLOCK_N) * BLOCK_N
+    lo, hi = query_key_tiles(start_m, T, S, BLOCK_M, BLOCK_N, WINDOW)
 
     # pass 1: online maximum (and where it is), omega, mu~ (and the second moments for direct solves)
     m2 = tl.full((BLOCK_M,), float("-inf"), tl.float32)

@@ -10,7 +10,25 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from regattn.ops._common.attention_tiles import visible_mask
+from regattn.ops._common.attention_tiles import key_span, visible_mask
+
+
+@triton.jit
+def query_head(HQ, GROUPS, BLOCK_M: tl.constexpr):
+    """``(first query, batch, query head, key/value head)`` of a program of the grid ``(query tiles, B * HQ)``."""
+    start_m = tl.program_id(0) * BLOCK_M
+    bh = tl.program_id(1)
+    b = bh // HQ
+    h = bh % HQ
+    return start_m, b, h, h // GROUPS
+
+
+@triton.jit
+def query_key_tiles(start_m, T, S, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr):
+    """Keys ``[lo, hi)`` the causal (windowed) query tile at ``start_m`` sees, ``lo`` on a tile edge."""
+    lo, hi = key_span(start_m + S - T, start_m + BLOCK_M - 1 + S - T, S, True, WINDOW)
+    lo = (lo // BLOCK_N) * BLOCK_N
+    return lo, hi
 
 
 @triton.jit
