@@ -119,6 +119,14 @@ def _state_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def check_state(name: str, state, like: torch.Tensor, like_name: str, shape: tuple) -> None:
+    """``state``: a ``[B, H, R, D]`` tensor of ``shape`` on ``like``'s device."""
+    check_tensor(name, state, 4)
+    check_device(name, state, like, like_name)
+    if tuple(state.shape) != shape:
+        raise ValueError(f"{name}: expected shape [B, H, R, D] = {shape}, got {tuple(state.shape)}")
+
+
 def decay_linear_prefill(b, c, v, gamma=None, *, initial_state=None, method="auto", backend="auto"):
     """The parallel form and the state after the last token, for decoding with ``decay_linear_step``.
 
@@ -137,11 +145,7 @@ def decay_linear_prefill(b, c, v, gamma=None, *, initial_state=None, method="aut
     gamma = check_gamma(gamma, H, b)
     sdt = _state_dtype(v.dtype)
     if initial_state is not None:
-        check_tensor("initial_state", initial_state, 4)
-        check_device("initial_state", initial_state, b, "b")
-        if tuple(initial_state.shape) != (B, H, R, D):
-            raise ValueError(f"initial_state: expected shape [B, H, R, D] = {(B, H, R, D)}, "
-                             f"got {tuple(initial_state.shape)}")
+        check_state("initial_state", initial_state, b, "b", (B, H, R, D))
     o = decay_linear_attention(b, c, v, gamma, method=method, backend=backend)
     log_g = torch.zeros(H, device=b.device, dtype=sdt) if gamma is None else torch.log(gamma.to(sdt))
     t = torch.arange(T, device=b.device, dtype=sdt)
@@ -171,10 +175,7 @@ def decay_linear_step(state, b_t, c_t, v_t, gamma=None):
     gamma = check_gamma(gamma, H, b_t)
     sdt = _state_dtype(v_t.dtype)
     if state is not None:
-        check_tensor("state", state, 4)
-        check_device("state", state, b_t, "b_t")
-        if tuple(state.shape) != (B, H, R, D):
-            raise ValueError(f"state: expected shape [B, H, R, D] = {(B, H, R, D)}, got {tuple(state.shape)}")
+        check_state("state", state, b_t, "b_t", (B, H, R, D))
         state = state.to(sdt)
     o_t, state = reference.decay_linear_step(state, b_t.to(sdt), c_t.to(sdt), v_t.to(sdt),
                                              None if gamma is None else gamma.to(sdt))

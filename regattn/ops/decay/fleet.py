@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from regattn.ops._common.attention_tiles import dot_precision, head_block, interpreting
+from regattn.ops.decay.tiles import decay_into, decay_matrix, decay_out_of
 
 
 @triton.jit
@@ -39,9 +40,8 @@ def _fleet_kernel(
     offs_k = tl.arange(0, RB)
     offs_d = pid_d * BD + tl.arange(0, BD)
     mask_d = offs_d < D
-    dist = offs_t[:, None] - offs_t[None, :]
-    cumsum_mask = tl.where(dist >= 0, tl.exp2(tl.maximum(dist, 0).to(tl.float32) * log2g), 0.0)
-    into = tl.exp2((offs_t + 1).to(tl.float32) * log2g)
+    cumsum_mask = decay_matrix(offs_t, log2g)
+    into = decay_into(offs_t, log2g)
     l_base = L + pid_bh.to(tl.int64) * R * D
 
     for start in range(0, T, BT):
@@ -54,7 +54,7 @@ def _fleet_kernel(
         v = tl.load(Vm + bi * sv_b + pos[:, None] * sv_t + hi * sv_h + offs_d[None, :],
                     mask=valid[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
         n = tl.minimum(T - start, BT)
-        out_of = tl.where(valid, tl.exp2(tl.maximum(n - 1 - offs_t, 0).to(tl.float32) * log2g), 0.0)
+        out_of = decay_out_of(n, offs_t, valid, log2g)
         g_n = tl.exp2(n.to(tl.float32) * log2g)
         o = tl.zeros((BT, BD), dtype=tl.float32)
         for r0 in range(0, R, RB):

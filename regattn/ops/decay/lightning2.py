@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from regattn.ops._common.attention_tiles import dot_precision, head_block, interpreting
+from regattn.ops.decay.tiles import decay_into, decay_matrix, decay_out_of
 
 LOG2E = 1.4426950408889634
 
@@ -57,9 +58,8 @@ def _lightning2_kernel(
     mask_r = offs_r < R
     mask_d = offs_d < D
 
-    dist = offs_t[:, None] - offs_t[None, :]
-    intra_mask = tl.where(dist >= 0, tl.exp2(tl.maximum(dist, 0).to(tl.float32) * log2g), 0.0)
-    into = tl.exp2((offs_t + 1).to(tl.float32) * log2g)
+    intra_mask = decay_matrix(offs_t, log2g)
+    into = decay_into(offs_t, log2g)
 
     # LOCAL: [B*H, NSEG, R, D] float32, each segment's own final state (written with WRITE_STATE)
     state_mask = mask_r[:, None] & mask_d[None, :]
@@ -93,7 +93,7 @@ def _lightning2_kernel(
             tl.store(o_base + pos[:, None] * so_t + offs_d[None, :], o.to(O.dtype.element_ty),
                      mask=valid[:, None] & mask_d[None, :])
         n = tl.minimum(seg_end - start, BT)
-        out_of = tl.where(valid, tl.exp2(tl.maximum(n - 1 - offs_t, 0).to(tl.float32) * log2g), 0.0)
+        out_of = decay_out_of(n, offs_t, valid, log2g)
         c_out = (c * out_of[:, None]).to(v.dtype)
         S = S * tl.exp2(n.to(tl.float32) * log2g) + tl.dot(tl.trans(c_out), v, input_precision=PRECISION)
     if WRITE_STATE:
