@@ -42,30 +42,36 @@ WINDOWED = ("swa", "gatedfwa", "gatedfwa_nsa")
 
 
 @dataclass
-class LMConfig:
-    """The decoder's sizes.
+class LMArchitecture:
+    """The decoder's widths and mixers (the fields :class:`LMConfig` shares with the LM training config).
 
-    vocab_size; dim (model width); layers; heads (query heads) and kv_heads (GQA; None = heads);
-    head_dim (None = dim // heads); ffn (SwiGLU hidden width; None = 3 * dim, as Qwen3-0.6B);
     mixer: one name of :data:`LM_MIXERS` for every layer, or a list with one name per layer;
+    dim (model width); layers; heads (query heads) and kv_heads (GQA; None = heads);
+    head_dim (None = dim // heads); ffn (SwiGLU hidden width; None = 3 * dim, as Qwen3-0.6B);
     window: the sliding window of swa, gatedfwa and gatedfwa_nsa (the others take one through
     mixer_options);
     mixer_options: extra keyword options per mixer name, e.g. ``{"parallax": {"window": 256}}``. LLA
     solves exactly unless given ``{"lla": {"cg_iters": k}}``: truncated CG in fp32 is sensitive to
     rounding (a tiny random model on CPU, head_dim 16, 8 iterations: prefill and decode logits 16 %
-    apart, relative), so cached and uncached generation can part;
-    rope_base (10^6); norm_eps; tie_embeddings; checkpointing (recompute each block in backward).
+    apart, relative), so cached and uncached generation can part.
     """
-    vocab_size: int = 256
+    mixer: str | list = "softmax"
     dim: int = 256
     layers: int = 4
     heads: int = 4
     kv_heads: int | None = None
     head_dim: int | None = None
     ffn: int | None = None
-    mixer: str | list = "softmax"
     window: int | None = None
     mixer_options: dict = field(default_factory=dict)
+
+
+@dataclass
+class LMConfig(LMArchitecture):
+    """The decoder: the :class:`LMArchitecture` fields and vocab_size; rope_base (10^6); norm_eps;
+    tie_embeddings; checkpointing (recompute each block in backward).
+    """
+    vocab_size: int = 256
     rope_base: float = 1e6
     norm_eps: float = 1e-6
     tie_embeddings: bool = True

@@ -25,7 +25,7 @@ import math
 import os
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -36,17 +36,18 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from regattn.data.text import ByteTokenizer, TextCorpus, stdlib_corpus
-from regattn.models.lm import LM_MIXERS, DecoderLM, LMConfig
+from regattn.models.lm import LM_MIXERS, DecoderLM, LMArchitecture, LMConfig
 from regattn.train.optim import OPTIMIZERS, apply_schedule, build_optimizer
 from regattn.train.schedules import SCHEDULES, lr_factor, wd_factor
 
 
 @dataclass
-class LMTrainConfig:
+class LMTrainConfig(LMArchitecture):
     """Everything an LM run depends on.
 
-    Model: mixer (a name, or a list with one per layer), dim, layers, heads, kv_heads, head_dim, ffn,
-    window, mixer_options (per mixer name), activation_checkpointing.
+    Model: the :class:`regattn.models.lm.LMArchitecture` fields (mixer: a name, or a list with one per
+    layer; dim, layers, heads, kv_heads, head_dim, ffn, window, mixer_options per mixer name), and
+    activation_checkpointing.
     Data: seq_len, batch_size (per rank), max_bytes (corpus cap; None = all), eval_tokens (validation
     tokens scored per evaluation).
     Optimisation: optimizer ("muon" | "adamw"), lr (peak; Muon's rate for the hidden matrices),
@@ -56,15 +57,6 @@ class LMTrainConfig:
     holds one), checkpoint_every (0 = at the end only), sample_tokens (greedy text after training,
     single process only).
     """
-    mixer: str | list = "softmax"
-    dim: int = 256
-    layers: int = 4
-    heads: int = 4
-    kv_heads: int | None = None
-    head_dim: int | None = None
-    ffn: int | None = None
-    window: int | None = None
-    mixer_options: dict = field(default_factory=dict)
     activation_checkpointing: bool = False
     seq_len: int = 256
     batch_size: int = 16
@@ -129,10 +121,9 @@ def all_sum(values: list[float], rt: Runtime) -> list[float]:
 
 # ---------------------------------------------------------------------------------------------- model
 def model_config(config: LMTrainConfig, vocab_size: int) -> LMConfig:
-    return LMConfig(vocab_size=vocab_size, dim=config.dim, layers=config.layers, heads=config.heads,
-                    kv_heads=config.kv_heads, head_dim=config.head_dim, ffn=config.ffn, mixer=config.mixer,
-                    window=config.window, mixer_options=dict(config.mixer_options),
-                    checkpointing=config.activation_checkpointing)
+    architecture = {f.name: getattr(config, f.name) for f in dataclasses.fields(LMArchitecture)}
+    architecture["mixer_options"] = dict(config.mixer_options)
+    return LMConfig(vocab_size=vocab_size, checkpointing=config.activation_checkpointing, **architecture)
 
 
 def build_model(config: LMTrainConfig, rt: Runtime, vocab_size: int = ByteTokenizer.vocab_size) -> DecoderLM:
