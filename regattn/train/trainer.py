@@ -183,7 +183,9 @@ def train(config: TrainConfig, *, data: TaskData | None = None, stop_at: int | N
     """Run (or resume) training; returns the result: config, final and best evaluation, history.
 
     stop_at: leave after that many steps in total (for a checkpoint to be resumed later).
-    A run whose training loss is no longer finite stops at the next log point (``result["diverged"]``).
+    A run whose training loss or gradient norm is not finite at some step stops at the next log point
+    (``result["diverged"]``); that step's update is dropped (:func:`drop_nonfinite_update`), so the steps up
+    to the log point run on finite parameters.
     """
     data, model, opt = build(config, data)
     device = next(model.parameters()).device
@@ -212,6 +214,7 @@ def train(config: TrainConfig, *, data: TaskData | None = None, stop_at: int | N
         opt.zero_grad()
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.clip if config.clip > 0 else math.inf)
+        drop_nonfinite_update(model, grad_norm)
         opt.step()
         step += 1
         log.add(step, opt.param_groups[0]["lr"], loss.detach(), metric / n.clamp_min(1), grad_norm)
@@ -222,8 +225,7 @@ def train(config: TrainConfig, *, data: TaskData | None = None, stop_at: int | N
         checkpoint_now = config.checkpoint and ((config.checkpoint_every and step % config.checkpoint_every == 0)
                                                 or step == end)
         if checkpoint_now or step % LOG_EVERY == 0 or step == end:
-            log.flush()
-            if not math.isfinite(history["train"][-1]["loss"]):
+            if not log.flush():
                 diverged = True
                 break
         if checkpoint_now:
@@ -235,6 +237,19 @@ def train(config: TrainConfig, *, data: TaskData | None = None, stop_at: int | N
 
 
 LOG_EVERY = 25
+
+
+def drop_nonfinite_update(model, grad_norm: torch.Tensor) -> None:
+    """Zero every gradient when their norm is not finite (an overflowed backward), without a host sync.
+
+    The optimizer then steps on zeros, which leaves the parameters finite; the step's non-finite norm, read
+    back at the next log point, marks the run diverged. Without this, NaN parameters would reach the next
+    forward, where a mechanism that validates its inputs (LLA's ridge) raises before the log point.
+    """
+    bad = ~torch.isfinite(grad_norm)
+    for p in model.parameters():
+        if p.grad is not None:
+            p.grad.masked_fill_(bad, 0.0)
 
 
 def diagnose(model, data: TaskData, examples: int, step: int) -> dict:
@@ -266,9 +281,10 @@ class TrainLog:
     def evaluation(self, step: int, result: dict) -> None:
         self.history["eval"].append({"step": step, **result})
 
-    def flush(self) -> None:
+    def flush(self) -> bool:
+        """Append the pending rows; False when one of them has a non-finite loss or gradient norm."""
         if not self.pending:
-            return
+            return True
         values = torch.stack([v for _, _, v in self.pending]).tolist()
         for (step, lr, _), (loss, metric, grad_norm) in zip(self.pending, values):
             self.history["train"].append({"step": step, "loss": loss, self.key: metric, "grad_norm": grad_norm, "lr": lr})
@@ -276,6 +292,7 @@ class TrainLog:
         row, evals = self.history["train"][-1], self.history["eval"]
         extra = {f"test_{self.key}": evals[-1][self.key]} if evals else {}
         self.bar.update(row["step"], loss=row["loss"], **{self.key: row[self.key]}, **extra)
+        return all(math.isfinite(loss) and math.isfinite(grad_norm) for loss, _, grad_norm in values)
 
     def close(self) -> None:
         self.flush()

@@ -115,3 +115,23 @@ def test_divergence_stops_the_run(monkeypatch):
     r = train(tiny(steps=60, lr=1e12, clip=0.0))
     assert r["diverged"] and r["steps"] == 4 and r["final"] is None
     assert not train(tiny())["diverged"]
+
+
+def test_nonfinite_gradient_marks_divergence_and_keeps_parameters_finite(monkeypatch):
+    # a backward that overflows at step 2: its update must not reach the parameters, or the next forward of a
+    # mechanism that validates its inputs (LLA's ridge must be finite and > 0) fails before the log point
+    from regattn.train import trainer
+    monkeypatch.setattr(trainer, "LOG_EVERY", 4)
+    calls = []
+
+    def overflow_at_step_2(model, kind, batch):
+        loss, metric, n = loss_and_counts(model, kind, batch)
+        calls.append(1)
+        return (loss * float("nan") if len(calls) == 2 else loss), metric, n
+
+    loss_and_counts = trainer.loss_and_counts
+    monkeypatch.setattr(trainer, "loss_and_counts", overflow_at_step_2)
+    r = train(tiny(mixer="lla", steps=8))
+    assert r["diverged"] and r["steps"] == 4 and r["final"] is None
+    assert not math.isfinite(r["history"]["train"][1]["grad_norm"])
+    assert all(bool(torch.isfinite(p).all()) for p in r["model"].parameters())
