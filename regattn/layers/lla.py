@@ -4,7 +4,8 @@ Per query head::
 
     q, k     = norm(x W_q), norm(x W_k)         (optional per-head RMS norm, the paper's QK normalisation)
     v        = x W_v
-    lambda_i = sigmoid(x_i W_lambda)             (eq. 27: one ridge per head, or per head dimension)
+    lambda_i = l + (1 - l) sigmoid(x_i W_lambda) (eq. 27 with a floor l = lam_min: one ridge per head
+                                                  or per head dimension)
     o        = LLA(q, k, v; lambda, window, blocks, CG iterations)
     y        = concat_h o W_O
 
@@ -21,7 +22,7 @@ from torch import nn
 from regattn.layers.rope import RotaryEmbedding
 from regattn.layers.heads import head_layout
 from regattn.layers.norm import RMSNorm
-from regattn.ops._common.checks import check_choice, check_int, check_tensor, check_window
+from regattn.ops._common.checks import check_choice, check_int, check_positive, check_tensor, check_window
 from regattn.ops.lla.api import lla, lla_decode
 
 
@@ -45,6 +46,10 @@ class LLA(nn.Module):
         cg_iters: CG iterations; None (the default) solves exactly — 8 iterations at head dim 64 left the
             output 70-80% away from the exact solve at initialisation, so pass an int only where measured.
         cg_tol: CG relative residual tolerance.
+        lam_min: the ridge's floor ``l`` in (0, 1). Eq. 27's bare sigmoid can reach 0 (it underflows)
+            and, for a query with fewer keys than dimensions, the estimator's denominator is about
+            ``lam / |k - q|^2``: in fp32 it keeps about ``eps |k - q|^2 / lam`` relative error, 1e-4
+            at the default with unit-RMS q and k of 8 dims, and loses its sign below about 1e-6.
         qk_norm: RMS-normalise q and k per head; rope: rotate q and k by position.
         backend: passed to the op.
     """
@@ -52,7 +57,7 @@ class LLA(nn.Module):
     def __init__(self, d_model: int, num_heads: int, *, num_kv_heads: int | None = None,
                  head_dim: int | None = None, lam: str = "head", window: int | None = None,
                  blocks: int | None = None, cg_iters: int | None = None, cg_tol: float = 1e-6,
-                 qk_norm: bool = True, rope: bool = False, backend: str = "auto"):
+                 qk_norm: bool = True, rope: bool = False, lam_min: float = 1e-2, backend: str = "auto"):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = head_layout(d_model, num_heads, num_kv_heads, head_dim)
         self.lam_mode = check_choice("lam", lam, ("head", "dim"))
@@ -60,6 +65,9 @@ class LLA(nn.Module):
         if blocks is not None and self.head_dim % check_int("blocks", blocks, minimum=1):
             raise ValueError(f"blocks: expected a divisor of head_dim = {self.head_dim}, got {blocks}")
         self.blocks, self.cg_iters, self.cg_tol, self.backend = blocks, cg_iters, cg_tol, backend
+        self.lam_min = check_positive("lam_min", lam_min)
+        if self.lam_min >= 1:
+            raise ValueError(f"lam_min: expected a number in (0, 1), got {lam_min}")
         HQ, H, D = num_heads, self.num_kv_heads, self.head_dim
         self.q_proj = nn.Linear(d_model, HQ * D, bias=False)
         self.k_proj = nn.Linear(d_model, H * D, bias=False)
@@ -71,8 +79,8 @@ class LLA(nn.Module):
         self.rotary = RotaryEmbedding(D) if rope else None
 
     def ridge(self, x: torch.Tensor) -> torch.Tensor:
-        """``lambda = sigmoid(x W_lambda)``: ``[B, T, HQ]`` or ``[B, T, HQ, D]`` in x's dtype."""
-        lam = torch.sigmoid(self.lam_proj(x))
+        """``lambda = l + (1 - l) sigmoid(x W_lambda)``: ``[B, T, HQ]`` or ``[B, T, HQ, D]`` in x's dtype."""
+        lam = self.lam_min + (1 - self.lam_min) * torch.sigmoid(self.lam_proj(x))
         B, T = x.shape[:2]
         return lam.view(B, T, self.num_heads, self.head_dim) if self.lam_mode == "dim" else lam
 

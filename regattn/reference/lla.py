@@ -146,8 +146,9 @@ def sigma_matvec(p, q, k, w, omega, mu_tilde, lam_diag, blocks) -> torch.Tensor:
 def conjugate_gradient(matvec, y, *, iters: int, tol: float) -> torch.Tensor:
     """Algorithm 2: solve ``A x = y`` for every row of ``y [..., D]`` from ``x = 0``.
 
-    A system is active while its residual norm exceeds ``tol * ||y||`` (and is > 0); inactive
-    systems keep their iterate unchanged, so a converged row never divides by zero.
+    A system is active while its residual norm exceeds ``tol * ||y||`` (and is > 0) and its
+    curvature ``p.Ap`` is positive (rounding can break that for a nearly singular ``A``); inactive
+    systems keep their iterate unchanged, so a converged or broken-down row never divides by zero.
     """
     x = torch.zeros_like(y)
     r, p = y, y
@@ -157,6 +158,7 @@ def conjugate_gradient(matvec, y, *, iters: int, tol: float) -> torch.Tensor:
         active = (rr > bound) & (rr > 0)
         Ap = matvec(p)
         pAp = (p * Ap).sum(-1)
+        active = active & (pAp > 0)
         alpha = torch.where(active, rr / torch.where(active, pAp, torch.ones_like(pAp)), torch.zeros_like(rr))
         x = x + alpha[..., None] * p
         r = r - alpha[..., None] * Ap

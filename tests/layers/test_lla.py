@@ -33,9 +33,25 @@ def test_ridge_shapes_range_and_gradients():
         assert p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0
 
 
+def test_saturated_ridge_keeps_its_floor_and_stays_finite():
+    """A ridge gate driven far negative: eq. 27's sigmoid underflows to 0, the floor holds lam_min,
+    and the fp32 layer's output and gradients stay finite."""
+    layer = LLA(16, 2, cg_iters=None, backend="torch")
+    with torch.no_grad():
+        layer.lam_proj.bias.fill_(-1e4)
+    x = randn(1, 9, 16, dtype=torch.float32)
+    assert torch.equal(layer.ridge(x), torch.full((1, 9, 2), 1e-2))
+    y = layer(x)
+    y.square().sum().backward()
+    assert torch.isfinite(y).all() and all(torch.isfinite(p.grad).all() for p in layer.parameters())
+
+
 def test_bad_arguments():
     with pytest.raises(ValueError, match="lam"):
         LLA(16, 2, lam="token")
+    for lam_min in (0.0, 1.0, float("nan")):
+        with pytest.raises(ValueError, match="lam_min"):
+            LLA(16, 2, lam_min=lam_min)
     with pytest.raises(ValueError, match="num_kv_heads"):
         LLA(16, 4, num_kv_heads=3)
     with pytest.raises(ValueError, match="blocks"):

@@ -177,6 +177,13 @@ def lla(q, k, v, *, lam, scale=None, window=None, blocks=None, cg_iters=None, cg
 
         ``o_i = sum_j w_ij (1 - z_ij.rho_i) v_j / (omega_i - mu_i.rho_i)``.
 
+    Precision: a query with fewer visible keys than dimensions has a denominator of about
+    ``lam / |z|^2``, formed by cancellation; fp32 keeps about ``eps |z|^2 / lam`` relative error there
+    and loses the denominator's sign once ``lam`` nears ``eps |z|^2`` (NaN or a wrong row). Keep
+    ``lam`` well above that (:class:`regattn.layers.LLA` floors it at ``lam_min``) or pass float64.
+    Truncated CG in fp32 also needs more than ``D`` iterations as ``lam`` shrinks (rounding breaks
+    its finite termination); a row whose curvature ``p.Sigma p`` stops being positive keeps its iterate.
+
     Args:
         q: ``[B, T, HQ, D]``; k: ``[B, S, H, D]``; v: ``[B, S, H, Dv]`` (GQA when ``HQ % H == 0``);
             queries are aligned to the end of the keys.

@@ -118,8 +118,9 @@ def cg_solve(y, q, q32, mt, omega, lam, m2, pos, K, stride_kn, stride_kd, lo, hi
              G: tl.constexpr, DPREC: tl.constexpr):
     """Algorithm 2: ``Sigma_i x_i = y_i`` for every row of the tile from ``x = 0``, fp32.
 
-    A row is active while ``||r||^2 > tol2 * ||y||^2`` (and > 0); inactive rows keep their iterate,
-    so early convergence never divides by zero. A tile whose rows are all done skips the key pass.
+    A row is active while ``||r||^2 > tol2 * ||y||^2`` (and > 0) and ``p.Sigma p > 0`` (rounding can
+    break that for a nearly singular Sigma); inactive rows keep their iterate, so neither early
+    convergence nor a breakdown divides by zero. A tile whose rows are all done skips the key pass.
     """
     x = tl.zeros(y.shape, dtype=tl.float32)
     r = y
@@ -132,6 +133,7 @@ def cg_solve(y, q, q32, mt, omega, lam, m2, pos, K, stride_kn, stride_kd, lo, hi
             sp = sigma_matvec(p, q, q32, mt, omega, lam, m2, pos, K, stride_kn, stride_kd, lo, hi, S, D,
                               blk_size, qk_scale2, BLOCK_N, BLOCK_D, WINDOW, G, DPREC)
             pap = tl.sum(p * sp, 1)
+            active = active & (pap > 0.0)
             alpha = tl.where(active, rr / tl.where(active, pap, 1.0), 0.0)
             x += alpha[:, None] * p
             r -= alpha[:, None] * sp
