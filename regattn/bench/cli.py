@@ -1,17 +1,27 @@
-"""``regattn bench SUITE | all | report``: run a suite, print its table, write JSON and a plot."""
+"""``regattn bench SUITE | all | report``: run suites, print their tables, write JSON and plots.
+
+On a GPU every suite runs its goal shapes (``--quick``: a subset) unless ``--shapes`` names
+others, and writes ``benchmarks/results/<device>/<suite>.json``; on the CPU the tiny shapes run
+as a smoke test and nothing is written unless ``--out`` is given.
+"""
 from __future__ import annotations
 
 import argparse
 import itertools
 import sys
+import time
 from pathlib import Path
 
 import torch
 
-from regattn.bench import report, results, suites
+from regattn.bench import peers as peer_names, report, results, suites
 from regattn.bench.runner import Setup, format_table, run_suite
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}
+
+
+class UsageError(ValueError):
+    """A bad command-line argument: reported on one line, exit status 2."""
 
 
 def parse_value(text: str):
@@ -26,11 +36,11 @@ def parse_value(text: str):
             return text
 
 
-def parse_shapes(specs: list[str] | None, suite, cuda: bool) -> list[dict]:
-    """Grid names (``tiny``, ``default``, ``full``) or ``KEY=V[/V...],...`` specs, each expanded
+def parse_shapes(specs: list[str] | None, suite, cuda: bool, quick: bool = False) -> list[dict]:
+    """Grid names (``tiny``, ``goal``, ``quick``, ``full``) or ``KEY=V[/V...],...`` specs, each expanded
     to the product of its alternatives: ``B=4,H=16,T=2048/8192,D=128,window=none/1024``."""
     if not specs:
-        return list(suite.GRIDS["default" if cuda else "tiny"])
+        return list(suite.GRIDS[("quick" if quick else "goal") if cuda else "tiny"])
     shapes = []
     for spec in specs:
         if spec in suite.GRIDS:
@@ -39,8 +49,8 @@ def parse_shapes(specs: list[str] | None, suite, cuda: bool) -> list[dict]:
         keys, choices = [], []
         for item in spec.split(","):
             key, sep, values = item.partition("=")
-            if not sep or not key:
-                raise ValueError(f"--shapes: expected KEY=VALUE[/VALUE...] items or one of {sorted(suite.GRIDS)}, "
+            if not sep or not key.strip() or not values.strip():
+                raise UsageError(f"--shapes: expected KEY=VALUE[/VALUE...] items or one of {sorted(suite.GRIDS)}, "
                                  f"got {item!r}")
             keys.append(key.strip())
             choices.append([parse_value(v.strip()) for v in values.split("/")])
@@ -48,69 +58,112 @@ def parse_shapes(specs: list[str] | None, suite, cuda: bool) -> list[dict]:
     return shapes
 
 
+def parse_peers(text: str | None, suite) -> tuple:
+    """``--peers``: comma-separated names from :data:`regattn.bench.peers.PEERS` (``sdpa`` for every
+    SDPA backend), ``none``, or the suite's own list when not given."""
+    if text is None:
+        return tuple(suite.PEERS)
+    names = tuple(p.strip() for p in text.split(",") if p.strip() and p.strip() != "none")
+    unknown = [p for p in names if p not in peer_names.PEERS and p != "sdpa"]
+    if unknown:
+        raise UsageError(f"--peers: expected names from {', '.join(peer_names.PEERS)}, sdpa or none, "
+                         f"got {', '.join(map(repr, unknown))}")
+    return names
+
+
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="regattn bench", description=__doc__)
+    p = argparse.ArgumentParser(prog="regattn bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("suite", help=f"one of {', '.join(suites.NAMES)}; 'all' for every suite; 'report' to "
                                  "write docs/PERFORMANCE.md from benchmarks/results")
-    p.add_argument("--shapes", nargs="+", help="grid names (tiny, default, full) or KEY=V[/V...],... specs")
+    p.add_argument("--shapes", nargs="+", help="grid names (tiny, goal, quick, full) or KEY=V[/V...],... specs")
+    p.add_argument("--quick", action="store_true", help="the quick subset of the goal shapes")
     p.add_argument("--dtype", choices=sorted(DTYPES), help="input dtype (default bf16 on CUDA, fp32 on CPU)")
-    p.add_argument("--peers", help="comma-separated peers (sdpa-flash, sdpa-cudnn, sdpa-efficient, sdpa-math, "
-                                   "sdpa, flex, fla, reference, copy) or 'none'; default: the suite's own list")
+    p.add_argument("--peers", help=f"comma-separated peers ({', '.join(peer_names.PEERS)}, sdpa) or 'none'; "
+                                   "default: the suite's own list")
     p.add_argument("--backend", default="auto", choices=("auto", "torch", "triton"), help="backend of our ops")
     p.add_argument("--device", help="cuda or cpu (default: cuda when available)")
     p.add_argument("--rep-ms", type=int, default=100, help="timing window of do_bench, in ms")
-    p.add_argument("--out", help="result JSON (default benchmarks/results/<device>/<suite>.json on a GPU; "
-                                 "none written on CPU unless given)")
-    p.add_argument("--plot", help="PNG of the results")
+    p.add_argument("--out", help="result JSON, or with 'all' a folder (default benchmarks/results/<device>/ on a "
+                                 "GPU; none written on CPU unless given)")
+    p.add_argument("--plot", help="PNG of the results (with 'all': a folder)")
     p.add_argument("--root", default=".", help="for 'report': the folder holding benchmarks/ and docs/")
     return p
+
+
+def output_path(arg: str | None, name: str, every: bool, machine: dict, cuda: bool, suffix: str) -> Path | None:
+    """Where one suite's file goes: ``arg`` itself, ``arg/<suite><suffix>`` for ``all``, or the default."""
+    if arg:
+        return Path(arg) / f"{name}{suffix}" if every else Path(arg)
+    return results.default_path(name, machine) if cuda and suffix == ".json" else None
 
 
 def run_one(name: str, args, device: str) -> dict:
     suite = suites.get(name)
     cuda = device.startswith("cuda")
-    dtype = DTYPES[args.dtype or ("bf16" if cuda else "fp32")]
-    peers = tuple(suite.PEERS) if args.peers is None else tuple(p for p in args.peers.split(",") if p and p != "none")
-    setup = Setup(dtype=dtype, device=device, backend=args.backend, peers=peers, rep_ms=args.rep_ms)
-    shapes = parse_shapes(args.shapes, suite, cuda)
+    dtype = args.dtype or ("bf16" if cuda else "fp32")
+    peers = parse_peers(args.peers, suite)
+    setup = Setup(dtype=DTYPES[dtype], device=device, backend=args.backend, peers=peers, rep_ms=args.rep_ms)
+    shapes = parse_shapes(args.shapes, suite, cuda, args.quick)
     machine = results.machine_info(device)
-    config = {"dtype": args.dtype or ("bf16" if cuda else "fp32"), "backend": args.backend, "peers": list(peers),
-              "rep_ms": args.rep_ms, "cpu_smoke": not cuda}
-    out = Path(args.out) if args.out else (results.default_path(name, machine) if cuda else None)
-    if out is not None and args.suite == "all" and args.out:
-        out = out.with_name(f"{out.stem}-{name}{out.suffix}")
+    config = {"dtype": dtype, "backend": args.backend, "peers": list(peers), "rep_ms": args.rep_ms,
+              "grid": "custom" if args.shapes else ("quick" if args.quick else "goal") if cuda else "tiny",
+              "cpu_smoke": not cuda}
+    every = args.suite == "all"
+    out = output_path(args.out, name, every, machine, cuda, ".json")
+    start = time.perf_counter()
 
     def save(rows):
         if out is not None:
+            config["seconds"] = round(time.perf_counter() - start, 1)
             results.write_result(out, results.make_result(name, machine, config, rows))
 
     torch.manual_seed(0)
     print(f"# {name} on {machine['name']} ({machine['device']}), torch {machine['torch']}, triton {machine['triton']}, "
-          f"CUDA {machine['cuda']}, {config['dtype']}", flush=True)
+          f"CUDA {machine['cuda']}, {dtype}", flush=True)
     rows = run_suite(suite, shapes, setup, on_shape=save)
+    save(rows)
     result = results.make_result(name, machine, config, rows)
     print(format_table(rows), flush=True)
     if out is not None:
-        print(f"wrote {results.write_result(out, result)}")
-    if args.plot:
-        plot = Path(args.plot)
-        if args.suite == "all":
-            plot = plot.with_name(f"{plot.stem}-{name}{plot.suffix}")
+        print(f"wrote {out} ({config['seconds']} s)")
+    plot = output_path(args.plot, name, every, machine, cuda, ".png")
+    if plot is not None:
         print(f"wrote {report.plot_result(result, plot)}")
     return result
 
 
+def suite_names(arg: str) -> tuple:
+    return {"all": suites.NAMES, "report": ()}.get(arg, (arg,))
+
+
+def check_args(args) -> str:
+    """Refuse what cannot run before any suite starts; return the device."""
+    if args.suite not in (*suites.NAMES, "all", "report"):
+        raise UsageError(f"suite: expected one of {', '.join(suites.NAMES)}, 'all' or 'report', got {args.suite!r}")
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        raise UsageError(f"--device: expected a device this machine has, got {device!r} (no CUDA device)")
+    if args.rep_ms < 1:
+        raise UsageError(f"--rep-ms: expected a positive number of milliseconds, got {args.rep_ms}")
+    for name in suite_names(args.suite):
+        suite = suites.get(name)
+        parse_peers(args.peers, suite)
+        parse_shapes(args.shapes, suite, torch.device(device).type == "cuda", args.quick)
+    return device
+
+
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
+    try:
+        device = check_args(args)
+    except UsageError as err:
+        print(f"regattn bench: error: {err}", file=sys.stderr)
+        return 2
     if args.suite == "report":
-        path = report.write_report(args.root)
-        print(f"wrote {path}")
+        print(f"wrote {report.write_report(args.root)}")
         return 0
-    names = suites.NAMES if args.suite == "all" else (args.suite,)
-    if args.suite != "all" and args.suite not in suites.NAMES:
-        parser().error(f"suite: expected one of {', '.join(suites.NAMES)}, 'all' or 'report', got {args.suite!r}")
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    for name in names:
+    for name in suite_names(args.suite):
         run_one(name, args, device)
     return 0
 

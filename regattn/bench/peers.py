@@ -1,10 +1,11 @@
 """Peers, run in the same process on the same inputs as our ops.
 
 Each builder takes our ``[B, T, H, D]`` tensors, makes the peer's own layout once (outside
-the timed call) and returns ``(call, leaves)``: a zero-argument callable giving the output
-(viewed back in our layout, so outputs can be compared) and the tensors to differentiate
-for a forward+backward timing. A peer that cannot run
-raises :class:`Unavailable` with the reason ("not installed", ...), which becomes its status.
+the timed call) and returns ``(call, leaves[, grads])``: a zero-argument callable giving the
+output (viewed back in our layout, so outputs can be checked), the tensors to differentiate for
+a forward+backward timing and, where those are not our inputs in our layout, ``grads`` mapping
+their gradients back to ours by name (``{"dq": ..., "dk": ..., "dv": ...}``). A peer that cannot
+run raises :class:`Unavailable` with the reason ("not installed", ...), which becomes its status.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ PEERS = tuple(f"sdpa-{b}" for b in SDPA_BACKENDS) + ("flex", "fla", "reference",
 
 # flash-linear-attention functions and the submodule each lives in.
 FLA_MODULES = {
-    "parallel_parallax": "parallax", "parallax_decode_one_step": "parallax",
+    "parallel_parallax": "parallax", "parallax_decode_one_step": "parallax.decode",
     "parallel_forgetting_attn": "forgetting_attn", "chunk_simple_gla": "simple_gla",
     "chunk_lightning_attn": "lightning_attn",
 }
@@ -65,7 +66,18 @@ def sdpa(q, k, v, *, backend: str, causal=True, window=None, scale=None):
             o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, is_causal=is_causal,
                                                scale=scale, enable_gqa=gqa)
         return o.transpose(1, 2)  # a view: back to [B, T, HQ, Dv] at no cost
-    return call, [qt, kt, vt]
+    return call, [qt, kt, vt], ours_grads("dq", "dk", "dv")
+
+
+def ours_grads(*names):
+    """Gradients of heads-first leaves, back in our layout by name; trailing leaves (the two reads
+    of a gate) add up to the last name's gradient."""
+    def grads(gs):
+        out = dict(zip(names, (g.transpose(1, 2) for g in gs)))
+        if len(gs) > len(names):
+            out[names[-1]] = sum(g.transpose(1, 2) for g in gs[len(names) - 1:])
+        return out
+    return grads
 
 
 @functools.lru_cache(maxsize=None)
@@ -116,7 +128,7 @@ def flex(q, k, v, *, causal=True, window=None, gate=None, scale=None, compiled=T
 
     def call():
         return fn(qt, kt, vt, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=gqa).transpose(1, 2)
-    return call, leaves
+    return call, leaves, ours_grads("dq", "dk", "dv", *(("du",) if gate is not None else ()))
 
 
 def copy_floor(nbytes: float, device):

@@ -1,35 +1,54 @@
-"""``docs/PERFORMANCE.md`` and plots, generated from ``benchmarks/results/<device>/<suite>.json`` and the
-GPU check files ``benchmarks/results/<device>/<name>_check.json`` (see :mod:`regattn.bench.checks`)."""
+"""``docs/PERFORMANCE.md`` and its plots, generated from ``benchmarks/results/<device>/<suite>.json`` alone."""
 from __future__ import annotations
 
 from pathlib import Path
 
-from regattn.bench import checks, results, suites
+from regattn.bench import results, suites
+from regattn.bench.runner import worst_error
 
 DOC = Path("docs") / "PERFORMANCE.md"
 PLOTS = Path("docs") / "perf"
 
 
 def groups(rows: list[dict]) -> dict:
-    """``{(shape, mode): [rows]}`` in the order measured."""
+    """``{(shape, mode, graph): [rows]}`` in the order measured."""
     out = {}
     for r in rows:
-        out.setdefault((r["shape"], r["mode"]), []).append(r)
+        out.setdefault((r["shape"], r["mode"], r.get("graph", False)), []).append(r)
     return out
+
+
+def group_label(shape: str, mode: str, graph: bool) -> str:
+    return f"{shape}\n{mode}{' graph' if graph else ''}"
+
+
+def new_figure(width: float, ncols: int = 1):
+    """``(pyplot, figure, axes)`` drawn off-screen."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt, *plt.subplots(1, ncols, figsize=(width, 4.5))
+
+
+def save_figure(plt, fig, path: Path | str) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def title(result: dict, what: str = "") -> str:
+    return f"regattn bench {result['suite']}{what} - {result['machine']['name']} - {result['config'].get('dtype', '')}"
 
 
 def plot_result(result: dict, path: Path | str) -> Path:
     """One bar per op in each (shape, mode) group, milliseconds on a log axis; failed cases left out."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     grouped = groups([r for r in result["rows"] if r["ms"] is not None])
     ops = list(dict.fromkeys(r["op"] for rows in grouped.values() for r in rows))
     width = 0.8 / max(len(ops), 1)
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.2 * len(grouped) + 2), 4.5))
+    plt, fig, ax = new_figure(max(6.0, 1.2 * len(grouped) + 2))
     for i, op in enumerate(ops):
         xs, ys = [], []
         for g, rows in enumerate(grouped.values()):
@@ -39,17 +58,32 @@ def plot_result(result: dict, path: Path | str) -> Path:
                     ys.append(r["ms"])
         ax.bar(xs, ys, width, label=op)
     ax.set_xticks(range(len(grouped)))
-    ax.set_xticklabels([f"{s}\n{m}" for s, m in grouped], fontsize=7, rotation=20, ha="right")
+    ax.set_xticklabels([group_label(*key) for key in grouped], fontsize=7, rotation=20, ha="right")
     ax.set_yscale("log")
     ax.set_ylabel("ms (lower is better)")
-    m = result["machine"]
-    ax.set_title(f"regattn bench {result['suite']} - {m['name']} - {result['config'].get('dtype', '')}", fontsize=9)
+    ax.set_title(title(result), fontsize=9)
     if ops:
         ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(plt, fig, path)
+
+
+def plot_scaling(result: dict, part: str, path: Path | str) -> Path:
+    """Latency and peak memory against T (log-log) for the rows of ``part`` (lla Figure 7)."""
+    rows = [r for r in result["rows"] if r["params"].get("part") == part and r["ms"] is not None]
+    ops = list(dict.fromkeys(r["op"] for r in rows))
+    plt, fig, axes = new_figure(10.0, ncols=2)
+    for key, ax, label in (("ms", axes[0], "ms"), ("peak_mb", axes[1], "peak MiB")):
+        for op in ops:
+            points = [(r["params"]["T"], r[key]) for r in rows if r["op"] == op and r.get(key) is not None]
+            if points:
+                ax.plot(*zip(*points), marker="o", label=op)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("T")
+        ax.set_ylabel(label)
+        ax.legend(fontsize=7)
+    fig.suptitle(title(result, f" ({part})"), fontsize=9)
+    return save_figure(plt, fig, path)
 
 
 def versions(machine: dict) -> str:
@@ -61,50 +95,38 @@ def versions(machine: dict) -> str:
 
 
 def machine_line(result: dict) -> str:
-    return f"{versions(result['machine'])}; measured {result['date']}; dtype {result['config'].get('dtype')}"
+    cfg = result["config"]
+    seconds = f"; the run took {cfg['seconds']} s" if cfg.get("seconds") is not None else ""
+    return (f"{versions(result['machine'])}; measured {result['date']}; dtype {cfg.get('dtype')}; "
+            f"shapes: {cfg.get('grid', 'custom')}{seconds}")
 
 
-def ratio_cell(row: dict) -> str:
-    if row["ms"] is None:
-        return row["status"]
-    ratio = "" if row["ratio"] is None else f" ({row['ratio']:.2f}x)"
-    return f"{row['ms']:.4g} ms{ratio}"
+def number(value, fmt: str) -> str:
+    return "–" if value is None else format(value, fmt)
 
 
-def table_lines(header: list[str], rows: list[list]) -> str:
-    """A markdown table; each cell through :func:`regattn.bench.checks.cell`."""
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(checks.cell(v) for v in row) + " |" for row in rows]
-    return "\n".join(lines)
+def rate(row: dict) -> str:
+    if row.get("tflops") is not None:
+        return f"{row['tflops']:.3g} TFLOP/s"
+    return "–" if row.get("gbps") is None else f"{row['gbps']:.0f} GB/s"
+
+
+def row_cells(row: dict, first: bool) -> list[str]:
+    """One table line; the shape and mode only on the first line of their group."""
+    shape, mode = (row["shape"], row["mode"] + (" (graph)" if row.get("graph") else "")) if first else ("", "")
+    ms = number(row["ms"], ".4g") if row["status"] == "ok" else row["status"]
+    ratio = number(row.get("ratio"), ".2f") + ("x" if row.get("ratio") is not None else "")
+    return [shape, mode, row["op"], ms, ratio, rate(row), number(row.get("peak_mb"), ".0f"),
+            worst_error(row.get("err")) or "–"]
 
 
 def result_table(result: dict) -> str:
-    """Rows (shape, mode), one column per op: ``ms (ratio to the best peer)`` or the status."""
-    grouped = groups(result["rows"])
-    ops = list(dict.fromkeys(r["op"] for rows in grouped.values() for r in rows))
-    rows = []
-    for (shape, mode), measured in grouped.items():
-        by_op = {r["op"]: r for r in measured}
-        rows.append([shape, mode, *(ratio_cell(by_op[op]) if op in by_op else "" for op in ops)])
-    return table_lines(["shape", "mode", *ops], rows)
-
-
-def check_section(path: Path, data: dict) -> list[str]:
-    """One check file: its machine, its tables, the sections it did not record and its notes."""
-    name = path.stem.removesuffix("_check")
-    check = checks.CHECKS[path.stem]
-    parts = [f"## {check.title} on {path.parent.name}", "",
-             f"`benchmarks/gpu_check_{name}.py`, `{(results.RESULTS_DIR / path.parent.name / path.name).as_posix()}`: "
-             f"{versions(checks.machine(data))}.", ""]
-    for title, header, rows in check.tables(data):
-        parts += [f"**{title}**", "", table_lines(header, rows), ""]
-    missing = checks.unrecorded(data, check.sections)
-    if missing:
-        parts += ["Not recorded in this run: " + ", ".join(missing) + ".", ""]
-    recorded = checks.notes(data)
-    if recorded:
-        parts += ["Notes recorded by the run:", "", *(f"- {note}" for note in recorded), ""]
-    return parts
+    """Every row as measured: time, ratio to the suite's main peer, rate, peak memory and the largest
+    relative error against the float64 reference (with what it is of)."""
+    lines = ["| shape | mode | op | ms | ratio | rate | peak MiB | error vs float64 |", "|" + "---|" * 8]
+    for rows in groups(result["rows"]).values():
+        lines += ["| " + " | ".join(row_cells(r, i == 0)).replace("\n", " ") + " |" for i, r in enumerate(rows)]
+    return "\n".join(lines)
 
 
 def suite_results(root: Path) -> list[dict]:
@@ -112,38 +134,35 @@ def suite_results(root: Path) -> list[dict]:
     return [results.read_result(p) for p in results.find_results(root) if p.stem in suites.NAMES]
 
 
+INTRO = ("Each table lists what one `regattn bench SUITE` run measured, rows in the order run (the goal shapes "
+         "first): the median time of `triton.testing.do_bench` (decode also inside a CUDA graph: "
+         "`do_bench_cudagraph`), the ratio to the suite's main peer measured in the same process on the same "
+         "inputs (below 1.00x: faster), TFLOP/s or GB/s by the problem's count (`regattn.bench.counts`), the "
+         "peak memory of one call above its inputs, and the largest relative error of the output and every "
+         "gradient against the float64 reference on a slice of the problem (`regattn.bench.check`; all errors "
+         "are in the JSON). Our ops are `regattn:triton` (the Triton kernels) or `regattn:torch`. Peers that "
+         "could not run show why.")
+
+
 def write_report(root: Path | str = ".", *, include_cpu: bool = False) -> Path:
     """Write ``docs/PERFORMANCE.md`` and ``docs/perf/<device>-<suite>.png`` under ``root``."""
     root = Path(root)
     found = [r for r in suite_results(root)
              if include_cpu or not r["config"].get("cpu_smoke", r["machine"]["device"] == "cpu")]
-    checked = checks.check_files(root)
     parts = ["# Performance", "",
              "Generated by `regattn bench report` from the result files in `benchmarks/results/`; do not edit by "
-             "hand.", ""]
-    if not found and not checked:
-        parts.append("No GPU result files yet: run `regattn bench SUITE` on a GPU, then `regattn bench report`.")
-    elif not found:
-        parts += ["No `regattn bench SUITE` result files yet: run one on a GPU, then `regattn bench report`.", ""]
-    else:
-        parts += ["In the suite tables each cell is the median time of `triton.testing.do_bench` (CUDA-graph replay "
-                  "for decode) and, in brackets, its ratio to the fastest peer measured in the same process on the "
-                  "same inputs (below 1.00x: faster than every peer). Our ops are `regattn:triton` (the Triton "
-                  "kernels) or `regattn:torch` (the reference path, where no kernel exists yet). Peers that could "
-                  "not run show why.", ""]
+             "hand. `regattn bench all` on a GPU measures every suite at its goal shapes and rewrites them.", ""]
+    parts.append(INTRO if found else "No GPU result files yet: run `regattn bench all` on a GPU, then "
+                                     "`regattn bench report`.")
+    parts.append("")
     for result in found:
         device, suite = result["machine"]["device"], result["suite"]
-        plot = plot_result(result, root / PLOTS / f"{device}-{suite}.png")
-        parts += [f"## {suite} on {device}", "", machine_line(result), "", result_table(result), "",
-                  f"![{suite} on {device}]({plot.relative_to(root / DOC.parent).as_posix()})", ""]
-    if checked:
-        parts += ["The full-size kernel checks (`benchmarks/gpu_check_<name>.py`) follow, each from its own result "
-                  "file: correctness against the float64 reference, then timings against peers run in the same "
-                  "process. Numbers are as recorded, to 4 significant digits (3 below 0.01); ratios, bounds and targets appear "
-                  "only where the check recorded them. Errors are relative (norm of the difference over the norm "
-                  "of the reference); `–` marks a value the check did not record.", ""]
-    for path, data in checked:
-        parts += check_section(path, data)
+        parts += [f"## {suite} on {device}", "", machine_line(result), "", result_table(result), ""]
+        plots = [plot_result(result, root / PLOTS / f"{device}-{suite}.png")]
+        part = getattr(suites.get(suite), "SCALING", None)
+        if part and any(r["params"].get("part") == part for r in result["rows"]):
+            plots.append(plot_scaling(result, part, root / PLOTS / f"{device}-{suite}-{part}.png"))
+        parts += [f"![{p.stem}]({p.relative_to(root / DOC.parent).as_posix()})" for p in plots] + [""]
     path = root / DOC
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(parts))

@@ -1,10 +1,11 @@
-"""Run a suite: measure each case of each shape, give every row its ratio to the best peer, print a table.
+"""Run a suite: measure each case of each shape, check it against float64, give it its ratio to the main peer.
 
-A suite module has ``NAME``, ``PEERS`` (the peers it knows), ``GRIDS`` (``"tiny"`` for the CPU
-smoke mode, ``"default"`` and ``"full"``: lists of shape dicts) and ``cases(shape, setup)``,
-which yields ``(mode, Case)`` pairs. Cases of one shape share their inputs; each case is
-measured before the generator resumes, so a suite may replace its inputs between cases.
-Rows of one ``(shape, mode)`` are compared with each other.
+A suite module has ``NAME``, ``PEERS`` (the peers it knows), ``MAIN`` (the op each mode is
+compared with: ``{mode: (op prefix, ...)}``, the first one measured wins), ``GRIDS`` (``"tiny"``
+for the CPU smoke mode, ``"goal"`` for the targets every GPU run measures, ``"quick"`` a subset
+of it, ``"full"`` a wider sweep: lists of shape dicts) and ``cases(shape, setup)``, which yields
+``(mode, Case)`` pairs. Cases of one shape share their inputs; each case is measured before the
+generator resumes, so a suite may replace its inputs between cases.
 """
 from __future__ import annotations
 
@@ -16,9 +17,10 @@ from typing import Callable
 import torch
 
 from regattn.bench import peers
+from regattn.bench.check import Check
 from regattn.bench.peers import Unavailable
 from regattn.ops._common.checks import resolve_backend
-from regattn.bench.timing import Measurement, describe, measure
+from regattn.bench.timing import Measurement, describe, free_memory, measure
 
 
 @dataclass
@@ -37,31 +39,39 @@ class Setup:
 
 @dataclass
 class Case:
-    """One op at one shape: ``fn`` is the zero-argument call to time (None when it cannot run,
-    ``status`` says why); ``flops`` and ``bytes`` come from :mod:`regattn.bench.counts`;
-    ``err`` carries an accuracy figure for rows that report one."""
+    """One op at one shape: ``call()`` gives the output in our layout (None when the op cannot run,
+    ``status`` says why); a forward+backward mode differentiates ``leaves``, and ``grads`` maps
+    their gradients to ``{"dq": ..., ...}`` in our layout (default: the check's names in order).
+    ``check`` (the float64 truth of this shape and mode) is set for cases computing our function;
+    ``flops`` and ``bytes`` come from :mod:`regattn.bench.counts`; ``err`` is set by the suite for
+    rows judged against another truth (the CG table)."""
     op: str
-    fn: Callable | None
+    call: Callable | None
+    leaves: list = field(default_factory=list)
+    grads: Callable | None = None
     flops: float | None = None
     bytes: float | None = None
     ours: bool = False
     status: str = "ok"
     graph: bool = False
-    compare: bool = True
-    err: float | None = None
+    check: Check | None = None
+    err: dict | None = None
     extra: dict = field(default_factory=dict)
 
 
-def forward(call):
-    """Time the forward alone: no autograd graph is recorded."""
-    def fn():
-        with torch.no_grad():
-            return call()
-    return fn
+def backward(mode: str) -> bool:
+    """Modes ending in ``fwd+bwd`` time and check forward and backward; every other mode the forward."""
+    return mode.endswith("fwd+bwd")
 
 
-def forward_backward(call, leaves):
-    """Time forward and backward: gradients of ``leaves`` for a fixed random output gradient."""
+def timed(call, leaves, mode: str):
+    """The callable to time: the forward alone (no autograd graph), or forward and backward for a
+    fixed random output gradient (a case with nothing to differentiate, a copy floor, is its call)."""
+    if not backward(mode) or not leaves:
+        def fn():
+            with torch.no_grad():
+                return call()
+        return fn
     state = {}
 
     def fn():
@@ -72,26 +82,21 @@ def forward_backward(call, leaves):
     return fn
 
 
-def timed(call, leaves, mode: str):
-    return forward_backward(call, leaves) if mode == "fwd+bwd" else forward(call)
-
-
 def ours_label(op, x: torch.Tensor, backend: str) -> str:
     """``"regattn:triton"`` or ``"regattn:torch"``: which path ``backend`` resolves to for this op."""
     module = sys.modules[op.__module__]
     return "regattn:" + resolve_backend(backend, x, op=op.__name__, has_triton=getattr(module, "HAS_TRITON", False))
 
 
-def build(op: str, builder, *, mode: str, flops=None, bytes=None, ours=False, graph=False, compare=True,
-          **extra) -> Case:
-    """A Case from ``builder() -> (call, leaves)``; a builder that cannot run gives the reason as status."""
+def build(op: str, builder, *, flops=None, bytes=None, ours=False, graph=False, check=None, **extra) -> Case:
+    """A Case from ``builder() -> (call, leaves[, grads])``; a builder that cannot run gives the reason as status."""
     try:
-        call, leaves = builder()
-    except Unavailable as err:
-        return Case(op, None, flops, bytes, ours, status=str(err))
+        call, leaves, *grads = builder()
     except Exception as err:
-        return Case(op, None, flops, bytes, ours, status=describe(err))
-    return Case(op, timed(call, leaves, mode), flops, bytes, ours, graph=graph, compare=compare, extra=extra)
+        status = str(err) if isinstance(err, Unavailable) else describe(err)
+        return Case(op, None, flops=flops, bytes=bytes, ours=ours, status=status, graph=graph)
+    return Case(op, call, list(leaves), grads[0] if grads else None, flops=flops, bytes=bytes, ours=ours,
+                graph=graph, check=check, extra=extra)
 
 
 def rate(count: float | None, ms: float | None, unit: float) -> float | None:
@@ -99,27 +104,40 @@ def rate(count: float | None, ms: float | None, unit: float) -> float | None:
     return None if count is None or ms is None else count / (ms * 1e-3) / unit
 
 
-def row_of(suite: str, label: str, shape: dict, mode: str, case: Case, m: Measurement) -> dict:
+def row_of(shape: dict, mode: str, case: Case, m: Measurement, err: dict | None) -> dict:
     """One result row, as printed and as written to JSON."""
-    row = {"suite": suite, "shape": label, "params": shape, "mode": mode, "op": case.op, "ours": case.ours,
+    row = {"shape": shape_label(shape), "params": shape, "mode": mode, "op": case.op, "ours": case.ours,
            "status": m.status, "ms": m.ms, "tflops": rate(case.flops, m.ms, 1e12), "gbps": rate(case.bytes, m.ms, 1e9),
-           "peak_mb": m.peak_mb, "graph": m.graph, "ratio": None}
-    if case.err is not None:
-        row["err"] = case.err
+           "peak_mb": m.peak_mb, "graph": case.graph, "ratio": None, "err": err}
     row.update(case.extra)
     return row
 
 
-def add_ratios(rows: list[dict]) -> None:
-    """``ratio = ms / best peer ms`` within each ``(shape, mode)``; below 1 means faster than every peer."""
-    best = {}
+def main_peer(group: list[dict], prefixes) -> dict | None:
+    """The fastest measured peer of this group named by the first of ``prefixes`` that names any
+    (``"sdpa:cudnn"``: that backend; ``"sdpa:"``: the fastest SDPA backend)."""
+    for prefix in prefixes:
+        named = [r for r in group if not r["ours"] and r["ms"] is not None and r["op"].startswith(prefix)]
+        if named:
+            return min(named, key=lambda r: r["ms"])
+    return None
+
+
+def add_ratios(rows: list[dict], main: dict | None = None) -> None:
+    """``ratio = ms / main peer ms`` within each ``(shape, mode, graph)``; below 1 means faster.
+
+    The main peer is the suite's ``MAIN[mode]`` where measured, else the fastest peer. Our rows
+    also get ``vs``: their time over every peer's that was measured."""
+    groups = {}
     for r in rows:
-        if not r["ours"] and r["ms"] is not None:
-            key = (r["shape"], r["mode"])
-            best[key] = min(best.get(key, float("inf")), r["ms"])
-    for r in rows:
-        b = best.get((r["shape"], r["mode"]))
-        r["ratio"] = None if b is None or r["ms"] is None else r["ms"] / b
+        groups.setdefault((r["shape"], r["mode"], r.get("graph", False)), []).append(r)
+    for (_, mode, _), group in groups.items():
+        measured = [r for r in group if not r["ours"] and r["ms"] is not None]
+        ref = main_peer(group, (main or {}).get(mode, ())) or min(measured, key=lambda r: r["ms"], default=None)
+        for r in group:
+            r["ratio"] = None if ref is None or r["ms"] is None else r["ms"] / ref["ms"]
+            if r["ours"] and r["ms"] is not None:
+                r["vs"] = {p["op"]: r["ms"] / p["ms"] for p in measured}
 
 
 def shape_label(shape: dict) -> str:
@@ -136,50 +154,63 @@ def relative_diff(out, ref) -> float | None:
     return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
-def compare(case: Case, mode: str, first: dict) -> float | None:
-    """Forward-only rows: the output's relative difference to the first of our ops in this (shape, mode)."""
-    if mode == "fwd+bwd" or case.fn is None or not case.compare:
+def case_errors(case: Case, mode: str) -> dict | None:
+    """The case's output (and, in a forward+backward mode, gradients) against its float64 check."""
+    if case.err is not None:
+        return case.err
+    if case.check is None or case.call is None:
         return None
     try:
-        out = case.fn()
-    except Exception:
-        return None
-    if mode not in first:
-        first[mode] = out
-        return 0.0 if case.ours else None
-    return relative_diff(out, first[mode])
+        if not backward(mode):
+            with torch.no_grad():
+                return case.check.errors(case.call())
+        out = case.call()
+        grads = torch.autograd.grad(out, case.leaves, case.check.grad_out(out))
+        named = case.grads(grads) if case.grads else dict(zip(("d" + n for n in case.check.grads), grads))
+        return case.check.errors(out, named)
+    except Exception as err:  # an error in the check is reported, never the end of a suite
+        return {"status": describe(err)}
 
 
 def run_suite(suite, shapes: list[dict], setup: Setup, *, on_shape=None) -> list[dict]:
-    """Measure every case of every shape; ``on_shape(rows_so_far)`` after each shape (to print, to save).
-
-    Forward rows also carry ``diff``: the output's relative difference to our op's output at the
-    same shape, so a peer set up differently (another mask, another scale) shows at once.
-    """
+    """Measure and check every case of every shape; ``on_shape(rows_so_far)`` after each shape."""
     rows = []
     for shape in shapes:
-        label, group, first = shape_label(shape), [], {}
+        group = []
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             try:
                 for mode, case in suite.cases(shape, setup):
-                    m = (measure(case.fn, cuda=setup.cuda, graph=case.graph, rep_ms=setup.rep_ms)
-                         if case.fn is not None else Measurement(case.status))
-                    row = row_of(suite.NAME, label, shape, mode, case, m)
-                    if m.status == "ok" and (case.ours or first.get(mode) is not None):
-                        row["diff"] = compare(case, mode, first)
-                    group.append(row)
+                    if case.call is None:
+                        m = Measurement(case.status)
+                    else:
+                        m = measure(timed(case.call, case.leaves, mode), cuda=setup.cuda, graph=case.graph,
+                                    rep_ms=setup.rep_ms)
+                    err = case_errors(case, mode) if m.status == "ok" else None
+                    group.append(row_of(shape, mode, case, m, err))
+                    if setup.cuda:
+                        free_memory()
             except Exception as err:  # inputs that cannot even be made (OOM at allocation)
-                group.append(row_of(suite.NAME, label, shape, "-", Case("inputs", None), Measurement(describe(err))))
-        add_ratios(group)
+                group.append(row_of(shape, "-", Case("inputs", None), Measurement(describe(err)), None))
+        add_ratios(group, getattr(suite, "MAIN", None))
         rows += group
         if on_shape is not None:
             on_shape(rows)
     return rows
 
 
-COLUMNS = (("shape", "shape"), ("mode", "mode"), ("op", "op"), ("ms", "ms"), ("tflops", "TFLOP/s"),
-           ("gbps", "GB/s"), ("peak_mb", "peak MB"), ("ratio", "ratio"), ("diff", "diff"), ("err", "err"))
+COLUMNS = (("shape", "shape"), ("mode", "mode"), ("graph", "graph"), ("op", "op"), ("ms", "ms"),
+           ("tflops", "TFLOP/s"), ("gbps", "GB/s"), ("peak_mb", "peak MB"), ("ratio", "ratio"), ("err", "error"))
+
+
+def worst_error(err: dict | None) -> str:
+    """The largest relative error of a row and what it is of (``"dk 3.10e-03"``), or the check's status."""
+    if not err:
+        return ""
+    if "status" in err:
+        return f"check {err['status']}"
+    name = max(err, key=lambda n: err[n])
+    return f"{name} {err[name]:.2e}"
 
 
 def cell(row: dict, key: str) -> str:
@@ -187,10 +218,12 @@ def cell(row: dict, key: str) -> str:
     if key == "ms" and row["status"] != "ok":
         return row["status"] if len(row["status"]) <= 48 else row["status"][:45] + "..."
     value = row.get(key)
+    if key == "err":
+        return worst_error(value)
+    if key == "graph":
+        return "graph" if value else ""
     if value is None:
-        return "" if key in ("diff", "err") else "-"
-    if key in ("diff", "err"):
-        return f"{value:.2e}"
+        return "-"
     if key == "ratio":
         return f"{value:.2f}x"
     if key in ("peak_mb", "gbps"):
@@ -199,9 +232,9 @@ def cell(row: dict, key: str) -> str:
 
 
 def format_table(rows: list[dict]) -> str:
-    """The printed table: shape, mode, op, ms (or the status), TFLOP/s, GB/s, peak MB, ratio to the best
-    peer, and where measured the difference to our output and an error figure."""
-    cols = [(k, h) for k, h in COLUMNS if k not in ("diff", "err") or any(r.get(k) is not None for r in rows)]
+    """The printed table: shape, mode, op, ms (or the status), TFLOP/s, GB/s, peak MB, ratio to the main
+    peer, and the largest error against float64 where checked."""
+    cols = [(k, h) for k, h in COLUMNS if k not in ("graph", "err") or any(r.get(k) for r in rows)]
     cells = [[h for _, h in cols]] + [[cell(r, k) for k, _ in cols] for r in rows]
     widths = [max(len(c[i]) for c in cells) for i in range(len(cols))]
     lines = ["  ".join(c[i].ljust(widths[i]) for i in range(len(cols))).rstrip() for c in cells]
@@ -215,41 +248,42 @@ def randn(setup: Setup, *shape, dtype=None, grad: bool = False, scale: float = 1
     return x.requires_grad_(grad)
 
 
-def ours(op, x: torch.Tensor, setup: Setup, call, leaves, *, mode: str, tag: str = "", **counts) -> Case:
+def ours(op, x: torch.Tensor, setup: Setup, call, leaves, *, tag: str = "", **kw) -> Case:
     """Our public op through ``setup.backend``, named by the path it takes (``regattn:triton``)."""
     try:
         label = ours_label(op, x, setup.backend) + tag
     except Exception as err:  # backend="triton" where the op has no kernel yet
-        return Case(f"regattn:{setup.backend}{tag}", None, ours=True, status=describe(err), **counts)
-    return build(label, lambda: (call, leaves), mode=mode, ours=True, **counts)
+        return Case(f"regattn:{setup.backend}{tag}", None, ours=True, status=describe(err))
+    return build(label, lambda: (call, leaves), ours=True, **kw)
 
 
 def for_mode(mode: str, *xs):
     """Inputs as a peer should see them: detached for a forward alone (no autograd state kept)."""
-    return xs if mode == "fwd+bwd" else tuple(None if x is None else x.detach() for x in xs)
+    return xs if backward(mode) else tuple(None if x is None else x.detach() for x in xs)
 
 
-def sdpa_cases(setup: Setup, mode: str, q, k, v, *, causal=True, window=None, backends=None, tag="", **counts):
+def sdpa_cases(setup: Setup, mode: str, q, k, v, *, causal=True, window=None, backends=None, tag="", check=None,
+               **counts):
     """``(mode, Case)`` for each SDPA backend asked for (all four unless ``backends`` narrows them).
 
-    A ``tag`` marks SDPA standing in for another op (a floor, not the same numbers): no diff then."""
+    A ``tag`` marks SDPA standing in for another op (a floor, not the same function): no check then."""
     q, k, v = for_mode(mode, q, k, v)
     for name in backends or peers.SDPA_BACKENDS:
         if peers.wanted(setup.peers, f"sdpa-{name}"):
             yield mode, build(f"sdpa:{name}{tag}", lambda: peers.sdpa(q, k, v, backend=name, causal=causal,
                                                                       window=window),
-                              mode=mode, compare=not tag, **counts)
+                              check=None if tag else check, **counts)
 
 
-def flex_case(setup: Setup, mode: str, q, k, v, *, causal=True, window=None, gate=None, **counts):
+def flex_case(setup: Setup, mode: str, q, k, v, *, causal=True, window=None, gate=None, **kw):
     """FlexAttention (compiled on CUDA, eager in the CPU smoke mode) when asked for."""
     q, k, v, gate = for_mode(mode, q, k, v, gate)
     if peers.wanted(setup.peers, "flex"):
         yield mode, build("flex", lambda: peers.flex(q, k, v, causal=causal, window=window, gate=gate,
-                                                     compiled=setup.cuda), mode=mode, **counts)
+                                                     compiled=setup.cuda), **kw)
 
 
-def reference_case(setup: Setup, mode: str, call, leaves, **counts):
+def reference_case(setup: Setup, mode: str, call, leaves, **kw):
     """Our plain-torch reference (the executable spec) when asked for."""
     if peers.wanted(setup.peers, "reference"):
-        yield mode, build("reference", lambda: (call, leaves), mode=mode, **counts)
+        yield mode, build("reference", lambda: (call, leaves), **kw)

@@ -2,9 +2,11 @@
 
 On CUDA: ``triton.testing.do_bench`` medians after a warm-up call (the warm-up also compiles;
 do_bench flushes L2 between calls), or CUDA-graph replay (``do_bench_cudagraph``, no flush:
-a small KV cache stays in L2 for every op alike) for decode-sized work whose launch overhead
-would otherwise dominate; peak memory is ``torch.cuda.max_memory_allocated`` during one
-call, above what was allocated before it. On CPU (the smoke mode) the ``perf_counter``
+a small KV cache stays in L2 for every op alike) for decode-sized work, where the launch
+overhead is what an eager caller pays and a graph removes; a call that cannot be captured (a
+host sync inside it) gets the status ``not capturable``; peak memory is ``torch.cuda.max_memory_allocated`` during one
+call, above what was allocated before it. A call slower than the timing window itself is timed
+by the median of three event-timed calls instead (do_bench would run it about ten times). On CPU (the smoke mode) the ``perf_counter``
 calls made within the timing window give a median and no peak memory is read.
 """
 from __future__ import annotations
@@ -19,11 +21,15 @@ import torch
 
 @dataclass
 class Measurement:
-    """``status`` is ``"ok"``, ``"OOM"`` or ``"error: ..."``; ``ms`` and ``peak_mb`` are None unless measured."""
+    """``status`` is ``"ok"``, ``"OOM"``, ``"not capturable: ..."`` or ``"error: ..."``; ``ms`` and
+    ``peak_mb`` are None unless measured."""
     status: str
     ms: float | None = None
     peak_mb: float | None = None
-    graph: bool = False
+
+
+class NotCapturable(RuntimeError):
+    """A call that cannot run inside a CUDA graph."""
 
 
 def is_oom(err: BaseException) -> bool:
@@ -46,19 +52,36 @@ def cpu_ms(fn, rep_ms: int = 100, max_reps: int = 100) -> float:
     return statistics.median(times)
 
 
-def cuda_ms(fn, *, graph: bool = False, rep_ms: int = 100) -> tuple[float, bool]:
-    """Median milliseconds; with ``graph`` try CUDA-graph replay and fall back to plain launches
-    when the call cannot be captured (a host sync inside it). Returns (ms, replayed)."""
+def cuda_ms(fn, *, graph: bool = False, rep_ms: int = 100) -> float:
+    """Median milliseconds of plain launches, or with ``graph`` of CUDA-graph replays (one graph replays
+    ~rep_ms / 5 of unrolled calls, ten times)."""
     import triton.testing
 
-    if graph:  # one graph replays ~rep_ms / 5 of unrolled calls, ten times
-        try:
-            return triton.testing.do_bench_cudagraph(fn, rep=max(rep_ms // 5, 5), return_mode="median"), True
-        except RuntimeError as err:
-            if is_oom(err):
-                raise
-            torch.cuda.synchronize()
-    return triton.testing.do_bench(fn, warmup=max(rep_ms // 4, 5), rep=rep_ms, return_mode="median"), False
+    if not graph:
+        return triton.testing.do_bench(fn, warmup=max(rep_ms // 4, 5), rep=rep_ms, return_mode="median")
+    try:
+        return triton.testing.do_bench_cudagraph(fn, rep=max(rep_ms // 5, 5), return_mode="median")
+    except RuntimeError as err:
+        if is_oom(err):
+            raise
+        torch.cuda.synchronize()
+        raise NotCapturable(str(err)) from err
+
+
+SLOW_REPS = 3
+
+
+def slow_ms(fn) -> float:
+    """Median of :data:`SLOW_REPS` calls timed with CUDA events, for calls longer than the timing window."""
+    times = []
+    for _ in range(SLOW_REPS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
 
 
 def peak_mb(fn) -> float:
@@ -73,25 +96,29 @@ def peak_mb(fn) -> float:
 
 
 def describe(err: BaseException) -> str:
-    """``"OOM"`` or ``"error: Type: first line of the message"``."""
+    """``"OOM"``, ``"unsupported"``, ``"not capturable: ..."`` or ``"error: Type: first line of the message"``."""
     if is_oom(err):
         return "OOM"
     if "no viable backend" in str(err).lower() or "no available kernel" in str(err).lower():
         return "unsupported"
     lines = str(err).strip().splitlines()
-    return f"error: {type(err).__name__}: {lines[0][:160] if lines else ''}".rstrip(": ")
+    first = lines[0][:160] if lines else ""
+    if isinstance(err, NotCapturable):
+        return f"not capturable: {first}".rstrip(": ")
+    return f"error: {type(err).__name__}: {first}".rstrip(": ")
 
 
 def measure(fn, *, cuda: bool, graph: bool = False, rep_ms: int = 100) -> Measurement:
     """Warm up, then time ``fn`` and read its peak memory; OOM and other failures become a status."""
     try:
-        fn()
         if not cuda:
+            fn()
             return Measurement("ok", ms=cpu_ms(fn, rep_ms))
-        torch.cuda.synchronize()
+        fn()  # compiles, autotunes
+        start = time.perf_counter()
         mem = peak_mb(fn)
-        ms, replayed = cuda_ms(fn, graph=graph, rep_ms=rep_ms)
-        return Measurement("ok", ms=ms, peak_mb=mem, graph=replayed)
+        slow = (time.perf_counter() - start) * 1e3 > rep_ms and not graph
+        return Measurement("ok", ms=slow_ms(fn) if slow else cuda_ms(fn, graph=graph, rep_ms=rep_ms), peak_mb=mem)
     except Exception as err:  # a failing case is a result, never the end of a suite
         return Measurement(describe(err))
     finally:

@@ -1,9 +1,13 @@
 """Machine info, result files, the report and its plots."""
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 
 from regattn.bench import report, results
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_device_slug():
@@ -23,15 +27,16 @@ def test_machine_info_names_versions():
 def gpu_result(suite="softmax"):
     machine = {"device": "h100", "name": "NVIDIA H100 80GB HBM3", "sm_count": 132, "torch": "2.11", "triton": "3.6",
                "cuda": "13.0", "cudnn": 91000}
-    rows = [
-        {"shape": "B=4 T=2048", "mode": "fwd", "op": "regattn:triton", "ours": True, "status": "ok", "ms": 0.5,
-         "ratio": 0.8},
-        {"shape": "B=4 T=2048", "mode": "fwd", "op": "sdpa:flash", "ours": False, "status": "ok", "ms": 0.625,
-         "ratio": 1.0},
-        {"shape": "B=4 T=2048", "mode": "fwd", "op": "sdpa:math", "ours": False, "status": "OOM", "ms": None,
-         "ratio": None},
-    ]
-    return results.make_result(suite, machine, {"dtype": "bf16", "cpu_smoke": False}, rows)
+
+    def row(op, ours, status, ms, ratio, err=None, **params):
+        return {"shape": "B=4 T=2048", "params": dict(B=4, T=2048, **params), "mode": "fwd", "op": op, "ours": ours,
+                "status": status, "ms": ms, "ratio": ratio, "tflops": None if ms is None else 10.0, "gbps": None,
+                "peak_mb": None if ms is None else 12.0, "graph": False, "err": err}
+    rows = [row("regattn:triton", True, "ok", 0.5, 0.8, {"o": 1e-3, "dk": 2.5e-3}),
+            row("sdpa:cudnn", False, "ok", 0.625, 1.0, {"o": 2e-3}),
+            row("sdpa:math", False, "OOM", None, None)]
+    return results.make_result(suite, machine, {"dtype": "bf16", "cpu_smoke": False, "grid": "goal", "seconds": 12.5},
+                               rows)
 
 
 def test_write_and_read_result_round_trip(tmp_path):
@@ -44,19 +49,36 @@ def test_write_and_read_result_round_trip(tmp_path):
         results.read_result(bad)
 
 
-def test_report_tables_ratios_and_plots_from_result_files(tmp_path):
+def test_report_tables_ratios_errors_and_plots_from_result_files(tmp_path):
     results.write_result(results.default_path("softmax", gpu_result()["machine"], tmp_path), gpu_result())
     smoke = results.make_result("scan", {"device": "cpu", "name": "x86_64"}, {"cpu_smoke": True}, [])
     results.write_result(tmp_path / "benchmarks" / "results" / "cpu" / "scan.json", smoke)
-    (tmp_path / "benchmarks" / "results" / "h100" / "softmax_check.json").write_text('{"suite": "other"}')
+    (tmp_path / "benchmarks" / "results" / "h100" / "demo_regression.json").write_text('{"suite": "other"}')
     doc = report.write_report(tmp_path)
     text = doc.read_text()
     assert doc == tmp_path / "docs" / "PERFORMANCE.md"
-    assert "## softmax on h100" in text and "scan" not in text
-    assert "| B=4 T=2048 | fwd | 0.5 ms (0.80x) | 0.625 ms (1.00x) | OOM |" in text
-    assert "2.11" in text and "132 SMs" in text
+    assert "## softmax on h100" in text and "scan on" not in text and "demo_regression" not in text
+    assert "| B=4 T=2048 | fwd | regattn:triton | 0.5 | 0.80x | 10 TFLOP/s | 12 | dk 2.50e-03 |" in text
+    assert "|  |  | sdpa:cudnn | 0.625 | 1.00x | 10 TFLOP/s | 12 | o 2.00e-03 |" in text
+    assert "|  |  | sdpa:math | OOM | – | – | – | – |" in text
+    assert "2.11" in text and "132 SMs" in text and "the run took 12.5 s" in text
     png = tmp_path / "docs" / "perf" / "h100-softmax.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_report_plots_latency_and_memory_against_length_where_a_suite_asks(tmp_path):
+    result = gpu_result("lla")
+    for r, T in zip(result["rows"], (1024, 2048, 4096)):
+        r["params"].update(part="fig7", T=T)
+    results.write_result(results.default_path("lla", result["machine"], tmp_path), result)
+    text = report.write_report(tmp_path).read_text()
+    assert "![h100-lla-fig7](perf/h100-lla-fig7.png)" in text
+    assert (tmp_path / "docs" / "perf" / "h100-lla-fig7.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_committed_performance_doc_is_the_generated_one(tmp_path):
+    shutil.copytree(REPO / results.RESULTS_DIR, tmp_path / results.RESULTS_DIR)
+    assert report.write_report(tmp_path).read_text() == (REPO / report.DOC).read_text()
 
 
 def test_report_without_results_says_so(tmp_path):

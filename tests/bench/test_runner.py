@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from regattn.bench import cli, suites
-from regattn.bench.runner import add_ratios, format_table, relative_diff, shape_label
+from regattn.bench.runner import add_ratios, format_table, relative_diff, shape_label, worst_error
 from regattn.bench.timing import describe, measure
 
 
@@ -25,24 +25,38 @@ def test_measure_reports_oom_and_errors_as_status():
 
 
 def rows(*specs):
-    return [{"shape": "s", "mode": mode, "op": op, "ours": ours, "status": "ok" if ms else "OOM", "ms": ms}
-            for op, mode, ours, ms in specs]
+    return [{"shape": "s", "mode": mode, "op": op, "ours": ours, "status": "ok" if ms else "OOM", "ms": ms,
+             "graph": False} for op, mode, ours, ms in specs]
 
 
-def test_ratio_is_time_over_the_best_peer_of_the_same_shape_and_mode():
+def test_ratio_is_time_over_the_main_peer_else_the_best_peer_of_the_same_shape_and_mode():
     r = rows(("ours", "fwd", True, 1.0), ("a", "fwd", False, 4.0), ("b", "fwd", False, 2.0), ("c", "fwd", False, None),
              ("ours", "fwd+bwd", True, 3.0), ("a", "fwd+bwd", False, 6.0), ("only-ours", "decode", True, 1.0))
     add_ratios(r)
     assert [x["ratio"] for x in r] == [0.5, 2.0, 1.0, None, 0.5, 1.0, None]
+    assert r[0]["vs"] == {"a": 0.25, "b": 0.5} and "vs" not in r[1]
+    add_ratios(r, {"fwd": ("c", "a")})  # c did not run: a is the main peer
+    assert [x["ratio"] for x in r[:4]] == [0.25, 1.0, 0.5, None]
 
 
-def test_table_shows_status_in_place_of_time():
+def test_ratios_compare_eager_with_eager_and_graph_with_graph():
+    r = rows(("ours", "decode", True, 2.0), ("sdpa", "decode", False, 1.0),
+             ("ours", "decode", True, 1.0), ("sdpa", "decode", False, 0.5))
+    for x in r[2:]:
+        x["graph"] = True
+    add_ratios(r)
+    assert [x["ratio"] for x in r] == [2.0, 1.0, 2.0, 1.0]
+
+
+def test_table_shows_status_in_place_of_time_and_the_largest_error():
     r = rows(("ours", "fwd", True, 1.0), ("peer", "fwd", False, None))
     add_ratios(r)
     for x in r:
-        x.update(tflops=None, gbps=None, peak_mb=None, params={})
+        x.update(tflops=None, gbps=None, peak_mb=None, params={}, err=None)
+    r[0]["err"] = {"o": 1e-3, "dk": 4e-3, "dq": 2e-3}
     text = format_table(r)
-    assert "OOM" in text and "ratio" in text and "peak MB" in text and "TFLOP/s" in text
+    assert "OOM" in text and "ratio" in text and "peak MB" in text and "TFLOP/s" in text and "dk 4.00e-03" in text
+    assert worst_error({"status": "error: X"}) == "check error: X" and worst_error(None) == ""
 
 
 def test_relative_diff():
@@ -58,17 +72,31 @@ def test_parse_shapes_expands_alternatives_and_grid_names():
     assert shapes == [dict(B=4, H=16, T=T, D=128, window=w) for T in (2048, 8192) for w in (None, 1024)]
     assert cli.parse_shapes(["tiny"], suite, cuda=True) == suite.GRIDS["tiny"]
     assert cli.parse_shapes(None, suite, cuda=False) == suite.GRIDS["tiny"]
-    with pytest.raises(ValueError, match="--shapes"):
-        cli.parse_shapes(["B4"], suite, cuda=True)
+    assert cli.parse_shapes(None, suite, cuda=True) == suite.GRIDS["goal"]
+    assert cli.parse_shapes(None, suite, cuda=True, quick=True) == suite.GRIDS["quick"]
+    for bad in ("B4", "B=", "=4"):
+        with pytest.raises(cli.UsageError, match="--shapes"):
+            cli.parse_shapes([bad], suite, cuda=True)
     assert shape_label(dict(B=1, window=None, T=8)) == "B=1 T=8"
 
 
-def test_unknown_suite_is_refused(capsys):
-    with pytest.raises(SystemExit):
-        cli.main(["nonsense"])
-    assert "suite" in capsys.readouterr().err
+@pytest.mark.parametrize("argv, names", [(["nonsense"], "suite"), (["softmax", "--shapes", "B4"], "--shapes"),
+                                          (["all", "--peers", "sdpa-flash,nope"], "--peers"),
+                                          (["scan", "--rep-ms", "0"], "--rep-ms")])
+def test_bad_arguments_give_one_line_and_status_2(argv, names, capsys):
+    assert cli.main([*argv, "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"regattn bench: error: {names}") and "Traceback" not in err
     with pytest.raises(ValueError, match="suite"):
         suites.get("nonsense")
+
+
+def test_every_suite_declares_its_goal_and_quick_grids_and_main_peers():
+    for name in suites.NAMES:
+        suite = suites.get(name)
+        assert suite.GRIDS["goal"] and suite.GRIDS["quick"] and suite.GRIDS["tiny"]
+        assert all(shape in suite.GRIDS["goal"] for shape in suite.GRIDS["quick"])
+        assert suite.MAIN and all(isinstance(v, tuple) and v for v in suite.MAIN.values())
 
 
 @pytest.fixture
@@ -101,13 +129,23 @@ def fake_cuda(monkeypatch):
 
 def test_measure_on_cuda_takes_the_median_and_the_peak_above_the_inputs(fake_cuda):
     m = measure(lambda: None, cuda=True)
-    assert (m.status, m.ms, m.peak_mb, m.graph) == ("ok", 2.5, 512.0, False)
+    assert (m.status, m.ms, m.peak_mb) == ("ok", 2.5, 512.0)
     assert fake_cuda["calls"] == [("do_bench", "median")]
 
 
-def test_measure_replays_a_cuda_graph_and_falls_back_when_capture_fails(fake_cuda):
+def test_measure_times_a_call_slower_than_the_window_by_a_few_calls(fake_cuda, monkeypatch):
+    import time
+
+    from regattn.bench import timing
+
+    monkeypatch.setattr(timing, "slow_ms", lambda fn: 7.0)
+    m = measure(lambda: time.sleep(0.02), cuda=True, rep_ms=10)
+    assert (m.status, m.ms) == ("ok", 7.0) and fake_cuda["calls"] == []
+
+
+def test_measure_replays_a_cuda_graph_and_says_when_capture_fails(fake_cuda):
     m = measure(lambda: None, cuda=True, graph=True)
-    assert (m.ms, m.graph) == (0.25, True)
+    assert (m.status, m.ms) == ("ok", 0.25)
     fake_cuda["graph_fails"] = True
     m = measure(lambda: None, cuda=True, graph=True)
-    assert (m.status, m.ms, m.graph) == ("ok", 2.5, False)
+    assert (m.status, m.ms) == ("not capturable: operation not permitted when stream is capturing", None)

@@ -1,5 +1,5 @@
-"""Decaying causal linear attention (leetdecoding.txt Tables 3-6): every method, with and
-without decay, against flash-linear-attention's chunked kernels and the vanilla torch form."""
+"""Decaying causal linear attention (leetdecoding.txt Tables 3-6): every method, against
+flash-linear-attention's chunked kernels and a device copy of the problem's bytes (the HBM floor)."""
 from __future__ import annotations
 
 import torch
@@ -7,18 +7,21 @@ import torch
 import regattn
 from regattn import reference
 from regattn.bench import counts, peers
+from regattn.bench.check import Check, Slice
 from regattn.bench.runner import build, ours, randn, reference_case
 from regattn.ops.decay.api import METHODS
 
 NAME = "decay"
-PEERS = ("fla", "reference")
+PEERS = ("fla", "copy", "reference")
+MAIN = {"fwd": ("fla:chunk_simple_gla",)}
 FLA = ("chunk_simple_gla", "chunk_lightning_attn")
-SEQLENS = (128, 512, 2048, 8192, 25600, 100000)
+GOAL = [dict(B=B, H=32, T=T, R=128, D=128, gamma=0.99) for B, T in ((1, 8192), (16, 8192), (1, 100000), (16, 25600))]
 GRIDS = {
     "tiny": [dict(B=1, H=2, T=40, R=8, D=8, gamma=g) for g in (None, 0.9)],
-    "default": [dict(B=B, H=32, T=T, R=128, D=128, gamma=g) for B, T in ((1, 2048), (1, 8192), (16, 8192))
-                for g in (None, 0.99)],
-    "full": [dict(B=B, H=32, T=T, R=128, D=128, gamma=g) for B in (1, 16) for T in SEQLENS for g in (None, 0.99)],
+    "goal": GOAL,
+    "quick": GOAL[:2],
+    "full": [dict(B=B, H=32, T=T, R=128, D=128, gamma=g) for B in (1, 16)
+             for T in (128, 512, 2048, 8192, 25600, 100000) for g in (None, 0.99)],
 }
 
 
@@ -47,19 +50,25 @@ def cases(shape: dict, setup, user=None):
     method ``fn(b, c, v, gamma) -> o``; then it is ours and the built-in methods are its peers."""
     b, c, v, gamma = inputs(shape, setup)
     B, T, H, R, D = b.shape[0], b.shape[1], b.shape[2], b.shape[3], v.shape[3]
+    # The truth by the blocked float64 form: linear in T, so the longest sequences are checked whole.
+    truth = Check(lambda b, c, v, gamma: reference.decay_linear_attention(b, c, v, gamma, method="lightning2"),
+                  dict(b=b, c=c, v=v, gamma=gamma), Slice(kv_heads=H))
     n = dict(flops=counts.decay_flops(B, T, H, R, D), bytes=counts.decay_bytes(B, T, H, R, D, b.element_size()))
     if user is not None:
         name, fn = user
-        yield "fwd", build(name, lambda: ((lambda: fn(b, c, v, gamma)), []), mode="fwd", ours=True, **n)
+        yield "fwd", build(name, lambda: ((lambda: fn(b, c, v, gamma)), []), ours=True, check=truth, **n)
     for method in ("auto",) + METHODS:
         case = ours(regattn.decay_linear_attention, b, setup,
                     lambda method=method: regattn.decay_linear_attention(b, c, v, gamma, method=method,
                                                                       backend=setup.backend), [],
-                    mode="fwd", tag=f"[{method}]", **n)
+                    tag=f"[{method}]", check=truth, **n)
         case.ours = user is None
         yield "fwd", case
     if peers.wanted(setup.peers, "fla"):
         for name in FLA:
-            yield "fwd", build(f"fla:{name}", lambda: fla_decay(name, b, c, v, gamma), mode="fwd",
-                               compare=name == "chunk_simple_gla", **n)
-    yield from reference_case(setup, "fwd", lambda: reference.decay_linear_attention(b, c, v, gamma), [], **n)
+            yield "fwd", build(f"fla:{name}", lambda: fla_decay(name, b, c, v, gamma),
+                               check=truth if name == "chunk_simple_gla" else None, **n)
+    if peers.wanted(setup.peers, "copy"):
+        yield "fwd", build("copy (memory floor)", lambda: peers.copy_floor(n["bytes"], setup.device), **n)
+    yield from reference_case(setup, "fwd", lambda: reference.decay_linear_attention(b, c, v, gamma), [],
+                              check=truth, **n)

@@ -1,8 +1,8 @@
 """GatedFWA (gatedfwa.md Figure 10 and Section 4): windowed gated attention forward and
-forward+backward against full-causal FlashAttention, our ungated sliding window, FlexAttention
-(the gate as a score_mod, the window as a mask_mod) and flash-linear-attention's forgetting
-attention; and the gate preprocessing against the two-kernel torch path and a device copy of
-the same bytes (the memory-bound floor)."""
+forward+backward (with the gate's gradient) against FlexAttention (the gate as a score_mod reading
+u twice, the window as a mask_mod), flash-linear-attention's forgetting attention, our ungated
+sliding window and full-causal FlashAttention; and the gate scan, both variants, forward and
+backward, in fp32 against a device copy of the same bytes (the memory floor)."""
 from __future__ import annotations
 
 import inspect
@@ -12,18 +12,24 @@ import torch
 import regattn
 from regattn import reference
 from regattn.bench import counts, peers
+from regattn.bench.check import Check, Slice
 from regattn.bench.runner import build, flex_case, for_mode, ours, randn, reference_case, sdpa_cases
 
 NAME = "gatedfwa"
 PEERS = ("sdpa-flash", "sdpa-cudnn", "flex", "fla", "reference", "copy")
+MAIN = {"fwd": ("flex",), "fwd+bwd": ("flex",), "gate fwd": ("copy",), "gate fwd+bwd": ("copy",)}
 MODES = ("fwd", "fwd+bwd")
+SCANS = ("one_pass", "scan_then_propagate")
+ATTENTION = [dict(B=1, H=16, T=32768, D=128, w=512)]
+GATE = [dict(part="gate", B=1, T=65536, H=H) for H in (64, 128)]
 GRIDS = {
     "tiny": [dict(B=1, H=2, T=48, D=16, w=16), dict(part="gate", B=1, T=64, H=4)],
-    "default": [dict(B=1, H=16, T=T, D=128, w=w) for T in (4096, 32768) for w in (512, 1024)]
-    + [dict(part="gate", B=1, T=65536, H=H) for H in (64, 128)],
+    "goal": ATTENTION + GATE,
+    "quick": ATTENTION + GATE[1:],
     "full": [dict(B=1, H=16, T=T, D=128, w=w) for T in (4096, 8192, 16384, 32768, 65536, 131072) for w in (512, 1024)]
-    + [dict(part="gate", B=1, T=65536, H=H) for H in (16, 64, 128)],
+    + [dict(part="gate", B=1, T=T, H=H) for T in (8192, 65536) for H in (16, 64, 128)],
 }
+CHECK_ROWS = 2048
 
 
 def cases(shape: dict, setup):
@@ -31,32 +37,47 @@ def cases(shape: dict, setup):
     yield from (gate_cases if shape.get("part") == "gate" else attention_cases)(shape, setup)
 
 
-def gate_inputs(setup, B, T, H):
+def gate_inputs(setup, B, T, H, dtype=None, grad=False):
     """Gate pre-activations ``h`` and amplitudes ``beta`` near 1 (the layer's ``1 + elu(.)`` at init)."""
-    h = randn(setup, B, T, H)
-    beta = 1.0 + 0.1 * torch.rand(B, T, H, device=setup.device, dtype=setup.dtype)
+    h = randn(setup, B, T, H, dtype=dtype, grad=grad)
+    beta = (1.0 + 0.1 * torch.rand(B, T, H, device=setup.device, dtype=dtype or setup.dtype)).requires_grad_(grad)
     return h, beta
 
 
 def gate_cases(shape, setup):
+    """The gate in fp32 (as the layer computes it); the backward moves du, h, beta in and dh, dbeta out."""
     B, T, H = shape["B"], shape["T"], shape["H"]
-    h, beta = gate_inputs(setup, B, T, H)
-    n = dict(flops=counts.gate_flops(B, T, H), bytes=counts.gate_bytes(B, T, H, h.element_size()))
-    yield "gate", ours(regattn.gatedfwa_gate, h, setup, lambda: regattn.gatedfwa_gate(h, beta, backend=setup.backend),
-                       [], mode="gate", **n)
-    yield from reference_case(setup, "gate", lambda: reference.gatedfwa_gate(h, beta), [], **n)
-    if peers.wanted(setup.peers, "copy"):
-        yield "gate", build("copy (memory floor)", lambda: peers.copy_floor(n["bytes"], setup.device), mode="gate",
-                            compare=False, **n)
+    h, beta = gate_inputs(setup, B, T, H, dtype=torch.float32, grad=True)
+    where = Slice(kv_heads=H)
+    for mode in ("gate fwd", "gate fwd+bwd"):
+        bwd = mode.endswith("fwd+bwd")
+        truth = Check(lambda h, beta: reference.gatedfwa_gate(h, beta), dict(h=h, beta=beta), where,
+                      grads=("h", "beta") if bwd else ())
+        nbytes = counts.gate_bytes(B, T, H, 4) * (8 / 3 if bwd else 1)  # fwd: 3 arrays; fwd+bwd: 3 + 5
+        n = dict(flops=None if bwd else counts.gate_flops(B, T, H), bytes=nbytes)
+        for scan in SCANS:
+            yield mode, ours(regattn.gatedfwa_gate, h, setup,
+                             lambda scan=scan: regattn.gatedfwa_gate(h, beta, scan=scan, backend=setup.backend),
+                             [h, beta], tag=f"[{scan}]", check=truth, **n)
+        yield from reference_case(setup, mode, lambda: reference.gatedfwa_gate(h, beta), [h, beta], check=truth, **n)
+        if peers.wanted(setup.peers, "copy"):
+            yield mode, build("copy (memory floor)", lambda: peers.copy_floor(nbytes, setup.device), **n)
 
 
 def fla_forgetting(q, k, v, u, window):
-    """flash-linear-attention's forgetting attention with per-step log-gates ``g_t = u_t - u_{t-1}``."""
+    """flash-linear-attention's forgetting attention with per-step log-gates ``g_t = u_t - u_{t-1}``;
+    its gradient ``dg`` gives ours as ``du_t = dg_t - dg_{t+1}``."""
     fn = peers.fla_function("parallel_forgetting_attn")
     g = torch.diff(u.detach().float(), dim=1, prepend=torch.zeros_like(u[:, :1]).float())
     kwargs = {"window_size": window} if "window_size" in inspect.signature(fn).parameters else {}
     leaves = [peers.leaf(x) for x in (q, k, v)] + [g.requires_grad_(u.requires_grad)]
-    return (lambda: fn(*leaves, **kwargs)), leaves
+
+    def grads(gs):
+        dg = gs[3]
+        du = dg.clone()
+        du[:, :-1] -= dg[:, 1:]
+        return {"dq": gs[0], "dk": gs[1], "dv": gs[2], "du": du}
+    return (lambda: fn(*leaves, **kwargs)), leaves, grads
 
 
 def attention_cases(shape, setup):
@@ -64,21 +85,25 @@ def attention_cases(shape, setup):
     HQ = shape.get("HQ", H)
     q = randn(setup, B, T, HQ, D, grad=True)
     k, v = randn(setup, B, T, H, D, grad=True), randn(setup, B, T, H, D, grad=True)
-    h, beta = gate_inputs(setup, B, T, HQ)
+    h, beta = gate_inputs(setup, B, T, HQ, dtype=torch.float32)
     u = reference.gatedfwa_gate(h, beta).requires_grad_(True)
+    where = Slice(kv_heads=H, rows=min(T, CHECK_ROWS))  # the gate is read at rows and keys: first rows
     for mode in MODES:
         bwd = mode == "fwd+bwd"
+        truth = Check(lambda q, k, v, u: reference.gatedfwa(q, k, v, u, window=w), dict(q=q, k=k, v=v, u=u), where,
+                      grads=("q", "k", "v", "u") if bwd else ())
         n = dict(flops=counts.attention_flops(B, T, T, HQ, D, D, window=w, backward=bwd),
                  bytes=counts.attention_bytes(B, T, T, HQ, H, D, D, q.element_size(), backward=bwd, extra_per_query=1))
         yield mode, ours(regattn.gatedfwa, q, setup,
                          lambda: regattn.gatedfwa(q, k, v, u, window=w, backend=setup.backend), [q, k, v, u],
-                         mode=mode, **n)
+                         check=truth, **n)
         yield mode, ours(regattn.softmax_attention, q, setup,
                          lambda: regattn.softmax_attention(q, k, v, window=w, backend=setup.backend), [q, k, v],
-                         mode=mode, tag=" (window, no gate)", compare=False, **n)
+                         tag=" (window, no gate)", **n)
         yield from sdpa_cases(setup, mode, q, k, v, backends=("flash", "cudnn"), tag=" (full causal)", **n)
-        yield from flex_case(setup, mode, q, k, v, window=w, gate=u, **n)
+        yield from flex_case(setup, mode, q, k, v, window=w, gate=u, check=truth, **n)
         if peers.wanted(setup.peers, "fla"):
             yield mode, build("fla:parallel_forgetting_attn", lambda: fla_forgetting(*for_mode(mode, q, k, v, u), w),
-                              mode=mode, **n)
-        yield from reference_case(setup, mode, lambda: reference.gatedfwa(q, k, v, u, window=w), [q, k, v, u], **n)
+                              check=truth, **n)
+        yield from reference_case(setup, mode, lambda: reference.gatedfwa(q, k, v, u, window=w), [q, k, v, u],
+                                  check=truth, **n)

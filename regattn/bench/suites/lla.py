@@ -1,69 +1,95 @@
-"""Local Linear Attention: latency and peak memory over sequence length, the blockwise op
-against the naive materialized form (lla Figure 7), BD-LLA, SDPA as the floor; and the CG
-precision table (Table 2): the CG solve in the run's dtype against the fp32 exact solve."""
+"""Local Linear Attention: FlashLLA and BD-LLA against SDPA (the attention floor); latency and peak
+memory over sequence length beside the naive reference (lla Figure 7: d=128, batch 32); and the
+CG precision table (lla Table 2): CG in the run's dtype against the float64 exact solve."""
 from __future__ import annotations
 
 import regattn
 from regattn import reference
 from regattn.bench import counts
-from regattn.bench.runner import ours, randn, reference_case, relative_diff, sdpa_cases
+from regattn.bench.check import Check, Slice
+from regattn.bench.runner import ours, randn, reference_case, sdpa_cases
 
 NAME = "lla"
 PEERS = ("sdpa-flash", "sdpa-cudnn", "reference")
+MAIN = {"fwd": ("sdpa:cudnn",)}
+SCALING = "fig7"  # the report plots latency and memory against T for these rows
 LAM = 1.0
 CG_ITERS = (1, 2, 4, 8, 16, 32, 64)
+LATENCY = [dict(B=4, H=16, T=8192, D=128)]
+FIGURE7 = [dict(part="fig7", B=32, H=1, T=T, D=128, cg=8) for T in (1024, 2048, 4096, 8192, 16384, 32768)]
+TABLE2 = [dict(part="cg", B=1, H=4, T=T, D=128) for T in (512, 8192)]
 GRIDS = {
-    "tiny": [dict(B=1, H=2, T=24, D=8, cg=4), dict(part="cg", B=1, H=2, T=24, D=8)],
-    "default": [dict(B=4, H=16, T=T, D=128, cg=8) for T in (1024, 4096, 8192)]
-    + [dict(B=32, H=1, T=8192, D=128, cg=8), dict(part="cg", B=1, H=4, T=512, D=128)],
-    "full": [dict(B=4, H=16, T=T, D=128, cg=8) for T in (512, 1024, 2048, 4096, 8192, 16384)]
-    + [dict(B=32, H=1, T=T, D=128, cg=8) for T in (1024, 2048, 4096, 8192)]
-    + [dict(part="cg", B=1, H=4, T=T, D=128) for T in (512, 2048)],
+    "tiny": [dict(B=1, H=2, T=24, D=8), dict(part="fig7", B=1, H=2, T=24, D=8, cg=4),
+             dict(part="cg", B=1, H=2, T=24, D=8)],
+    "goal": LATENCY + FIGURE7 + TABLE2,
+    "quick": LATENCY + FIGURE7[:3] + TABLE2[1:],
+    "full": [dict(B=4, H=16, T=T, D=128) for T in (1024, 2048, 4096, 8192, 16384)] + FIGURE7 + TABLE2,
 }
+CHECK_ROWS = 256
 
 
 def cases(shape: dict, setup):
-    """Latency shapes: B, H, T, D, cg (CG iterations), window. CG table: part="cg", B, H, T, D."""
-    yield from (precision_cases if shape.get("part") == "cg" else latency_cases)(shape, setup)
+    """Latency shapes: B, H, T, D, window. Figure 7: part="fig7", B, H, T, D, cg. CG table: part="cg", B, H, T, D."""
+    part = shape.get("part")
+    yield from {"fig7": scaling_cases, "cg": precision_cases}.get(part, latency_cases)(shape, setup)
 
 
-def qkv(shape, setup, **kw):
+def qkv(shape, setup):
     B, H, T, D = shape["B"], shape["H"], shape["T"], shape["D"]
-    return randn(setup, B, T, H, D, **kw), randn(setup, B, T, H, D, **kw), randn(setup, B, T, H, D, **kw)
+    return randn(setup, B, T, H, D), randn(setup, B, T, H, D), randn(setup, B, T, H, D)
+
+
+def truth(q, k, v, w=None, **solve) -> Check:
+    """The float64 reference of one solve (``cg_iters`` / ``blocks``) on the last rows of head 0."""
+    where = Slice(kv_heads=k.shape[2], rows=min(q.shape[1], CHECK_ROWS), last=True)
+    return Check(lambda q, k, v: reference.lla(q, k, v, lam=LAM, window=w, **solve), dict(q=q, k=k, v=v), where)
+
+
+def solve_tag(D: int, blocks=None, cg_iters=None) -> str:
+    """``[BD g=D/2]``, ``[cg=8]``, ``[BD g=D/8][cg=8]``: which solve a row ran."""
+    tag = "" if not blocks else "[BD g=D]" if blocks == D else f"[BD g=D/{D // blocks}]"
+    return tag + (f"[cg={cg_iters}]" if cg_iters else "")
+
+
+def lla_case(q, k, v, setup, w=None, n=None, check=None, **solve):
+    """Our op with one solve (``cg_iters``, ``blocks`` or both), checked against the same solve in
+    float64 unless another ``check`` is given."""
+    return ours(regattn.lla, q, setup, lambda: regattn.lla(q, k, v, lam=LAM, window=w, backend=setup.backend, **solve),
+                [], tag=solve_tag(q.shape[-1], **solve), check=check or truth(q, k, v, w, **solve), **n)
 
 
 def latency_cases(shape, setup):
-    B, H, T, D, cg, w = shape["B"], shape["H"], shape["T"], shape["D"], shape["cg"], shape.get("window")
+    """FlashLLA with 8 and 16 CG iterations; BD-LLA by direct solves (g = D/2, D) and with CG (g = D/8)."""
+    B, H, T, D, w = shape["B"], shape["H"], shape["T"], shape["D"], shape.get("window")
     q, k, v = qkv(shape, setup)
-    elt = q.element_size()
-    n_bytes = counts.attention_bytes(B, T, T, H, H, D, D, elt)
-    n_cg = dict(flops=counts.lla_flops(B, T, T, H, D, D, window=w, cg_iters=cg), bytes=n_bytes)
-    n_exact = dict(flops=counts.lla_flops(B, T, T, H, D, D, window=w), bytes=n_bytes)
-    yield "fwd", ours(regattn.lla, q, setup, lambda: regattn.lla(q, k, v, lam=LAM, window=w, cg_iters=cg,
-                                                                 backend=setup.backend),
-                      [], mode="fwd", tag=f"[cg={cg}]", compare=False, **n_cg)
-    yield "fwd", ours(regattn.lla, q, setup, lambda: regattn.lla(q, k, v, lam=LAM, window=w, blocks=D // 2,
-                                                                 backend=setup.backend),
-                      [], mode="fwd", tag="[BD g=D/2]", compare=False, **n_exact)
-    yield from sdpa_cases(setup, "fwd", q, k, v, window=w, backends=("flash", "cudnn"), tag=" (attention)",
+    n_bytes = counts.attention_bytes(B, T, T, H, H, D, D, q.element_size())
+    for solve in (dict(cg_iters=8), dict(cg_iters=16), dict(blocks=D // 2), dict(blocks=D),
+                  dict(blocks=max(D // 8, 1), cg_iters=8)):
+        n = dict(flops=counts.lla_flops(B, T, T, H, D, D, window=w, cg_iters=solve.get("cg_iters")), bytes=n_bytes)
+        yield "fwd", lla_case(q, k, v, setup, w, n, **solve)
+    yield from sdpa_cases(setup, "fwd", q, k, v, window=w, backends=("cudnn", "flash"), tag=" (attention)",
                           flops=counts.attention_flops(B, T, T, H, D, D, window=w), bytes=n_bytes)
-    yield from reference_case(setup, "fwd", lambda: reference.lla(q, k, v, lam=LAM, window=w), [], **n_exact)
+
+
+def scaling_cases(shape, setup):
+    """lla Figure 7: FlashLLA and the naive reference (both with ``cg`` iterations) and SDPA."""
+    B, H, T, D, cg = shape["B"], shape["H"], shape["T"], shape["D"], shape["cg"]
+    q, k, v = qkv(shape, setup)
+    n = dict(flops=counts.lla_flops(B, T, T, H, D, D, cg_iters=cg),
+             bytes=counts.attention_bytes(B, T, T, H, H, D, D, q.element_size()))
+    case = lla_case(q, k, v, setup, n=n, cg_iters=cg)
+    yield "fwd", case
+    yield from sdpa_cases(setup, "fwd", q, k, v, backends=("cudnn",), tag=" (attention)", **n)
+    yield from reference_case(setup, "fwd", lambda: reference.lla(q, k, v, lam=LAM, cg_iters=cg), [],
+                              check=case.check, **n)
 
 
 def precision_cases(shape, setup):
-    """Each CG iteration count against the fp32 exact solve; ``err`` is the relative error."""
+    """Each CG iteration count against the float64 exact solve (lla Table 2's relative error)."""
     B, H, T, D = shape["B"], shape["H"], shape["T"], shape["D"]
     q, k, v = qkv(shape, setup)
-    exact = reference.lla(q.float(), k.float(), v.float(), lam=LAM)
+    exact = truth(q, k, v)
     for iters in (i for i in CG_ITERS if i <= D):
         n = dict(flops=counts.lla_flops(B, T, T, H, D, D, cg_iters=iters),
                  bytes=counts.attention_bytes(B, T, T, H, H, D, D, q.element_size()))
-        case = ours(regattn.lla, q, setup,
-                    lambda iters=iters: regattn.lla(q, k, v, lam=LAM, cg_iters=iters, backend=setup.backend),
-                    [], mode="cg", tag=f"[cg={iters}]", compare=False, **n)
-        if case.fn is not None:
-            try:
-                case.err = relative_diff(case.fn(), exact)
-            except Exception:
-                case.err = None
-        yield "cg", case
+        yield "cg", lla_case(q, k, v, setup, n=n, check=exact, cg_iters=iters)

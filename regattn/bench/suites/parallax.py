@@ -1,32 +1,44 @@
 """Parallax prefill (forward, forward+backward) and decode against a KV cache (parallax.txt Figure 2b).
 
 SDPA's plain attention at the same shape is the floor (Parallax does twice its matrix work);
-flash-linear-attention's Parallax functions are the direct peers.
+flash-linear-attention's Parallax functions are the direct peers. Decode is timed eagerly and
+inside a CUDA graph: users call it both ways.
 """
 from __future__ import annotations
 
 import regattn
 from regattn import reference
 from regattn.bench import counts, peers
+from regattn.bench.check import Check, Slice
 from regattn.bench.runner import build, for_mode, ours, randn, reference_case, sdpa_cases
 
 NAME = "parallax"
 PEERS = ("sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "fla", "reference")
+MAIN = {"fwd": ("sdpa:cudnn",), "fwd+bwd": ("sdpa:cudnn",), "decode": ("sdpa:",)}  # decode: the fastest SDPA
 MODES = ("fwd", "fwd+bwd")
-PREFILL = [dict(B=4, H=16, T=T, D=128) for T in (2048, 8192)]
+PREFILL = [dict(B=4, H=16, T=8192, D=128)]
 DECODE = [dict(B=B, HQ=32, H=8, ctx=c, D=128) for B in (1, 8, 64) for c in (4096, 8192, 32768)]
 GRIDS = {
     "tiny": [dict(B=1, H=2, T=40, D=16), dict(B=2, HQ=4, H=2, ctx=48, D=16)],
-    "default": PREFILL + DECODE,
-    "full": [dict(B=4, H=16, T=T, D=D) for D in (64, 128) for T in (1024, 2048, 4096, 8192, 16384)]
+    "goal": PREFILL + DECODE,
+    "quick": PREFILL + [dict(B=B, HQ=32, H=8, ctx=8192, D=128) for B in (1, 64)],
+    "full": [dict(B=4, H=16, T=T, D=D) for D in (32, 64, 128, 256) for T in (1024, 2048, 4096, 8192, 16384)]
     + [dict(B=B, HQ=32, H=8, ctx=c, D=128) for B in (1, 4, 16, 64, 256, 1024, 2048)
        for c in (128, 512, 2048, 8192, 32768)],
 }
+CHECK_ROWS = 1024
 
 
 def cases(shape: dict, setup):
     """Prefill shapes: B, H, HQ (default H), T, D, window. Decode shapes: B, HQ, H, ctx, D."""
     yield from (decode_cases if "ctx" in shape else prefill_cases)(shape, setup)
+
+
+def check(mode, q, r, k, v, w) -> Check:
+    bwd = mode == "fwd+bwd"
+    where = Slice(kv_heads=k.shape[2], rows=min(q.shape[1], CHECK_ROWS), last=not bwd)
+    return Check(lambda q, r, k, v: reference.parallax(q, r, k, v, window=w), dict(q=q, r=r, k=k, v=v), where,
+                 grads=("q", "r", "k", "v") if bwd else ())
 
 
 def fla_prefill(q, r, k, v, window):
@@ -42,18 +54,19 @@ def prefill_cases(shape, setup):
     k, v = randn(setup, B, T, H, D, grad=True), randn(setup, B, T, H, D, grad=True)
     for mode in MODES:
         bwd = mode == "fwd+bwd"
+        truth = check(mode, q, r, k, v, w)
         n = dict(flops=counts.parallax_flops(B, T, T, HQ, D, D, window=w, backward=bwd),
                  bytes=counts.attention_bytes(B, T, T, HQ, H, D, D, q.element_size(), backward=bwd,
                                               extra_per_query=D))
         yield mode, ours(regattn.parallax, q, setup,
                          lambda: regattn.parallax(q, r, k, v, window=w, backend=setup.backend), [q, r, k, v],
-                         mode=mode, **n)
-        yield from sdpa_cases(setup, mode, q, k, v, window=w, backends=("flash", "cudnn"), tag=" (attention)",
-                              **n)
+                         check=truth, **n)
+        yield from sdpa_cases(setup, mode, q, k, v, window=w, backends=("cudnn", "flash"), tag=" (attention)", **n)
         if peers.wanted(setup.peers, "fla"):
             yield mode, build("fla:parallel_parallax", lambda: fla_prefill(*for_mode(mode, q, r, k, v), w),
-                              mode=mode, **n)
-        yield from reference_case(setup, mode, lambda: reference.parallax(q, r, k, v, window=w), [q, r, k, v], **n)
+                              check=truth, **n)
+        yield from reference_case(setup, mode, lambda: reference.parallax(q, r, k, v, window=w), [q, r, k, v],
+                                  check=truth, **n)
 
 
 def fla_decode(q, r, k, v):
@@ -65,11 +78,17 @@ def decode_cases(shape, setup):
     B, HQ, H, S, D = shape["B"], shape["HQ"], shape["H"], shape["ctx"], shape["D"]
     q, r = randn(setup, B, 1, HQ, D), randn(setup, B, 1, HQ, D, scale=0.1)
     k, v = randn(setup, B, S, H, D), randn(setup, B, S, H, D)
+    truth = Check(lambda q, r, k, v: reference.parallax(q, r, k, v), dict(q=q, r=r, k=k, v=v), Slice(kv_heads=H))
     n = dict(flops=counts.parallax_flops(B, 1, S, HQ, D, D),
-             bytes=counts.attention_bytes(B, 1, S, HQ, H, D, D, q.element_size(), extra_per_query=D), graph=True)
-    yield "decode", ours(regattn.parallax_decode, q, setup,
-                         lambda: regattn.parallax_decode(q, r, k, v, backend=setup.backend), [], mode="decode", **n)
-    yield from sdpa_cases(setup, "decode", q, k, v, backends=("flash", "cudnn", "efficient"), tag=" (attention)", **n)
-    if peers.wanted(setup.peers, "fla"):
-        yield "decode", build("fla:parallax_decode_one_step", lambda: fla_decode(q, r, k, v), mode="decode", **n)
-    yield from reference_case(setup, "decode", lambda: reference.parallax(q, r, k, v), [], **n)
+             bytes=counts.attention_bytes(B, 1, S, HQ, H, D, D, q.element_size(), extra_per_query=D))
+    for graph in (False, True):
+        yield "decode", ours(regattn.parallax_decode, q, setup,
+                             lambda: regattn.parallax_decode(q, r, k, v, backend=setup.backend), [],
+                             check=truth, graph=graph, **n)
+        yield from sdpa_cases(setup, "decode", q, k, v, backends=("flash", "cudnn", "efficient"),
+                              tag=" (attention)", graph=graph, **n)
+        if peers.wanted(setup.peers, "fla"):
+            yield "decode", build("fla:parallax_decode_one_step", lambda: fla_decode(q, r, k, v), check=truth,
+                                  graph=graph, **n)
+        yield from reference_case(setup, "decode", lambda: reference.parallax(q, r, k, v), [], check=truth,
+                                  graph=graph, **n)

@@ -1,20 +1,34 @@
-"""Causal and sliding-window softmax attention against SDPA's backends and FlexAttention."""
+"""Causal and sliding-window softmax attention against SDPA's backends and FlexAttention: the family's
+base line, at the Parallax prefill shapes."""
 from __future__ import annotations
 
 import regattn
 from regattn import reference
 from regattn.bench import counts
+from regattn.bench.check import Check, Slice
 from regattn.bench.runner import flex_case, ours, randn, reference_case, sdpa_cases
 
 NAME = "softmax"
-PEERS = ("sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "sdpa-math", "flex", "reference")
+PEERS = ("sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flex", "reference")
+MAIN = {"fwd": ("sdpa:cudnn",), "fwd+bwd": ("sdpa:cudnn",)}
 MODES = ("fwd", "fwd+bwd")
+GOAL = [dict(B=4, H=16, T=8192, D=128)]
 GRIDS = {
     "tiny": [dict(B=1, H=2, T=48, D=16, window=w) for w in (None, 16)],
-    "default": [dict(B=4, H=16, T=T, D=128, window=w) for T in (2048, 8192) for w in (None, 1024)],
+    "goal": GOAL,
+    "quick": GOAL,
     "full": [dict(B=4, H=16, T=T, D=D, window=w) for D in (64, 128) for T in (1024, 2048, 4096, 8192, 16384)
              for w in (None, 1024)],
 }
+CHECK_ROWS = 1024
+
+
+def check(mode, q, k, v, w) -> Check:
+    """Forward: the last rows against every key; forward+backward: the first rows and keys."""
+    bwd = mode == "fwd+bwd"
+    where = Slice(kv_heads=k.shape[2], rows=min(q.shape[1], CHECK_ROWS), last=not bwd)
+    return Check(lambda q, k, v: reference.softmax_attention(q, k, v, window=w), dict(q=q, k=k, v=v), where,
+                 grads=("q", "k", "v") if bwd else ())
 
 
 def cases(shape: dict, setup):
@@ -25,11 +39,13 @@ def cases(shape: dict, setup):
     k, v = randn(setup, B, T, H, D, grad=True), randn(setup, B, T, H, D, grad=True)
     for mode in MODES:
         bwd = mode == "fwd+bwd"
+        truth = check(mode, q, k, v, w)
         n = dict(flops=counts.attention_flops(B, T, T, HQ, D, D, window=w, backward=bwd),
                  bytes=counts.attention_bytes(B, T, T, HQ, H, D, D, q.element_size(), backward=bwd))
         yield mode, ours(regattn.softmax_attention, q, setup,
                          lambda: regattn.softmax_attention(q, k, v, window=w, backend=setup.backend), [q, k, v],
-                         mode=mode, **n)
-        yield from sdpa_cases(setup, mode, q, k, v, window=w, **n)
-        yield from flex_case(setup, mode, q, k, v, window=w, **n)
-        yield from reference_case(setup, mode, lambda: reference.softmax_attention(q, k, v, window=w), [q, k, v], **n)
+                         check=truth, **n)
+        yield from sdpa_cases(setup, mode, q, k, v, window=w, check=truth, **n)
+        yield from flex_case(setup, mode, q, k, v, window=w, check=truth, **n)
+        yield from reference_case(setup, mode, lambda: reference.softmax_attention(q, k, v, window=w), [q, k, v],
+                                  check=truth, **n)
