@@ -1,0 +1,71 @@
+"""FlashLLA at full size on a GPU (``-m gpu``): B=1, HQ=4, H=2, T=1024, D=128 and a ridge per query in
+[0.5, 1.5]. CG run to convergence against the exact solve in float64 (forward and backward), and the
+16 iterations of lla Table 2 in fp32 against Algorithm 2 run in float64."""
+import pytest
+import torch
+
+import regattn
+from regattn.reference.lla import lla as lla_ref
+from regattn.reference.lla import lla_blocks_uncentred
+from tests.gpu.rule import assert_within, leaves, outputs
+from tests.helpers import randn
+
+pytestmark = pytest.mark.gpu
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+# The torch reference on fp16/bf16 inputs solves in fp32, so its error is the inputs' rounding alone; the
+# kernels' tl.dot operands are in the input dtype too, and the solve amplifies those roundings as much.
+# In the interpreter (fp16, D = 32 and 64) the kernel's error reached 13x the reference's.
+LOW_FACTOR = 16.0
+
+
+def inputs(B, T, HQ, H, D, device):
+    """float64 q, k, v, the ridge ``lam [B, T, HQ]`` and an upstream gradient."""
+    q, k, v = (randn(B, T, n, D, device=device) for n in (HQ, H, H))
+    lam = (torch.rand(B, T, HQ, dtype=torch.float64) + 0.5).to(device)
+    return q, k, v, lam, randn(B, T, HQ, D, device=device)
+
+
+def check_converged(dtype, *, window=None, backward=True, B=1, T=1024, HQ=4, H=2, D=128, device="cuda"):
+    """2 D CG iterations: the output (and the gradients of q, k, v and lam) against the exact solve in
+    float64; fp32 within 10x the float32 exact solve's error (the solve amplifies rounding), fp16/bf16
+    within LOW_FACTOR x the error of the reference run on the same low-precision inputs."""
+    q, k, v, lam, do = inputs(B, T, HQ, H, D, device)
+
+    def exact_form(q, k, v, lam):
+        return lla_blocks_uncentred(q, k, v, lam=lam, scale=D ** -0.5, window=window, blocks=1)
+
+    def kernel(q, k, v, lam):
+        return regattn.lla(q, k, v, lam=lam, window=window, cg_iters=2 * D, cg_tol=1e-7, backend="triton")
+
+    def run(fn, xs):
+        return outputs(fn, xs, do) if backward else [fn(*xs)]
+    got = run(kernel, leaves([q, k, v], dtype) + leaves([lam], FP32))
+    exact = run(exact_form, leaves([q, k, v, lam]))
+    same = run(exact_form, leaves([x.to(dtype).float() for x in (q, k, v)] + [lam.float()]))
+    kw = dict(factor=10.0, slack=1e-5) if dtype == FP32 else dict(factor=LOW_FACTOR)
+    assert_within(["o", "dq", "dk", "dv", "dlam"], got, exact, same, **kw)
+
+
+def check_truncated_cg(iters, *, B=1, T=1024, HQ=4, H=2, D=128, device="cuda"):
+    """fp32, ``iters`` CG iterations: Algorithm 2 step for step, within 10x the error of its float32 run
+    plus 1e-4 (truncated CG amplifies rounding)."""
+    q, k, v, lam, _ = inputs(B, T, HQ, H, D, device)
+    cg = dict(cg_iters=iters, cg_tol=1e-6)
+    x32 = [t.float() for t in (q, k, v, lam)]
+    out = regattn.lla(*x32[:3], lam=x32[3], backend="triton", **cg)
+    assert_within(["o"], [out], [lla_ref(q, k, v, lam=lam, **cg)], [lla_ref(*x32[:3], lam=x32[3], **cg)],
+                  factor=10.0, slack=1e-4)
+
+
+@pytest.mark.parametrize("dtype,window,backward", [
+    pytest.param(BF16, None, True, id="bf16"),
+    pytest.param(FP32, None, True, id="fp32"),
+    pytest.param(FP16, None, False, id="fp16-forward"),
+    pytest.param(BF16, 256, False, id="sw-lla-w256-bf16-forward"),
+])
+def test_converged(dtype, window, backward):
+    check_converged(dtype, window=window, backward=backward)
+
+
+def test_truncated_cg_fp32():
+    check_truncated_cg(16)
