@@ -4,19 +4,22 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from regattn.ops._common.checks import check_int, check_positive
+
 
 class RotaryEmbedding(nn.Module):
     """Rotates pairs ``(x[..., :D/2], x[..., D/2:])`` of ``[B, T, H, D]`` tensors by position-dependent angles.
 
     Args:
         head_dim: ``D`` (even).
-        base: the frequency base (10000 as in the original; Qwen3 uses 1e6).
+        base: the frequency base, finite and > 0 (10000 as in the original; Qwen3 uses 1e6).
     """
 
     def __init__(self, head_dim: int, base: float = 10000.0):
         super().__init__()
-        if head_dim % 2:
+        if check_int("head_dim", head_dim, minimum=2) % 2:
             raise ValueError(f"head_dim: expected an even number, got {head_dim}")
+        check_positive("base", base)
         inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
