@@ -27,7 +27,6 @@ from regattn.layers.norm import RMSNorm
 from regattn.ops._common.checks import check_int, check_window
 from regattn.ops.gatedfwa.api import gate_dispatch, gatedfwa
 from regattn.layers.rope import RotaryEmbedding
-from regattn.reference.common import split_varlen
 
 
 @dataclass
@@ -105,10 +104,7 @@ class GatedFWA(nn.Module):
     def _rotate(self, q, k, offset: int, cu_seqlens=None):
         if self.rotary is None:
             return q, k
-        if cu_seqlens is None:
-            return self.rotary(q, offset), self.rotary(k, offset)
-        parts = [(self.rotary(q[:, s]), self.rotary(k[:, s])) for s in split_varlen(cu_seqlens, q.shape[1])]
-        return torch.cat([p[0] for p in parts], 1), torch.cat([p[1] for p in parts], 1)
+        return self.rotary(q, offset, cu_seqlens=cu_seqlens), self.rotary(k, offset, cu_seqlens=cu_seqlens)
 
     def gate_inputs(self, x):
         """``(h, beta)``, each ``[B, T, HQ]``."""

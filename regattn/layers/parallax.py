@@ -22,7 +22,6 @@ from regattn.layers.norm import RMSNorm
 from regattn.layers.rope import RotaryEmbedding
 from regattn.ops._common.checks import check_window
 from regattn.ops.parallax.api import parallax, parallax_decode
-from regattn.reference.common import split_varlen
 
 
 @dataclass
@@ -82,9 +81,7 @@ class Parallax(nn.Module):
     # ------------------------------------------------------------------------------------------ pieces
     def _rotate(self, x, offset: int, cu_seqlens=None):
         """RoPE on ``x: [B, T, heads, D]`` from position ``offset`` (restarting at every packed sequence)."""
-        if cu_seqlens is None:
-            return self.rotary(x, offset)
-        return torch.cat([self.rotary(x[:, s]) for s in split_varlen(cu_seqlens, x.shape[1])], 1)
+        return self.rotary(x, offset, cu_seqlens=cu_seqlens)
 
     def projections(self, x, offset: int = 0, cu_seqlens=None):
         """``q, rho: [B, T, HQ, D]`` and ``k, v: [B, T, H, D]`` for tokens starting at position ``offset``."""

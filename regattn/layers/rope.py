@@ -7,6 +7,13 @@ from torch import nn
 from regattn.ops._common.checks import check_int, check_positive
 
 
+def packed_starts(cu_seqlens: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """The first token of the packed sequence holding each of ``tokens``, computed on the device
+    (no host sync): the last offset ``cu_seqlens[s] <= t``."""
+    offsets = cu_seqlens.to(device=tokens.device, dtype=tokens.dtype)
+    return offsets[torch.searchsorted(offsets[1:], tokens, right=True)]
+
+
 class RotaryEmbedding(nn.Module):
     """Rotates pairs ``(x[..., :D/2], x[..., D/2:])`` of ``[B, T, H, D]`` tensors by position-dependent angles.
 
@@ -23,11 +30,14 @@ class RotaryEmbedding(nn.Module):
         inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
-    def forward(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
-        """Rotate ``x: [B, T, H, D]`` whose first token sits at position ``offset``."""
+    def forward(self, x: torch.Tensor, offset: int = 0, *, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+        """Rotate ``x: [B, T, H, D]`` whose first token sits at position ``offset``; with packed sequences
+        (``cu_seqlens: [N + 1]``, ``B == 1``) positions restart at 0 at every sequence."""
         T = x.shape[1]
-        pos = torch.arange(offset, offset + T, device=x.device, dtype=torch.float32)
-        angles = pos[:, None] * self.inv_freq.to(x.device)[None, :]  # [T, D/2]
+        pos = torch.arange(offset, offset + T, device=x.device)
+        if cu_seqlens is not None:
+            pos = pos - packed_starts(cu_seqlens, pos)
+        angles = pos.float()[:, None] * self.inv_freq.to(x.device)[None, :]  # [T, D/2]
         cos = angles.cos()[None, :, None, :]
         sin = angles.sin()[None, :, None, :]
         x1, x2 = x.float().chunk(2, dim=-1)
