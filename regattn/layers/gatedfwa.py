@@ -22,12 +22,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from regattn.layers.heads import head_layout
+from regattn.layers.checks import check_layer_input, check_options, head_layout
 from regattn.layers.norm import RMSNorm
-from regattn.ops._common.checks import check_int, check_positive, check_tensor, check_window
+from regattn.ops._common.checks import check_int, check_window
 from regattn.ops.gatedfwa.api import gate_dispatch, gatedfwa
 from regattn.layers.rope import RotaryEmbedding
-from regattn.reference.common import split_varlen
 
 
 @dataclass
@@ -76,8 +75,8 @@ class GatedFWA(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = head_layout(d_model, num_heads, num_kv_heads, head_dim)
         self.window = check_window(window)
-        self.eps = check_positive("eps", eps)
-        self.backend = backend
+        self.backend = check_options(backend=backend, flags=dict(rope=rope), positive=dict(eps=eps))
+        self.eps = float(eps)
         HQ, H, D = num_heads, self.num_kv_heads, self.head_dim
         self.q_proj = nn.Linear(d_model, HQ * D, bias=False)
         self.k_proj = nn.Linear(d_model, H * D, bias=False)
@@ -105,10 +104,7 @@ class GatedFWA(nn.Module):
     def _rotate(self, q, k, offset: int, cu_seqlens=None):
         if self.rotary is None:
             return q, k
-        if cu_seqlens is None:
-            return self.rotary(q, offset), self.rotary(k, offset)
-        parts = [(self.rotary(q[:, s]), self.rotary(k[:, s])) for s in split_varlen(cu_seqlens, q.shape[1])]
-        return torch.cat([p[0] for p in parts], 1), torch.cat([p[1] for p in parts], 1)
+        return self.rotary(q, offset, cu_seqlens=cu_seqlens), self.rotary(k, offset, cu_seqlens=cu_seqlens)
 
     def gate_inputs(self, x):
         """``(h, beta)``, each ``[B, T, HQ]``."""
@@ -126,7 +122,7 @@ class GatedFWA(nn.Module):
         return self._prefill(x, cu_seqlens=cu_seqlens)[0]
 
     def _prefill(self, x, *, cu_seqlens=None):
-        check_tensor("x", x, 3)
+        check_layer_input(x, self.q_proj)
         q, k, v = self._qkv(x)
         q, k = self._rotate(q, k, 0, cu_seqlens)
         h, beta = self.gate_inputs(x)
@@ -146,7 +142,7 @@ class GatedFWA(nn.Module):
 
     def step(self, x: torch.Tensor, cache: GatedFWACache | None) -> tuple[torch.Tensor, GatedFWACache]:
         """One token ``x: [B, 1, d_model]`` after ``cache`` (None: the first token); O(w) work."""
-        check_tensor("x", x, 3)
+        check_layer_input(x, self.q_proj)
         if x.shape[1] != 1:
             raise ValueError(f"x: expected one token [B, 1, d_model], got shape {tuple(x.shape)}")
         if cache is None:
@@ -248,7 +244,7 @@ class GatedFWANSA(GatedFWA):
 
     def branches(self, x: torch.Tensor):
         """``(o_cmp, o_slc, o_loc)``, each ``[B, T, HQ, D]``, for ``x: [B, T, d_model]``."""
-        check_tensor("x", x, 3)
+        check_layer_input(x, self.q_proj)
         B, T, _ = x.shape
         q, k, v = self._qkv(x)
         q, k = self._rotate(q, k, 0)

@@ -19,10 +19,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from regattn.layers.rope import RotaryEmbedding
-from regattn.layers.heads import head_layout
+from regattn.layers.checks import check_fraction, check_layer_input, check_options, head_layout
 from regattn.layers.norm import RMSNorm
-from regattn.ops._common.checks import check_choice, check_int, check_positive, check_tensor, check_window
+from regattn.layers.rope import RotaryEmbedding
+from regattn.ops._common.checks import check_choice, check_int, check_positive, check_window
 from regattn.ops.lla.api import lla, lla_decode
 
 
@@ -45,7 +45,7 @@ class LLA(nn.Module):
         window: SW-LLA window, or None; blocks: BD-LLA block count ``g``, or None.
         cg_iters: CG iterations; None (the default) solves exactly — 8 iterations at head dim 64 left the
             output 70-80% away from the exact solve at initialisation, so pass an int only where measured.
-        cg_tol: CG relative residual tolerance.
+        cg_tol: CG relative residual tolerance (>= 0).
         lam_min: the ridge's floor ``l`` in (0, 1). Eq. 27's bare sigmoid can reach 0 (it underflows)
             and, for a query with fewer keys than dimensions, the estimator's denominator is about
             ``lam / |k - q|^2``: in fp32 it keeps about ``eps |k - q|^2 / lam`` relative error, 1e-4
@@ -64,10 +64,12 @@ class LLA(nn.Module):
         self.window = check_window(window)
         if blocks is not None and self.head_dim % check_int("blocks", blocks, minimum=1):
             raise ValueError(f"blocks: expected a divisor of head_dim = {self.head_dim}, got {blocks}")
-        self.blocks, self.cg_iters, self.cg_tol, self.backend = blocks, cg_iters, cg_tol, backend
-        self.lam_min = check_positive("lam_min", lam_min)
-        if self.lam_min >= 1:
-            raise ValueError(f"lam_min: expected a number in (0, 1), got {lam_min}")
+        if cg_iters is not None:
+            check_int("cg_iters", cg_iters, minimum=1)
+        self.blocks, self.cg_iters = blocks, cg_iters
+        self.cg_tol = check_positive("cg_tol", cg_tol, allow_zero=True)
+        self.lam_min = check_fraction("lam_min", lam_min)
+        self.backend = check_options(backend=backend, flags=dict(qk_norm=qk_norm, rope=rope))
         HQ, H, D = num_heads, self.num_kv_heads, self.head_dim
         self.q_proj = nn.Linear(d_model, HQ * D, bias=False)
         self.k_proj = nn.Linear(d_model, H * D, bias=False)
@@ -107,14 +109,14 @@ class LLA(nn.Module):
 
     def prefill(self, x: torch.Tensor) -> tuple[torch.Tensor, LLACache]:
         """Run the prompt; returns the output and the cache for :meth:`step`."""
-        check_tensor("x", x, 3)
+        check_layer_input(x, self.q_proj)
         q, k, v = self._qkv(x, 0)
         o = lla(q, k, v, lam=self.ridge(x), **self._solver())
         return self._out(o), self._keep(k, v, x.shape[1])
 
     def step(self, x: torch.Tensor, cache: LLACache) -> tuple[torch.Tensor, LLACache]:
         """New tokens ``x: [B, n, d_model]`` after the cached ones; returns their output and the new cache."""
-        check_tensor("x", x, 3)
+        check_layer_input(x, self.q_proj)
         q, k, v = self._qkv(x, cache.pos)
         k_all, v_all = torch.cat([cache.k, k], 1), torch.cat([cache.v, v], 1)
         o = lla_decode(q, k_all, v_all, lam=self.ridge(x), **self._solver())

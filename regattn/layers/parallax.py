@@ -17,12 +17,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from regattn.layers.rope import RotaryEmbedding
-from regattn.layers.heads import head_layout
+from regattn.layers.checks import check_layer_input, check_options, head_layout
 from regattn.layers.norm import RMSNorm
-from regattn.ops._common.checks import check_positive, check_tensor, check_window
+from regattn.layers.rope import RotaryEmbedding
+from regattn.ops._common.checks import check_window
 from regattn.ops.parallax.api import parallax, parallax_decode
-from regattn.reference.common import split_varlen
 
 
 @dataclass
@@ -46,7 +45,7 @@ class Parallax(nn.Module):
         head_dim: defaults to ``d_model // num_heads``.
         window: sliding window (keys including the query's own); None for full causal attention.
         rope: rotate q and k by position; ``rope_probe`` rotates rho as well (the paper's choice).
-        rope_base: RoPE frequency base (Qwen3 and the paper: 1e6).
+        rope_base: RoPE frequency base, finite and > 0 (Qwen3 and the paper: 1e6).
         probe_gate: scale rho by a learned per-head ``sigmoid(x w_g)`` (Section 4.3).
         zero_init_probe: start ``W_R`` at zero (the layer starts as softmax attention).
         norm_eps: RMSNorm epsilon for q, k and rho.
@@ -60,8 +59,10 @@ class Parallax(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = head_layout(d_model, num_heads, num_kv_heads, head_dim)
         self.window = check_window(window)
-        self.backend = backend
-        eps = check_positive("norm_eps", norm_eps)
+        self.backend = check_options(
+            backend=backend, positive=dict(rope_base=rope_base, norm_eps=norm_eps),
+            flags=dict(rope=rope, rope_probe=rope_probe, probe_gate=probe_gate, zero_init_probe=zero_init_probe))
+        eps = float(norm_eps)
         HQ, H, D = num_heads, self.num_kv_heads, self.head_dim
         self.q_proj = nn.Linear(d_model, HQ * D, bias=False)
         self.k_proj = nn.Linear(d_model, H * D, bias=False)
@@ -80,9 +81,7 @@ class Parallax(nn.Module):
     # ------------------------------------------------------------------------------------------ pieces
     def _rotate(self, x, offset: int, cu_seqlens=None):
         """RoPE on ``x: [B, T, heads, D]`` from position ``offset`` (restarting at every packed sequence)."""
-        if cu_seqlens is None:
-            return self.rotary(x, offset)
-        return torch.cat([self.rotary(x[:, s]) for s in split_varlen(cu_seqlens, x.shape[1])], 1)
+        return self.rotary(x, offset, cu_seqlens=cu_seqlens)
 
     def projections(self, x, offset: int = 0, cu_seqlens=None):
         """``q, rho: [B, T, HQ, D]`` and ``k, v: [B, T, H, D]`` for tokens starting at position ``offset``."""
@@ -107,7 +106,7 @@ class Parallax(nn.Module):
     # ------------------------------------------------------------------------------------------ forward
     def forward(self, x: torch.Tensor, *, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
         """``x: [B, T, d_model]`` (``B == 1`` with packed ``cu_seqlens``) -> ``[B, T, d_model]``."""
-        check_tensor("x", x, 3)
+        check_layer_input(x, self.q_proj)
         q, rho, k, v = self.projections(x, 0, cu_seqlens)
         o = parallax(q, rho, k, v, window=self.window, cu_seqlens=cu_seqlens, backend=self.backend)
         return self._output(o)
@@ -115,7 +114,7 @@ class Parallax(nn.Module):
     # ------------------------------------------------------------------------------------------ generation
     def prefill(self, x: torch.Tensor) -> tuple[torch.Tensor, ParallaxCache]:
         """Run the prompt ``x: [B, T, d_model]``; returns the output and the cache for :meth:`step`."""
-        check_tensor("x", x, 3)
+        check_layer_input(x, self.q_proj)
         q, rho, k, v = self.projections(x, 0)
         o = parallax(q, rho, k, v, window=self.window, backend=self.backend)
         return self._output(o), self._keep(k, v, x.shape[1])
@@ -127,7 +126,7 @@ class Parallax(nn.Module):
 
     def step(self, x: torch.Tensor, cache: ParallaxCache | None) -> tuple[torch.Tensor, ParallaxCache]:
         """New tokens ``x: [B, Tn, d_model]`` after ``cache`` (None: none yet), through the decode kernel."""
-        check_tensor("x", x, 3)
+        check_layer_input(x, self.q_proj)
         if cache is None:
             return self.prefill(x)
         q, rho, k, v = self.projections(x, cache.pos)

@@ -15,12 +15,26 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from regattn.ops.decay.api import decay_linear_attention, decay_linear_prefill, decay_linear_step
+from regattn.layers.checks import check_layer_input, check_options, per_head_dim
+from regattn.ops._common.checks import check_int
+from regattn.ops.decay.api import check_method, decay_linear_attention, decay_linear_prefill, decay_linear_step
 
 
 def retnet_gammas(num_heads: int) -> torch.Tensor:
     """RetNet's per-head decays ``1 - 2^(-5 - h)``, ``h = 0 .. H-1`` (float32, in (0, 1])."""
     return (1 - 2.0 ** (-5 - torch.arange(num_heads, dtype=torch.float64))).float()
+
+
+def check_gammas(gammas, num_heads: int) -> torch.Tensor:
+    """``gammas``: ``num_heads`` numbers in (0, 1], a tensor or a sequence; returns a float32 copy."""
+    try:
+        values = torch.as_tensor(gammas, dtype=torch.float32).detach().clone()
+    except (TypeError, ValueError, RuntimeError):
+        raise TypeError(f"gammas: expected a tensor or a sequence of {num_heads} numbers, "
+                        f"got {type(gammas).__name__}") from None
+    if values.shape != (num_heads,) or not bool(((values > 0) & (values <= 1)).all()):
+        raise ValueError(f"gammas: expected {num_heads} values in (0, 1], got {values.tolist()}")
+    return values
 
 
 class Retention(nn.Module):
@@ -41,25 +55,19 @@ class Retention(nn.Module):
                  gammas: torch.Tensor | None = None, method: str = "auto", backend: str = "auto",
                  eps: float = 1e-6, bias: bool = False):
         super().__init__()
-        if dim < 1 or num_heads < 1:
-            raise ValueError(f"dim, num_heads: expected positive ints, got {dim}, {num_heads}")
-        self.num_heads = num_heads
-        self.key_dim = key_dim or dim // num_heads
-        self.head_dim = head_dim or dim // num_heads
-        if self.key_dim < 1 or self.head_dim < 1:
-            raise ValueError(f"key_dim, head_dim: expected positive ints, got {self.key_dim}, {self.head_dim}")
-        self.method, self.backend, self.eps = method, backend, eps
-        H, R, D = num_heads, self.key_dim, self.head_dim
+        check_int("dim", dim, minimum=1)
+        self.num_heads = H = check_int("num_heads", num_heads, minimum=1)
+        self.key_dim = R = per_head_dim("key_dim", key_dim, dim, H, width_name="dim")
+        self.head_dim = D = per_head_dim("head_dim", head_dim, dim, H, width_name="dim")
+        self.backend = check_options(backend=backend, flags=dict(bias=bias), positive=dict(eps=eps))
+        self.method, self.eps = check_method(method), float(eps)
         self.q_proj = nn.Linear(dim, H * R, bias=bias)
         self.k_proj = nn.Linear(dim, H * R, bias=bias)
         self.v_proj = nn.Linear(dim, H * D, bias=bias)
         self.g_proj = nn.Linear(dim, H * D, bias=bias)
         self.o_proj = nn.Linear(H * D, dim, bias=bias)
         self.norm_weight = nn.Parameter(torch.ones(D))
-        gammas = retnet_gammas(H) if gammas is None else torch.as_tensor(gammas, dtype=torch.float32)
-        if gammas.shape != (H,) or not bool(((gammas > 0) & (gammas <= 1)).all()):
-            raise ValueError(f"gammas: expected {H} values in (0, 1], got {gammas.tolist()}")
-        self.register_buffer("gammas", gammas.clone())
+        self.register_buffer("gammas", retnet_gammas(H) if gammas is None else check_gammas(gammas, H))
 
     def _project(self, x):
         """``x [..., dim] -> b, c [..., H, R]``, ``v, g [..., H, D]``."""
@@ -81,6 +89,7 @@ class Retention(nn.Module):
     def forward(self, x, *, state=None, return_state: bool = False):
         """``x: [B, T, dim] -> y: [B, T, dim]``; with ``return_state`` (or a ``state [B, H, R, D]`` to
         continue from) also the state after the last token: ``(y, state)``."""
+        check_layer_input(x, self.q_proj, "[B, T, dim]")
         b, c, v, g = self._project(x)
         gam = self.gammas.to(x.device)
         if state is None and not return_state:
@@ -91,6 +100,7 @@ class Retention(nn.Module):
 
     def step(self, x_t, state=None):
         """One decoding token: ``x_t: [B, dim]``, ``state: [B, H, R, D]`` or None -> ``(y_t [B, dim], state)``."""
+        check_layer_input(x_t, self.q_proj, "[B, dim]", name="x_t")
         b, c, v, g = self._project(x_t)
         o, state = decay_linear_step(state, b, c, v, self.gammas.to(x_t.device))
         return self._output(o, g), state

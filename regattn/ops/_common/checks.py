@@ -15,6 +15,17 @@ BACKENDS = ("auto", "torch", "triton")
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
+def host_checks_allowed() -> bool:
+    """Whether a check may read tensor values on the host (a device sync, a graph break).
+
+    Only in eager code: not while torch.compile traces, not while a CUDA graph is captured.
+    Compiled and captured code skips such checks; the eager call of the same inputs runs them.
+    """
+    if torch.compiler.is_compiling():
+        return False
+    return not (torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing())
+
+
 def check_tensor(name: str, x, ndim: int | None = None) -> torch.Tensor:
     """A floating-point tensor of rank ``ndim``."""
     if not isinstance(x, torch.Tensor):
@@ -117,6 +128,12 @@ def check_choice(name: str, value, choices) -> str:
     return value
 
 
+def check_bool(name: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}: expected a bool, got {type(value).__name__}")
+    return value
+
+
 def check_int(name: str, value, *, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name}: expected an int >= {minimum}, got {type(value).__name__}")
@@ -126,7 +143,8 @@ def check_int(name: str, value, *, minimum: int) -> int:
 
 
 def check_cu_seqlens(cu_seqlens, batch: int, total: int) -> torch.Tensor | None:
-    """Packed variable length: ``cu_seqlens`` int32/int64, starts at 0, non-decreasing, ends at T, and B == 1."""
+    """Packed variable length: ``cu_seqlens`` int32/int64, starts at 0, non-decreasing, ends at T, and B == 1
+    (the offsets' values are checked where :func:`host_checks_allowed`)."""
     if cu_seqlens is None:
         return None
     if not isinstance(cu_seqlens, torch.Tensor):
@@ -137,6 +155,8 @@ def check_cu_seqlens(cu_seqlens, batch: int, total: int) -> torch.Tensor | None:
         raise ValueError(f"cu_seqlens: expected a 1-D tensor of at least 2 offsets, got shape {tuple(cu_seqlens.shape)}")
     if batch != 1:
         raise ValueError(f"cu_seqlens: packed sequences need batch size 1, got B = {batch}")
+    if not host_checks_allowed():
+        return cu_seqlens
     c = cu_seqlens.detach().cpu()
     if int(c[0]) != 0 or int(c[-1]) != total or bool((c[1:] < c[:-1]).any()):
         raise ValueError(f"cu_seqlens: expected non-decreasing offsets from 0 to T = {total}, got {c.tolist()}")

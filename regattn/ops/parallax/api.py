@@ -6,7 +6,7 @@ import torch
 from regattn import reference
 from regattn.ops._common.checks import (
     check_attention_inputs, check_cu_seqlens, check_same, check_scale, check_shape, check_tensor,
-    check_window, resolve_backend,
+    check_window, host_checks_allowed, resolve_backend,
 )
 
 HAS_TRITON = True
@@ -69,7 +69,8 @@ def parallax(q, r, k, v, *, causal=True, window=None, scale=None, cu_seqlens=Non
 
 
 def _check_cache_seqlens(cache_seqlens, B: int, Tn: int, S: int, device) -> None:
-    """int32/int64 ``[B]`` on q's device with every length in ``[Tn, S]`` (values checked unless capturing)."""
+    """int32/int64 ``[B]`` on q's device with every length in ``[Tn, S]`` (values checked where
+    :func:`host_checks_allowed`)."""
     if cache_seqlens is None:
         return
     if not isinstance(cache_seqlens, torch.Tensor):
@@ -80,8 +81,8 @@ def _check_cache_seqlens(cache_seqlens, B: int, Tn: int, S: int, device) -> None
         raise ValueError(f"cache_seqlens: expected shape [B] = ({B},), got {tuple(cache_seqlens.shape)}")
     if cache_seqlens.device != device:
         raise ValueError(f"cache_seqlens: expected device {device} (as q), got {cache_seqlens.device}")
-    if cache_seqlens.is_cuda and torch.cuda.is_current_stream_capturing():
-        return  # no host sync inside a CUDA graph; the caller vouches for the lengths
+    if not host_checks_allowed():
+        return  # no host sync in compiled or captured code; the caller vouches for the lengths
     lo, hi = torch.aminmax(cache_seqlens)
     lo, hi = int(lo), int(hi)
     if lo < Tn or hi > S:
