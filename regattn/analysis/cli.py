@@ -7,6 +7,7 @@ import dataclasses
 import json
 
 from regattn.analysis.diagnostics import analyze
+from regattn.train import checks
 from regattn.train.trainer import build, config_from_checkpoint, load_checkpoint
 
 
@@ -28,6 +29,8 @@ def main(argv=None) -> int:
     p.add_argument("--examples", type=int, default=8, help="test examples to analyse (default 8)")
     p.add_argument("--json", default=None, help="also write the rows to this JSON file")
     args = p.parse_args(argv)
+    checks.existing_file("checkpoint", args.checkpoint)
+    checks.at_least("--examples", args.examples, 1)
     state = load_checkpoint(args.checkpoint)
     config = dataclasses.replace(config_from_checkpoint(state), device="cpu")
     task_options = dict(config.task_options, num_test=args.examples)
