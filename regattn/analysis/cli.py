@@ -8,7 +8,9 @@ import json
 
 from regattn.analysis.diagnostics import analyze
 from regattn.train import checks
+from regattn.train.checkpoints import UnsafeCheckpointError
 from regattn.train.trainer import build, config_from_checkpoint, load_checkpoint
+from regattn.usage import UsageError
 
 
 def table(rows: list[dict]) -> str:
@@ -31,7 +33,10 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     checks.existing_file("checkpoint", args.checkpoint)
     checks.at_least("--examples", args.examples, 1)
-    state = load_checkpoint(args.checkpoint)
+    try:
+        state = load_checkpoint(args.checkpoint)
+    except UnsafeCheckpointError as e:
+        raise UsageError(str(e)) from None
     config = dataclasses.replace(config_from_checkpoint(state), device="cpu")
     task_options = dict(config.task_options, num_test=args.examples)
     data, model, _ = build(dataclasses.replace(config, task_options=task_options))

@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.state_dict import (
 from regattn.data.text import ByteTokenizer, TextCorpus, stdlib_corpus
 from regattn.models.lm import LM_MIXERS, DecoderLM, LMArchitecture, LMConfig, build_lm_mixer
 from regattn.train import checks
+from regattn.train.checkpoints import load_folder
 from regattn.train.optim import OPTIMIZERS, apply_schedule, build_optimizer
 from regattn.train.progress import Progress
 from regattn.train.schedules import SCHEDULES, lr_factor, wd_factor
@@ -203,11 +204,11 @@ def save_checkpoint(path: str, model, optimizer, meta: dict, rt: Runtime) -> Non
 
 def load_checkpoint(path: str, model, optimizer=None) -> dict:
     """Load a checkpoint folder into ``model`` (and ``optimizer``) whatever the number of ranks that
-    saved it; returns its meta (step, history, config)."""
+    saved it, as data (:func:`regattn.train.checkpoints.load_folder`); returns its meta (step, history, config)."""
     state = {"model": get_model_state_dict(model)}
     if optimizer is not None:
         state["optim"] = get_optimizer_state_dict(model, optimizer.optimizers)
-    dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized())
+    load_folder(state, path, no_dist=not dist.is_initialized())
     set_model_state_dict(model, state["model"])
     if optimizer is not None:
         set_optimizer_state_dict(model, optimizer.optimizers, state["optim"])
