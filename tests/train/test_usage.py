@@ -36,6 +36,8 @@ BAD = [
     (LM + ["--wda-gamma", "-1"], "--wda-gamma"),
     (LM + ["--compare", "softmax,nope"], "--compare"),
     (["analyze", "no/such/checkpoint.pt"], "checkpoint"),
+    (["analyze", "."], "checkpoint"),
+    (["analyze", "no/such/checkpoint.pt", "--examples", "0"], "--examples"),
     (["demo", "--length", "0"], "--length"),
     (["verify", "--dim", "x"], "--dim"),
     (["tune", "decay", "--H", "x"], "--H"),
