@@ -74,3 +74,13 @@ def test_python_m_regattn_runs_the_command():
     proc = subprocess.run([sys.executable, "-m", "regattn", "--version"], capture_output=True, text=True, env=env,
                           cwd=REPO, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == f"regattn {regattn.__version__}", proc.stderr
+
+
+def test_a_failure_after_the_checks_keeps_its_traceback(monkeypatch, tmp_path):
+    import regattn.train.cli
+
+    def broken(config):
+        raise ValueError("a bug inside the run")
+    monkeypatch.setattr(regattn.train.cli, "train", broken)
+    with pytest.raises(ValueError, match="a bug inside the run"):
+        main(TRAIN + ["--steps", "2", "--out", str(tmp_path)])
