@@ -1,8 +1,13 @@
-"""The ``regattn`` command: each subcommand lives in its own module and is imported on use."""
+"""The ``regattn`` command: each subcommand lives in its own module and is imported on use.
+
+A bad argument ends a subcommand with one line on stderr and exit status 2 (:mod:`regattn.usage`).
+"""
 from __future__ import annotations
 
 import importlib
 import sys
+
+from regattn.usage import run_command
 
 COMMANDS = {
     "demo": ("regattn.demo", "test-time regression on non-stationary piecewise-linear data (LLA paper, Section 4)"),
@@ -11,26 +16,41 @@ COMMANDS = {
     "verify": ("regattn.ops.scan.verify", "drift of the ELSA scan against float64 over a sweep of n (elsa C.2)"),
     "train": ("regattn.train.cli", "train a mixer on a synthetic task (MQAR, MAD, state tracking, ...); JSON and plots"),
     "sweep": ("regattn.train.sweep", "mixers x learning rates x seeds on a task; best lr, mean over seeds; JSON and plots"),
-    "analyze": ("regattn.analysis.cli", "diagnostics of a trained checkpoint per layer: COR, Corr, CPA, ranks, scores"),
+    "analyze": ("regattn.analysis.cli", "diagnostics of a checkpoint per layer: COR, Corr, CPA, ranks, circuits, scores"),
     "lm": ("regattn.train.lm", "train a decoder LM (any mixer per layer) on the standard-library byte corpus; torchrun-ready"),
 }
+OWN_USAGE_ERRORS = ("bench",)      # report their bad arguments themselves
 
 
 def usage() -> str:
     rows = "\n".join(f"  {name:<8} {doc}" for name, (_, doc) in COMMANDS.items())
-    return f"usage: regattn COMMAND [ARGS...]\n\ncommands:\n{rows}\n"
+    return f"usage: regattn [--version] COMMAND [ARGS...]\n\ncommands:\n{rows}\n"
+
+
+def version() -> str:
+    from regattn import __version__
+    return __version__
 
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if not argv or argv[0] in ("-h", "--help"):
+    if not argv:
+        print(usage(), file=sys.stderr)
+        return 2
+    if argv[0] in ("-h", "--help"):
         print(usage())
         return 0
+    if argv[0] == "--version":
+        print(f"regattn {version()}")
+        return 0
     if argv[0] not in COMMANDS:
-        print(f"regattn: unknown command {argv[0]!r}\n\n{usage()}", file=sys.stderr)
+        print(f"regattn: error: unknown command {argv[0]!r}\n\n{usage()}", file=sys.stderr)
         return 2
-    module = importlib.import_module(COMMANDS[argv[0]][0])
-    return module.main(argv[1:]) or 0
+    name, rest = argv[0], argv[1:]
+    command = importlib.import_module(COMMANDS[name][0]).main
+    if name in OWN_USAGE_ERRORS:
+        return command(rest) or 0
+    return run_command(f"regattn {name}", command, rest)
 
 
 if __name__ == "__main__":

@@ -14,15 +14,20 @@ For an attention layer with queries, keys and values at its input, in float64 an
   scores), the entropy of ``p`` (eq. 20), and the density ``#{j : |s_ij| > 0.1}`` (lla F.3);
 * the mean probe gate ``sigmoid(x w_g)`` of a gated Parallax layer (Section 4.3);
 * stable ranks ``||W||_F^2 / ||W||_2^2`` of ``W_Q, W_K, W_V, W_O, W_R`` and of the per-head circuits
-  ``W_QK = W_Q^h W_K^h^T``, ``W_OV = W_O^h W_V^h``, ``W_RK = W_R^h W_K^h^T`` (Table 4), averaged over heads.
+  ``W_QK = W_Q^h W_K^g^T``, ``W_OV = W_O^h W_V^g``, ``W_RK = W_R^h W_K^g^T`` (Table 4), averaged over the
+  query heads ``h``, each with its key/value head ``g = h // (HQ // H)`` (GQA); with GQA also their mean
+  over each key/value group (``W_QK.kv0``, ...).
 
-Every per-query quantity is averaged over queries, heads and the batch.
+Every per-query quantity is averaged over queries, heads and the batch. The models are the task models
+(:class:`regattn.models.stack.MixerStack`) and the language models (:class:`regattn.models.DecoderLM`);
+GatedFWA+NSA and the linear mixers get the weight ranks alone.
 """
 from __future__ import annotations
 
 import torch
 
-from regattn.layers import LLA, GatedFWA, Parallax
+from regattn.layers import LLA, GatedFWA, GatedFWANSA, Parallax
+from regattn.models.lm import LayerStep, SelfAttention
 from regattn.models.mixers import Softmax
 from regattn.ops.gatedfwa.api import gate_dispatch
 from regattn.reference.common import repeat_kv, visible
@@ -42,21 +47,49 @@ def head_rows(w: torch.Tensor, heads: int) -> list[torch.Tensor]:
     return list(w.detach().double().view(heads, -1, w.shape[-1]))
 
 
+def head_columns(w: torch.Tensor, heads: int) -> list[torch.Tensor]:
+    """The columns of a ``[d, heads * D]`` output projection per head: ``heads`` matrices ``[d, D]``."""
+    return list(w.detach().double().view(w.shape[0], heads, -1).transpose(0, 1))
+
+
+def head_counts(mixer) -> tuple[int, int] | None:
+    """``(HQ, H)``: query heads and key/value heads of a mixer; None when it names no heads."""
+    HQ = getattr(mixer, "heads", None) or getattr(mixer, "num_heads", None)
+    if HQ is None:
+        return None
+    return HQ, getattr(mixer, "kv_heads", None) or getattr(mixer, "num_kv_heads", None) or HQ
+
+
+def circuits(mats: dict, HQ: int, H: int) -> dict[str, list[torch.Tensor]]:
+    """Per query head ``h`` with key/value head ``g = h // (HQ // H)``: ``W_QK^h = W_Q^h^T W_K^g``,
+    ``W_OV^h = W_O^h W_V^g`` and, with a probe, ``W_RK^h = W_R^h^T W_K^g`` (``[d, d]`` each)."""
+    q, k, v = head_rows(mats["W_Q"], HQ), head_rows(mats["W_K"], H), head_rows(mats["W_V"], H)
+    o = head_columns(mats["W_O"], HQ)
+    kv = [h // (HQ // H) for h in range(HQ)]
+    out = dict(W_QK=[q[h].T @ k[kv[h]] for h in range(HQ)], W_OV=[o[h] @ v[kv[h]] for h in range(HQ)])
+    if "W_R" in mats:
+        r = head_rows(mats["W_R"], HQ)
+        out["W_RK"] = [r[h].T @ k[kv[h]] for h in range(HQ)]
+    return out
+
+
 def weight_ranks(mixer) -> dict:
-    """Stable ranks of the projections and the per-head circuits of an attention mixer (Table 4)."""
+    """Stable ranks of the projections and of the per-head circuits of an attention mixer (Table 4):
+    their mean over query heads, and with GQA their mean over each key/value group."""
     names = dict(W_Q="q_proj", W_K="k_proj", W_V="v_proj", W_O="o_proj", W_R="r_proj")
     mats = {key: getattr(mixer, attr).weight for key, attr in names.items() if hasattr(mixer, attr)}
     out = {key: stable_rank(w) for key, w in mats.items()}
-    heads = getattr(mixer, "heads", None) or getattr(mixer, "num_heads", None)
-    if heads is None or getattr(mixer, "num_kv_heads", heads) != heads:
+    heads = head_counts(mixer)
+    if heads is None or not {"W_Q", "W_K", "W_V", "W_O"} <= set(mats):
         return out
-    q, k, v = (head_rows(mats[n], heads) for n in ("W_Q", "W_K", "W_V"))
-    o = list(mats["W_O"].detach().double().view(mats["W_O"].shape[0], heads, -1).transpose(0, 1))
-    circuits = dict(W_QK=[a.T @ b for a, b in zip(q, k)], W_OV=[a @ b for a, b in zip(o, v)])
-    if "W_R" in mats:
-        circuits["W_RK"] = [a.T @ b for a, b in zip(head_rows(mats["W_R"], heads), k)]
-    for key, per_head in circuits.items():
-        out[key] = sum(stable_rank(c) for c in per_head) / heads
+    HQ, H = heads
+    for key, per_head in circuits(mats, HQ, H).items():
+        ranks = [stable_rank(c) for c in per_head]
+        out[key] = sum(ranks) / HQ
+        if H < HQ:
+            group = HQ // H
+            for g in range(H):
+                out[f"{key}.kv{g}"] = sum(ranks[g * group:(g + 1) * group]) / group
     return out
 
 
@@ -64,8 +97,14 @@ def attention_inputs(mixer, x: torch.Tensor) -> dict | None:
     """``q, k, v`` (and ``r`` for Parallax) of a mixer at its input ``x [B, T, dim]``, as ``[B, T, H, D]``;
     for GatedFWA also the gate bias ``u_i - u_j`` (``[B, H, T, T]``).
 
-    None for mixers without a softmax weighting (linear attention, MesaNet, Retention).
+    None for mixers without a softmax weighting (linear attention, MesaNet, Retention) and for GatedFWA+NSA
+    (whose output mixes three branches).
     """
+    if isinstance(mixer, SelfAttention):
+        q, k, v = mixer._qkv(x, 0)
+        return dict(kind="softmax", q=q, k=k, v=v, window=mixer.window)
+    if isinstance(mixer, GatedFWANSA):
+        return None
     if isinstance(mixer, Softmax):
         q = mixer.normalize(mixer.split(mixer.q_proj(x)), getattr(mixer, "q_norm", None))
         k = mixer.normalize(mixer.split(mixer.k_proj(x)), getattr(mixer, "k_norm", None))
@@ -156,7 +195,9 @@ def lla_scores(q, k, *, lam, scale, window, blocks) -> torch.Tensor:
 
 @torch.no_grad()
 def layer_diagnostics(mixer, x: torch.Tensor) -> dict:
-    """Every diagnostic that applies to one mixer at its input ``x [B, T, dim]``."""
+    """Every diagnostic that applies to one mixer at its input ``x [B, T, dim]`` (a language model's mixer
+    is read through its decoding adapter)."""
+    mixer = mixer.layer if isinstance(mixer, LayerStep) else mixer
     out = weight_ranks(mixer)
     inputs = attention_inputs(mixer, x)
     if inputs is None:
@@ -184,10 +225,19 @@ def layer_diagnostics(mixer, x: torch.Tensor) -> dict:
     return out
 
 
+def block_inputs(model, inputs: torch.Tensor) -> list[torch.Tensor]:
+    """The residual stream entering each block, ``[B, T, dim]``: the embedding, then each block's output."""
+    h, out = model.embed(inputs), []
+    for block in model.blocks:
+        out.append(h)
+        h = block(h)
+    return out
+
+
 @torch.no_grad()
 def analyze(model, inputs: torch.Tensor) -> list[dict]:
-    """Per block of a :class:`regattn.models.stack.MixerStack`: the diagnostics at the mixer's input."""
+    """Per block of a :class:`regattn.models.stack.MixerStack` or a :class:`regattn.models.DecoderLM`: the
+    diagnostics at the mixer's input."""
     model.eval()
-    stream = model.features(inputs)
-    return [dict(layer=i, **layer_diagnostics(block.mixer, block.mixer_norm(stream[i])))
-            for i, block in enumerate(model.blocks)]
+    return [dict(layer=i, **layer_diagnostics(block.mixer, block.mixer_norm(h)))
+            for i, (block, h) in enumerate(zip(model.blocks, block_inputs(model, inputs)))]

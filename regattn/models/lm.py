@@ -77,6 +77,12 @@ class LMConfig(LMArchitecture):
     tie_embeddings: bool = True
     checkpointing: bool = False
 
+    def __post_init__(self):
+        for name in ("vocab_size", "dim", "layers", "heads"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
+
     def mixers(self) -> list[str]:
         """The mixer name of each layer."""
         names = [self.mixer] * self.layers if isinstance(self.mixer, str) else list(self.mixer)
@@ -231,6 +237,32 @@ def build_lm_mixer(name: str, config: LMConfig) -> nn.Module:
     raise ValueError(f"mixer: expected one of {LM_MIXERS}, got {name!r}")
 
 
+# ---------------------------------------------------------------------------------------------- sampling
+EOS_CHECK_EVERY = 16      # generate reads back "every row has ended" once per this many steps (one host sync)
+
+
+def is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """``logits [B, V]`` with all but the ``k`` largest per row set to -inf (ties at the k-th kept)."""
+    kth = logits.topk(min(k, logits.shape[-1]), dim=-1).values[:, -1:]
+    return logits.masked_fill(logits < kth, -math.inf)
+
+
+def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
+    """Nucleus filtering: per row, keep the smallest set of most likely tokens whose probability sums to
+    at least ``p`` (the most likely token always), the others set to -inf; ``p = 1`` keeps every token."""
+    if p >= 1:
+        return logits
+    probs, order = torch.softmax(logits.float(), -1).sort(-1, descending=True)
+    mass_before = probs.cumsum(-1) - probs
+    drop_sorted = mass_before >= p
+    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+    return logits.masked_fill(drop, -math.inf)
+
+
 # ---------------------------------------------------------------------------------------------- model
 class DecoderBlock(nn.Module):
     """Pre-norm residual block: ``h + mixer(norm(h))``, then ``h + SwiGLU(norm(h))``."""
@@ -297,42 +329,76 @@ class DecoderLM(nn.Module):
         return self.head(self.norm(h[:, -1])), out
 
     @staticmethod
-    def pick(logits: torch.Tensor, temperature: float, top_k: int | None, generator) -> torch.Tensor:
-        """The next tokens ``[B]`` from ``logits [B, V]``: argmax at ``temperature == 0``, else a sample."""
+    def pick(logits: torch.Tensor, temperature: float, top_k: int | None, generator,
+             top_p: float | None = None) -> torch.Tensor:
+        """The next tokens ``[B]`` from ``logits [B, V]``: argmax at ``temperature == 0``, else a sample
+        (from the ``top_k`` most likely, then from their nucleus of mass ``top_p``)."""
         if temperature == 0:
             return logits.argmax(-1)
         logits = logits.float() / temperature
         if top_k is not None:
-            kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
-            logits = logits.masked_fill(logits < kth, -math.inf)
+            logits = top_k_filter(logits, top_k)
+        if top_p is not None:
+            logits = top_p_filter(logits, top_p)
         return torch.multinomial(torch.softmax(logits, -1), 1, generator=generator)[:, 0]
 
     @torch.no_grad()
     def generate(self, prompt: torch.Tensor, max_new_tokens: int, *, temperature: float = 0.0,
-                 top_k: int | None = None, generator: torch.Generator | None = None,
-                 use_cache: bool = True) -> torch.Tensor:
-        """``prompt [B, T]`` followed by ``max_new_tokens`` new tokens: ``[B, T + max_new_tokens]``.
+                 top_k: int | None = None, top_p: float | None = None, eos_token_id: int | None = None,
+                 generator: torch.Generator | None = None, use_cache: bool = True) -> torch.Tensor:
+        """``prompt [B, T]`` (int token ids) followed by up to ``max_new_tokens`` new tokens.
 
-        Greedy at ``temperature == 0``; else sampled (from the ``top_k`` most likely when given).
+        Greedy at ``temperature == 0``; else sampled, from the ``top_k`` most likely tokens when given,
+        then from the nucleus of probability ``top_p`` (:func:`top_p_filter`).
+        ``eos_token_id``: a row that produced it emits it from then on; generation ends once every row
+        has, read back every :data:`EOS_CHECK_EVERY` steps (so the output may end in a few columns of
+        ``eos_token_id``, and is ``[B, T + n]`` with ``n <= max_new_tokens``). Without it, ``n = max_new_tokens``.
         ``use_cache=False`` reruns the whole sequence for every token (the reference for the cache).
+        The prompt's ids are checked against the vocabulary once, before the first step.
         """
-        if prompt.ndim != 2 or prompt.shape[1] < 1:
-            raise ValueError(f"prompt: expected [B, T] with T >= 1, got shape {tuple(prompt.shape)}")
-        if temperature < 0:
-            raise ValueError(f"temperature: expected >= 0, got {temperature}")
+        self.check_generation(prompt, max_new_tokens, temperature, top_k, top_p, eos_token_id)
         was_training = self.training
         self.eval()
-        tokens, caches = prompt, None
-        new = prompt
-        for _ in range(max_new_tokens):
+        tokens, caches, new = prompt, None, prompt
+        done = torch.zeros(prompt.shape[0], dtype=torch.bool, device=prompt.device)
+        for step in range(max_new_tokens):
             if use_cache:
                 logits, caches = self._run(new, caches)
             else:
                 logits = self(tokens)[:, -1]
-            new = self.pick(logits, temperature, top_k, generator)[:, None]
+            new = self.pick(logits, temperature, top_k, generator, top_p)
+            if eos_token_id is not None:
+                new = new.masked_fill(done, eos_token_id)
+                done = done | (new == eos_token_id)
+            new = new[:, None]
             tokens = torch.cat([tokens, new], 1)
+            if eos_token_id is not None and (step + 1) % EOS_CHECK_EVERY == 0 and bool(done.all()):
+                break
         self.train(was_training)
         return tokens
+
+    def check_generation(self, prompt, max_new_tokens, temperature, top_k, top_p, eos_token_id) -> None:
+        """The arguments of :meth:`generate`; one host sync for the prompt's range."""
+        V = self.config.vocab_size
+        if not torch.is_tensor(prompt) or prompt.dtype.is_floating_point or prompt.dtype.is_complex \
+                or prompt.dtype == torch.bool:
+            raise TypeError(f"prompt: expected a tensor of integer token ids, got "
+                            f"{prompt.dtype if torch.is_tensor(prompt) else type(prompt).__name__}")
+        if prompt.ndim != 2 or prompt.numel() == 0:
+            raise ValueError(f"prompt: expected [B, T] with B, T >= 1, got shape {tuple(prompt.shape)}")
+        if not is_int(max_new_tokens) or max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens: expected an int >= 0, got {max_new_tokens!r}")
+        if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature >= 0):
+            raise ValueError(f"temperature: expected a finite value > 0 (or 0 for greedy), got {temperature!r}")
+        if top_k is not None and (not is_int(top_k) or top_k < 1):
+            raise ValueError(f"top_k: expected None or an int >= 1, got {top_k!r}")
+        if top_p is not None and not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
+            raise ValueError(f"top_p: expected None or a value in (0, 1], got {top_p!r}")
+        if eos_token_id is not None and (not is_int(eos_token_id) or not 0 <= eos_token_id < V):
+            raise ValueError(f"eos_token_id: expected None or an int in [0, {V}), got {eos_token_id!r}")
+        low, high = torch.stack([prompt.min(), prompt.max()]).tolist()
+        if low < 0 or high >= V:
+            raise ValueError(f"prompt: expected token ids in [0, {V}), got ids in [{low}, {high}]")
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())

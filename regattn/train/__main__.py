@@ -2,8 +2,10 @@
 ``python -m regattn.train TASK ...`` trains on a synthetic task (:mod:`regattn.train.cli`)."""
 import sys
 
+from regattn.usage import run_command
+
 if len(sys.argv) > 1 and sys.argv[1] == "lm":
     from regattn.train.lm import main
-    sys.exit(main(sys.argv[2:]))
+    sys.exit(run_command("python -m regattn.train lm", main, sys.argv[2:]))
 from regattn.train.cli import main
-sys.exit(main(sys.argv[1:]))
+sys.exit(run_command("python -m regattn.train", main, sys.argv[1:]))

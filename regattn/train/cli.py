@@ -14,9 +14,11 @@ import statistics
 
 from regattn.models.mixers import MIXERS
 from regattn.tasks import TASKS
+from regattn.train import checks
 from regattn.train.optim import OPTIMIZERS
 from regattn.train.schedules import SCHEDULES
 from regattn.train.trainer import TrainConfig, train
+from regattn.usage import UsageError
 
 
 def parse_value(text: str):
@@ -39,14 +41,21 @@ def parse_pairs(items: list[str] | None, flag: str) -> dict:
     out = {}
     for item in items or []:
         if "=" not in item:
-            raise SystemExit(f"{flag}: expected key=value, got {item!r}")
+            raise UsageError(f"{flag}: expected key=value, got {item!r}")
         key, value = item.split("=", 1)
         out[key.strip()] = parse_value(value.strip())
     return out
 
 
-def parse_list(text: str, kind=float) -> list:
-    return [kind(x) for x in text.split(",") if x.strip()]
+def parse_list(text: str, kind=float, flag: str = "list") -> list:
+    """``"1e-3,5e-4" -> [1e-3, 5e-4]``; at least one value."""
+    try:
+        values = [kind(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UsageError(f"{flag}: expected comma-separated {kind.__name__} values, got {text!r}") from None
+    if not values:
+        raise UsageError(f"{flag}: expected at least one value, got {text!r}")
+    return values
 
 
 def add_common(p: argparse.ArgumentParser) -> None:
@@ -76,6 +85,32 @@ def add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-amp", action="store_true", help="no bf16 autocast on CUDA")
     p.add_argument("--out", default="out/train", help="folder for JSON results and plots")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def check_common(args, tasks: list[str], mixers: list[str]) -> None:
+    """The shared options' values (``--set`` gives settings of each of ``tasks``)."""
+    if args.epochs is None:
+        checks.at_least("--steps", args.steps, 1)
+    else:
+        checks.positive("--epochs", args.epochs)
+    for flag in ("batch_size", "eval_batch_size", "dim", "layers", "heads"):
+        checks.at_least("--" + flag.replace("_", "-"), getattr(args, flag), 1)
+    checks.at_least("--eval-every", args.eval_every, 0)
+    for flag in ("weight_decay", "wda_gamma", "clip"):
+        checks.non_negative("--" + flag.replace("_", "-"), getattr(args, flag))
+    checks.fraction("--warmup", args.warmup)
+    checks.fraction("--decay-start", args.decay_start)
+    betas = parse_list(args.betas, flag="--betas")
+    if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
+        raise UsageError(f"--betas: expected two values in [0, 1), got {args.betas!r}")
+    for seed in parse_list(args.seeds, int, "--seeds"):
+        checks.at_least("--seeds", seed, 0)
+    checks.device("--device", args.device)
+    for task in tasks:
+        checks.task_settings(task, parse_pairs(args.set, "--set"))
+    options = parse_pairs(args.mixer_opt, "--mixer-opt")
+    for mixer in mixers:
+        checks.mixer_options(mixer, options, dim=args.dim, heads=args.heads)
 
 
 def base_config(args, **overrides) -> TrainConfig:
@@ -125,6 +160,10 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.task not in TASKS:
         p.error(f"task: expected one of {sorted(TASKS)}, got {args.task!r}")
+    checks.positive("--lr", args.lr)
+    checks.at_least("--checkpoint-every", args.checkpoint_every, 0)
+    checks.at_least("--analyze-every", args.analyze_every, 0)
+    check_common(args, [args.task], [args.mixer])
     runs = []
     for seed in parse_list(args.seeds, int):
         ckpt = None if args.checkpoint is None else args.checkpoint.replace("{seed}", str(seed))

@@ -36,9 +36,13 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from regattn.data.text import ByteTokenizer, TextCorpus, stdlib_corpus
-from regattn.models.lm import LM_MIXERS, DecoderLM, LMArchitecture, LMConfig
+from regattn.models.lm import LM_MIXERS, DecoderLM, LMArchitecture, LMConfig, build_lm_mixer
+from regattn.train import checks
+from regattn.train.checkpoints import load_folder
 from regattn.train.optim import OPTIMIZERS, apply_schedule, build_optimizer
+from regattn.train.progress import Progress
 from regattn.train.schedules import SCHEDULES, lr_factor, wd_factor
+from regattn.usage import UsageError
 
 
 @dataclass
@@ -51,11 +55,12 @@ class LMTrainConfig(LMArchitecture):
     Data: seq_len, batch_size (per rank), max_bytes (corpus cap; None = all), eval_tokens (validation
     tokens scored per evaluation).
     Optimisation: optimizer ("muon" | "adamw"), lr (peak; Muon's rate for the hidden matrices),
-    weight_decay, clip, schedule ("wsd" | "cosine" | "constant"), warmup / decay_start (fractions;
-    None = the schedule's default), steps, eval_every (0 = at the end only), log_every.
+    weight_decay, wda_gamma (weight-decay annealing exponent, eq. 42; 0 = off), clip, schedule
+    ("wsd" | "cosine" | "constant"), warmup / decay_start (fractions; None = the schedule's default),
+    steps, eval_every (0 = at the end only), log_every.
     Run: seed, device ("auto"), amp (bf16 autocast on CUDA), checkpoint (a folder; resumed from when it
     holds one), checkpoint_every (0 = at the end only), sample_tokens (greedy text after training,
-    single process only).
+    single process only), progress (a progress bar on stderr, updated every log_every steps).
     """
     activation_checkpointing: bool = False
     seq_len: int = 256
@@ -65,6 +70,7 @@ class LMTrainConfig(LMArchitecture):
     optimizer: str = "muon"
     lr: float = 0.02
     weight_decay: float = 0.1
+    wda_gamma: float = 0.0
     clip: float = 1.0
     schedule: str = "wsd"
     warmup: float | None = None
@@ -78,6 +84,7 @@ class LMTrainConfig(LMArchitecture):
     checkpoint: str | None = None
     checkpoint_every: int = 0
     sample_tokens: int = 0
+    progress: bool = True
 
 
 # ---------------------------------------------------------------------------------------------- process
@@ -197,11 +204,11 @@ def save_checkpoint(path: str, model, optimizer, meta: dict, rt: Runtime) -> Non
 
 def load_checkpoint(path: str, model, optimizer=None) -> dict:
     """Load a checkpoint folder into ``model`` (and ``optimizer``) whatever the number of ranks that
-    saved it; returns its meta (step, history, config)."""
+    saved it, as data (:func:`regattn.train.checkpoints.load_folder`); returns its meta (step, history, config)."""
     state = {"model": get_model_state_dict(model)}
     if optimizer is not None:
         state["optim"] = get_optimizer_state_dict(model, optimizer.optimizers)
-    dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized())
+    load_folder(state, path, no_dist=not dist.is_initialized())
     set_model_state_dict(model, state["model"])
     if optimizer is not None:
         set_optimizer_state_dict(model, optimizer.optimizers, state["optim"])
@@ -223,7 +230,7 @@ def train_step(model, opt, config: LMTrainConfig, corpus: TextCorpus, step: int,
     """One optimizer step at ``step`` (schedule, this rank's batch, clipping); returns the detached loss."""
     sched = dict(warmup=config.warmup, decay_start=config.decay_start)
     apply_schedule(opt, lr_factor(config.schedule, step, config.steps, **sched),
-                   wd_factor(config.schedule, step, config.steps, **sched))
+                   wd_factor(config.schedule, step, config.steps, gamma=config.wda_gamma, **sched))
     x, y = train_batch(corpus, config, step, rt.rank)
     with autocast(rt, config.amp):
         loss = model(x.to(rt.device), y.to(rt.device))
@@ -241,6 +248,8 @@ def train_lm(config: LMTrainConfig, *, corpus: TextCorpus | None = None, stop_at
     and the model.
 
     stop_at: leave after that many steps in total (a checkpoint, when set, is written there).
+    The progress bar shows the latest training loss and validation perplexity; without it (``progress``
+    off) ``log`` gets them as lines.
     """
     rt = setup_runtime(config.device)
     corpus = corpus or stdlib_corpus(config.max_bytes)
@@ -253,6 +262,8 @@ def train_lm(config: LMTrainConfig, *, corpus: TextCorpus | None = None, stop_at
     end = config.steps if stop_at is None else min(stop_at, config.steps)
     tokens_per_step = config.batch_size * config.seq_len * rt.world
     seconds, pending, rates = 0.0, [], []          # optimizer-step time of the current log interval
+    name = config.mixer if isinstance(config.mixer, str) else "-".join(config.mixer)
+    bar = Progress(config.steps, start=step, enabled=config.progress and rt.main, label=f"lm/{name}")
     model.train()
     while step < end:
         started = time.perf_counter()
@@ -267,15 +278,18 @@ def train_lm(config: LMTrainConfig, *, corpus: TextCorpus | None = None, stop_at
             history["train"].append({"step": step, "loss": mean, "lr": opt.param_groups[0]["lr"],
                                      "tokens_per_second": rates[-1]})
             seconds, pending = 0.0, []
-            if rt.main:
+            ppl = {"val_ppl": history["eval"][-1]["ppl"]} if history["eval"] else {}
+            bar.update(step, loss=mean, tok_s=rates[-1], **ppl)
+            if rt.main and not config.progress:
                 log(f"step {step}/{config.steps} loss {mean:.4f} ({rates[-1]:.0f} tok/s)")
         if (config.eval_every and step % config.eval_every == 0) or step == config.steps:
             history["eval"].append({"step": step, **perplexity(model, corpus, config, rt)})
-            if rt.main:
+            if rt.main and not config.progress:
                 log(f"step {step} val nll {history['eval'][-1]['nll']:.4f} ppl {history['eval'][-1]['ppl']:.3f}")
         if config.checkpoint and ((config.checkpoint_every and step % config.checkpoint_every == 0) or step == end):
             save_checkpoint(config.checkpoint, model, opt,
                             dict(step=step, history=history, config=dataclasses.asdict(config)), rt)
+    bar.close()
     result = dict(config=dataclasses.asdict(config), corpus=corpus.info, metric="ppl", world_size=rt.world,
                   rank=rt.rank, device=str(rt.device),
                   parameters=sum(p.numel() for p in model.parameters()), steps=step, history=history,
@@ -312,7 +326,7 @@ def parse_args(argv=None) -> tuple[LMTrainConfig, argparse.Namespace]:
         p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
     for name in ("kv_heads", "head_dim", "ffn", "window", "max_bytes"):
         p.add_argument("--" + name.replace("_", "-"), type=int, default=None)
-    for name in ("lr", "weight_decay", "clip"):
+    for name in ("lr", "weight_decay", "wda_gamma", "clip"):
         p.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(d, name))
     p.add_argument("--warmup", type=float, default=None)
     p.add_argument("--decay-start", type=float, default=None)
@@ -324,12 +338,66 @@ def parse_args(argv=None) -> tuple[LMTrainConfig, argparse.Namespace]:
     p.add_argument("--device", default="auto")
     p.add_argument("--no-amp", action="store_true")
     p.add_argument("--checkpoint", default=None, help="checkpoint folder (resumed from when it holds one)")
-    p.add_argument("--out", default="out/lm", help="folder for the JSON result")
+    p.add_argument("--out", default="out/lm", help="folder for the JSON results and the curves plot")
+    p.add_argument("--quiet", action="store_true", help="no progress bar: a line per log point instead")
     args = p.parse_args(argv)
     mixer = args.mixer.split(",") if "," in args.mixer else args.mixer
     fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(LMTrainConfig) if hasattr(args, f.name)}
-    fields.update(mixer=mixer, mixer_options=json.loads(args.mixer_options), amp=not args.no_amp)
-    return LMTrainConfig(**fields), args
+    fields.update(mixer=mixer, mixer_options=parse_mixer_options(args.mixer_options), amp=not args.no_amp,
+                  progress=not args.quiet)
+    config = LMTrainConfig(**fields)
+    check_config(config)
+    for name in args.compare.split(",") if args.compare else []:
+        check_model(dataclasses.replace(config, mixer=name), "--compare")
+    return config, args
+
+
+def parse_mixer_options(text: str) -> dict:
+    """``--mixer-options``: a JSON object of objects, one per mixer name."""
+    try:
+        options = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise UsageError(f"--mixer-options: not JSON ({e}): {text!r}") from None
+    if not isinstance(options, dict) or not all(isinstance(v, dict) for v in options.values()):
+        raise UsageError(f'--mixer-options: expected an object per mixer name, e.g. {{"lla": {{"cg_iters": 4}}}}, '
+                         f"got {text!r}")
+    return options
+
+
+def check_config(config: LMTrainConfig) -> None:
+    """The command line's values, before anything is built or read."""
+    for name in ("dim", "layers", "heads", "seq_len", "batch_size", "steps", "log_every"):
+        checks.at_least(flag(name), getattr(config, name), 1)
+    for name in ("eval_every", "checkpoint_every", "sample_tokens", "seed"):
+        checks.at_least(flag(name), getattr(config, name), 0)
+    for name in ("kv_heads", "head_dim", "ffn", "window", "max_bytes"):
+        if getattr(config, name) is not None:
+            checks.at_least(flag(name), getattr(config, name), 1)
+    checks.at_least("--eval-tokens", config.eval_tokens, config.seq_len)
+    checks.positive("--lr", config.lr)
+    for name in ("weight_decay", "wda_gamma", "clip"):
+        checks.non_negative(flag(name), getattr(config, name))
+    checks.fraction("--warmup", config.warmup)
+    checks.fraction("--decay-start", config.decay_start)
+    checks.device("--device", config.device)
+    check_model(config, "--mixer")
+
+
+def flag(field: str) -> str:
+    return "--" + field.replace("_", "-")
+
+
+def check_model(config: LMTrainConfig, mixer_flag: str) -> None:
+    """Build each mixer of the model once on the CPU: a bad name, size or option is a usage error (the
+    message names the field, e.g. ``--mixer: kv_heads: expected a divisor of heads = 4, got 3``)."""
+    lm_config = model_config(config, ByteTokenizer.vocab_size)
+    try:
+        for name in dict.fromkeys(lm_config.mixers()):
+            build_lm_mixer(name, lm_config)
+    except TypeError as e:
+        raise UsageError(f"--mixer-options: {e}") from None
+    except ValueError as e:
+        raise UsageError(f"{mixer_flag}: {e}") from None
 
 
 def report(result: dict, out: str, name: str) -> str:
@@ -349,7 +417,7 @@ def report(result: dict, out: str, name: str) -> str:
 
 
 def main(argv=None) -> int:
-    """One run, or with ``--compare a,b,c`` one run per mixer (each in every layer) and their curves."""
+    """One run, or with ``--compare a,b,c`` one run per mixer (each in every layer); the curves plot."""
     config, args = parse_args(argv)
     names = args.compare.split(",") if args.compare else [config.mixer]
     results, result, corpus = {}, None, stdlib_corpus(config.max_bytes)
@@ -363,9 +431,10 @@ def main(argv=None) -> int:
         results[name] = result
         if result["rank"] == 0:
             report(result, args.out, name)
-    if args.compare and result["rank"] == 0:
+    if result["rank"] == 0:
         from regattn.train.plots import plot_curves
-        path = os.path.join(args.out, f"lm-compare-world{result['world_size']}-curves.png")
+        stem = "compare" if args.compare else next(iter(results))
+        path = os.path.join(args.out, f"lm-{stem}-world{result['world_size']}-curves.png")
         plot_curves({name: [r] for name, r in results.items()}, path, title="byte-level LM, validation perplexity")
         print(f"wrote {path}")
     if dist.is_initialized():

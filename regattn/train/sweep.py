@@ -25,9 +25,11 @@ import sys
 
 from regattn.models.mixers import MIXERS
 from regattn.tasks import MAD_TASKS, TASKS, mad_benchmark_settings, mad_hard_settings, make_task
-from regattn.train.cli import add_common, base_config, parse_list, parse_value, record, write_json
+from regattn.train import checks
+from regattn.train.cli import add_common, base_config, check_common, parse_list, parse_value, record, write_json
 from regattn.train.plots import plot_curves, plot_sweep
 from regattn.train.trainer import TrainConfig, score, train
+from regattn.usage import UsageError
 
 SUITES = ("mad", "mad_benchmark", "mad_hard")
 
@@ -58,7 +60,7 @@ def expand_preset(argv: list[str]) -> list[str]:
         return argv
     i = argv.index("--preset")
     if i + 1 >= len(argv) or argv[i + 1] not in PRESETS:
-        raise SystemExit(f"--preset: expected one of {sorted(PRESETS)}, got {argv[i + 1:i + 2]}")
+        raise UsageError(f"--preset: expected one of {sorted(PRESETS)}, got {argv[i + 1:i + 2]}")
     return PRESETS[argv[i + 1]].split() + argv[:i] + argv[i + 2:]
 
 
@@ -68,14 +70,14 @@ def parse_vary(items: list[str]) -> list[tuple[str, list]]:
     out: dict = {}
     for item in items:
         if "=" not in item:
-            raise SystemExit(f"--vary: expected KEY=V1,V2,..., got {item!r}")
+            raise UsageError(f"--vary: expected KEY=V1,V2,..., got {item!r}")
         key, values = item.split("=", 1)
         width = len(key.split(":"))
         parsed = []
         for value in values.split(","):
             parts = [parse_value(v) for v in value.split(":")]
             if len(parts) != width:
-                raise SystemExit(f"--vary: {key!r} needs {width} values per point, got {value!r}")
+                raise UsageError(f"--vary: {key!r} needs {width} values per point, got {value!r}")
             parsed.append(tuple(parts) if width > 1 else parts[0])
         out[key] = parsed                       # a repeated key keeps its place
     return list(out.items())
@@ -184,6 +186,17 @@ def suite_average(summary: dict) -> dict:
     return out
 
 
+def check_points(points: list[tuple[str, dict, object]]) -> None:
+    """Every varied key is a setting of its task, or ``cfg.`` and a :class:`TrainConfig` field."""
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    for task, setting, _ in points:
+        unknown = [k for k in setting if k.startswith(CONFIG_PREFIX) and k[len(CONFIG_PREFIX):] not in fields]
+        if unknown:
+            raise UsageError(f"--vary: {', '.join(unknown)} is not a training setting; expected cfg. and one of "
+                             f"{sorted(fields)}")
+        checks.task_settings(task, {k: v for k, v in setting.items() if not k.startswith(CONFIG_PREFIX)}, "--vary")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="regattn sweep", description=__doc__.split("\n")[0])
     add_common(p)
@@ -208,8 +221,12 @@ def main(argv=None) -> int:
     if unknown:
         p.error(f"--mixers: unknown {unknown}; expected from {sorted(MIXERS)}")
     vary = parse_vary(args.vary or [])
-    base = base_config(args, task=args.task if args.task in TASKS else "mad_recall")
     points = sweep_points(args.task, vary)
+    for lr in parse_list(args.lrs, flag="--lrs"):
+        checks.positive("--lrs", lr)
+    check_common(args, sorted({task for task, _, _ in points}), mixers)
+    check_points(points)
+    base = base_config(args, task=args.task if args.task in TASKS else "mad_recall")
     stem = os.path.join(args.out, f"sweep-{args.task}")
     head = dict(task=args.task, mixers=mixers, lrs=parse_list(args.lrs), seeds=parse_list(args.seeds, int),
                 vary=[k for k, _ in vary])

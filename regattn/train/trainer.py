@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from regattn.models.stack import build_model
 from regattn.tasks import IGNORE, Split, TaskData, make_task
+from regattn.train.checkpoints import load_data
 from regattn.train.optim import apply_schedule, build_optimizer
 from regattn.train.progress import Progress
 from regattn.train.schedules import lr_factor, wd_factor
@@ -163,7 +164,8 @@ def build(config: TrainConfig, data: TaskData | None = None):
 
 
 def save_checkpoint(path: str, *, config: TrainConfig, model, optimizer, step: int, history: dict) -> None:
-    """Model and optimizer states, the step reached, the history and the config (atomically replaced)."""
+    """Model and optimizer states, the step reached, the history and the config as a dict (atomically
+    replaced); tensors and plain data only, so that it loads with ``weights_only=True``."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = path + ".tmp"
     torch.save(dict(config=dataclasses.asdict(config), model=model.state_dict(), optimizer=optimizer.state_dict(),
@@ -172,7 +174,8 @@ def save_checkpoint(path: str, *, config: TrainConfig, model, optimizer, step: i
 
 
 def load_checkpoint(path: str, map_location="cpu") -> dict:
-    return torch.load(path, map_location=map_location, weights_only=False)
+    """The checkpoint's contents, read as data (:func:`regattn.train.checkpoints.load_data`)."""
+    return load_data(path, map_location)
 
 
 def config_from_checkpoint(state: dict) -> TrainConfig:

@@ -1,8 +1,11 @@
 """DecoderLM: every mixer trains and generates with its cache exactly as without it."""
+import math
+
 import pytest
 import torch
 
 from regattn.models import LM_MIXERS, DecoderLM, LMConfig
+from regattn.models.lm import EOS_CHECK_EVERY, top_p_filter
 
 VOCAB = 48
 NSA = {"gatedfwa_nsa": dict(block_cmp=4, stride_cmp=2, block_slc=4, topk=2)}
@@ -133,11 +136,74 @@ def test_bad_inputs():
         tiny(["softmax"], layers=2)
     with pytest.raises(ValueError, match="kv_heads"):
         tiny("decay", kv_heads=2)
+    with pytest.raises(ValueError, match="layers"):
+        tiny("softmax", layers=0)
+    with pytest.raises(ValueError, match="vocab_size"):
+        tiny("softmax", vocab_size=0)
     model = tiny("softmax")
+    prompt = torch.randint(0, VOCAB, (2, 3))
     with pytest.raises(ValueError, match="prompt"):
-        model.generate(torch.zeros(4, dtype=torch.long), 2)
-    with pytest.raises(ValueError, match="temperature"):
-        model.generate(torch.zeros(1, 2, dtype=torch.long), 2, temperature=-1.0)
+        model.generate(prompt[0], 2)
+    with pytest.raises(TypeError, match="prompt"):
+        model.generate(prompt.float(), 2)
+    for ids in (prompt - VOCAB, prompt + VOCAB):
+        with pytest.raises(ValueError, match="prompt"):
+            model.generate(ids, 2)
+    bad = [dict(max_new_tokens=-1), dict(max_new_tokens=2.0), dict(top_k=0), dict(top_k=-3), dict(top_p=0.0),
+           dict(top_p=1.5), dict(temperature=-1.0), dict(temperature=float("nan")), dict(temperature=float("inf")),
+           dict(eos_token_id=VOCAB), dict(eos_token_id=-1)]
+    for kwargs in bad:
+        kwargs = {"max_new_tokens": 2, **kwargs}
+        name = next(k for k in kwargs if k != "max_new_tokens" or len(kwargs) == 1)
+        with pytest.raises(ValueError, match=name):
+            model.generate(prompt, **kwargs)
+    assert torch.equal(model.generate(prompt, 0), prompt)
+
+
+def with_eos(reference: torch.Tensor, start: int, eos: int) -> torch.Tensor:
+    """``reference``'s rows cut at their first new ``eos`` (the rest ``eos``), and cut after the check
+    (every EOS_CHECK_EVERY steps) that finds every row ended."""
+    out, ends = reference.clone(), []
+    for row in out:
+        hits = (row[start:] == eos).nonzero()
+        ends.append(int(hits[0]) + 1 if len(hits) else math.inf)
+        if len(hits):
+            row[start + int(hits[0]):] = eos
+    last = max(ends)
+    steps = reference.shape[1] - start if last == math.inf else math.ceil(last / EOS_CHECK_EVERY) * EOS_CHECK_EVERY
+    return out[:, :start + steps]
+
+
+def test_eos_ends_each_row_and_generation_stops_when_all_have():
+    model = tiny("softmax")
+    prompt = torch.randint(0, VOCAB, (3, 4))
+    n = 2 * EOS_CHECK_EVERY + 3
+    reference = model.generate(prompt, n)
+    eos = int(reference[1, 6])                                   # row 1 ends at its third new token
+    assert torch.equal(model.generate(prompt, n, eos_token_id=eos), with_eos(reference, 4, eos))
+    same = prompt[1:2].expand(3, -1)                             # every row ends at its third token: stops early
+    out = model.generate(same, n, eos_token_id=eos)
+    assert out.shape == (3, 4 + EOS_CHECK_EVERY) and torch.equal(out, with_eos(reference[1:2].expand(3, -1), 4, eos))
+    sampled = model.generate(prompt, n, temperature=1.0, eos_token_id=eos, generator=torch.Generator().manual_seed(1))
+    for row in sampled[:, 4:]:
+        hits = (row == eos).nonzero()
+        assert not len(hits) or (row[int(hits[0]):] == eos).all()
+
+
+def test_top_p_keeps_the_smallest_nucleus():
+    logits = torch.randn(6, VOCAB) * 3
+    for p in (0.05, 0.5, 0.9, 1.0):
+        kept = top_p_filter(logits, p) > -math.inf
+        probs = torch.softmax(logits.double(), -1)
+        for row, keep in zip(probs, kept):
+            ranked = row.sort(descending=True).values
+            size = int((ranked.cumsum(0) < p).sum()) + 1                  # smallest prefix with mass >= p
+            size = min(size, VOCAB)
+            assert int(keep.sum()) == size and row[keep].min() >= ranked[size - 1]
+    model = tiny("softmax")
+    prompt = torch.randint(0, VOCAB, (2, 3))
+    tiny_p = model.generate(prompt, 5, temperature=1.0, top_p=1e-9, generator=torch.Generator().manual_seed(2))
+    assert torch.equal(tiny_p, model.generate(prompt, 5))                 # only the most likely token is left
 
 
 @pytest.mark.gpu

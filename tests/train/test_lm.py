@@ -11,7 +11,9 @@ import torch.nn.functional as F
 
 from regattn.data import ByteTokenizer, stdlib_corpus
 from regattn.data.text import stdlib_files
-from regattn.train.lm import LMTrainConfig, Runtime, build_model, perplexity, train_lm
+from regattn.train.lm import LMTrainConfig, Runtime, build_model, parse_args, perplexity, train_lm, train_step
+from regattn.train.optim import build_optimizer
+from regattn.train.schedules import wd_factor
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -112,6 +114,19 @@ def test_checkpoint_resume_matches_one_run(corpus, tmp_path):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), name
 
 
+def test_wda_gamma_anneals_the_weight_decay(corpus):
+    config = small(steps=10, wda_gamma=2.0, weight_decay=0.3, optimizer="adamw")
+    assert parse_args(["--wda-gamma", "2"])[0].wda_gamma == 2.0
+    rt = Runtime(0, 1, torch.device("cpu"))
+    model = build_model(config, rt)
+    opt = build_optimizer(model, "adamw", lr=config.lr, weight_decay=config.weight_decay)
+    for step in (0, 9):
+        train_step(model, opt, config, corpus, step, rt)
+        factor = wd_factor(config.schedule, step, config.steps, gamma=2.0)
+        assert all(g["weight_decay"] == g["base_wd"] * factor for g in opt.param_groups)
+    assert factor < 1 and max(g["weight_decay"] for g in opt.param_groups) < 0.3
+
+
 def run_command(args, cwd) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
     env.pop("WORLD_SIZE", None)
@@ -132,6 +147,8 @@ def test_command(tmp_path):
     assert result["tokens_per_second"] > 0 and all(row["tokens_per_second"] > 0 for row in result["history"]["train"])
     assert math.isfinite(result["final"]["ppl"]) and result["corpus"]["source"] == "python-stdlib"
     assert isinstance(result["sample"]["continuation"], str)
+    assert (out / "lm-gatedfwa-decay-world1-curves.png").stat().st_size > 0
+    assert "lm/gatedfwa-decay [" in proc.stderr and "3/3" in proc.stderr           # the progress bar
 
 
 def test_command_compare(tmp_path):

@@ -1,0 +1,76 @@
+"""Checks of command-line values, run before any work starts; a bad value raises
+:class:`regattn.usage.UsageError` naming its flag."""
+from __future__ import annotations
+
+import inspect
+import math
+import os
+
+import torch
+
+from regattn.models.mixers import build_mixer
+from regattn.tasks import MAD_TASKS, TASKS
+from regattn.usage import UsageError
+
+
+def at_least(flag: str, value, low) -> None:
+    if value is None or value < low:
+        raise UsageError(f"{flag}: expected a value >= {low}, got {value}")
+
+
+def positive(flag: str, value: float | None) -> None:
+    """A finite value > 0 (a learning rate, a number of epochs)."""
+    if value is None or not (math.isfinite(value) and value > 0):
+        raise UsageError(f"{flag}: expected a finite value > 0, got {value}")
+
+
+def non_negative(flag: str, value: float) -> None:
+    if not (math.isfinite(value) and value >= 0):
+        raise UsageError(f"{flag}: expected a finite value >= 0, got {value}")
+
+
+def fraction(flag: str, value: float | None) -> None:
+    """None (a default) or a value in [0, 1]."""
+    if value is not None and not 0 <= value <= 1:
+        raise UsageError(f"{flag}: expected a fraction in [0, 1], got {value}")
+
+
+def device(flag: str, name: str) -> None:
+    """``auto``, ``cpu``, or a CUDA device this machine has."""
+    if name == "auto":
+        return
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        raise UsageError(f"{flag}: expected auto, cpu or cuda[:N], got {name!r}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError(f"{flag} {name}: no CUDA device is available")
+    if dev.type == "cuda" and (dev.index or 0) >= torch.cuda.device_count():
+        raise UsageError(f"{flag} {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+
+
+def existing_file(flag: str, path: str) -> None:
+    if not os.path.exists(path):
+        raise UsageError(f"{flag}: no such file or folder {path!r}")
+
+
+def task_setting_names(task: str) -> set[str]:
+    """The settings ``--set`` may give task ``task`` (its builder's keywords but seed and device)."""
+    if task.startswith("mad_"):
+        return set(MAD_TASKS[task[len("mad_"):]][2]) | {"num_train", "num_test"}
+    return set(inspect.signature(TASKS[task]).parameters) - {"seed", "device"}
+
+
+def task_settings(task: str, settings: dict, flag: str = "--set") -> None:
+    unknown = sorted(set(settings) - task_setting_names(task))
+    if unknown:
+        raise UsageError(f"{flag}: task {task!r} has no setting {', '.join(unknown)}; "
+                         f"expected from {sorted(task_setting_names(task))}")
+
+
+def mixer_options(mixer: str, options: dict, *, dim: int, heads: int, flag: str = "--mixer-opt") -> None:
+    """Build the mixer once on the CPU: an unknown option or a bad value is reported with ``flag``."""
+    try:
+        build_mixer(mixer, dim, heads, seq_len=2, **options)
+    except (TypeError, ValueError) as e:
+        raise UsageError(f"{flag}: mixer {mixer!r} with {options}: {e}") from None

@@ -1,0 +1,42 @@
+"""Usage errors of the ``regattn`` commands: one line on stderr and exit status 2, as argparse does.
+
+A command validates its arguments before it starts working and raises :class:`UsageError` for a bad
+one; :func:`run_command` reports it as ``regattn CMD: error: MESSAGE``. An argparse parser's own
+errors (an unknown option, a value of the wrong type, ``parser.error``) take the same path, without
+argparse's usage block. Any other exception is a bug and keeps its traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+
+
+class UsageError(ValueError):
+    """A bad command-line argument; the message names it."""
+
+
+def raise_usage_error(parser: argparse.ArgumentParser, message: str):
+    raise UsageError(message)
+
+
+@contextlib.contextmanager
+def parser_errors_raise():
+    """While open, ``ArgumentParser.error(message)`` raises :class:`UsageError` instead of printing the
+    usage and exiting (the commands build plain argparse parsers)."""
+    error = argparse.ArgumentParser.error
+    argparse.ArgumentParser.error = raise_usage_error
+    try:
+        yield
+    finally:
+        argparse.ArgumentParser.error = error
+
+
+def run_command(prog: str, main, argv: list[str]) -> int:
+    """``main(argv)``'s exit status; 2 with one line on stderr for a :class:`UsageError`."""
+    try:
+        with parser_errors_raise():
+            return main(argv) or 0
+    except UsageError as e:
+        print(f"{prog}: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
