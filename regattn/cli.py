@@ -19,7 +19,6 @@ COMMANDS = {
     "analyze": ("regattn.analysis.cli", "diagnostics of a checkpoint per layer: COR, Corr, CPA, ranks, circuits, scores"),
     "lm": ("regattn.train.lm", "train a decoder LM (any mixer per layer) on the standard-library byte corpus; torchrun-ready"),
 }
-OWN_USAGE_ERRORS = ("bench",)      # report their bad arguments themselves
 
 
 def usage() -> str:
@@ -48,8 +47,6 @@ def main(argv=None) -> int:
         return 2
     name, rest = argv[0], argv[1:]
     command = importlib.import_module(COMMANDS[name][0]).main
-    if name in OWN_USAGE_ERRORS:
-        return command(rest) or 0
     return run_command(f"regattn {name}", command, rest)
 
 

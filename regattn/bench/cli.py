@@ -16,12 +16,9 @@ import torch
 
 from regattn.bench import peers as peer_names, report, results, suites
 from regattn.bench.runner import Setup, format_table, run_suite
+from regattn.usage import UsageError, run_command
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}
-
-
-class UsageError(ValueError):
-    """A bad command-line argument: reported on one line, exit status 2."""
 
 
 def parse_value(text: str):
@@ -154,12 +151,10 @@ def check_args(args) -> str:
 
 
 def main(argv=None) -> int:
+    """Bad arguments raise :class:`regattn.usage.UsageError` before any suite starts (``regattn bench``
+    reports it on one line with exit status 2)."""
     args = parser().parse_args(argv)
-    try:
-        device = check_args(args)
-    except UsageError as err:
-        print(f"regattn bench: error: {err}", file=sys.stderr)
-        return 2
+    device = check_args(args)
     if args.suite == "report":
         print(f"wrote {report.write_report(args.root)}")
         return 0
@@ -169,4 +164,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_command("regattn bench", main, sys.argv[1:]))

@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+from regattn import cli as command
 from regattn.bench import cli, suites
 from regattn.bench.runner import add_ratios, format_table, relative_diff, shape_label, worst_error
 from regattn.bench.timing import describe, measure
@@ -84,7 +85,7 @@ def test_parse_shapes_expands_alternatives_and_grid_names():
                                           (["all", "--peers", "sdpa-flash,nope"], "--peers"),
                                           (["scan", "--rep-ms", "0"], "--rep-ms")])
 def test_bad_arguments_give_one_line_and_status_2(argv, names, capsys):
-    assert cli.main([*argv, "--device", "cpu"]) == 2
+    assert command.main(["bench", *argv, "--device", "cpu"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith(f"regattn bench: error: {names}") and "Traceback" not in err
     with pytest.raises(ValueError, match="suite"):
