@@ -7,8 +7,12 @@ Per query head ``h`` (heads grouped as in GQA; ``W_R`` shares ``W_Q``'s head dim
     o   = Parallax(q, rho, k, v)        eq. 14: softmax attention plus the covariance correction
     y   = concat_h(o) W_O
 
-``zero_init_probe=True`` starts ``W_R`` at zero, so ``rho = 0`` and the layer is softmax attention:
-a Transformer layer converted to Parallax computes the same function at the start.
+``zero_init_probe=True`` starts the probe's gain (``r_norm.weight``, the learnable per-channel gain after
+the RMSNorm on rho) at zero and leaves ``W_R`` at its normal initialisation: ``rho = 0``, so the layer is
+softmax attention and a Transformer layer converted to Parallax computes the same function at the start.
+The output is linear in rho (eq. 14), so it moves smoothly with the gain, and the gradients of the gain and
+of ``W_R`` are of the order of the other projections' (``W_R = 0`` under the RMSNorm would instead divide
+by ``sqrt(norm_eps)``: a discontinuous layer with huge gradients).
 """
 from __future__ import annotations
 
@@ -48,7 +52,7 @@ class Parallax(nn.Module):
         rope: rotate q and k by position; ``rope_probe`` rotates rho as well (the paper's choice).
         rope_base: RoPE frequency base (Qwen3 and the paper: 1e6).
         probe_gate: scale rho by a learned per-head ``sigmoid(x w_g)`` (Section 4.3).
-        zero_init_probe: start ``W_R`` at zero (the layer starts as softmax attention).
+        zero_init_probe: start the probe's gain ``r_norm.weight`` at zero (the layer starts as softmax attention).
         norm_eps: RMSNorm epsilon for q, k and rho.
         backend: passed to the ops (``"auto" | "torch" | "triton"``).
     """
@@ -75,7 +79,7 @@ class Parallax(nn.Module):
         self.rotary = RotaryEmbedding(D, base=rope_base) if rope else None
         self.rope_probe = rope and rope_probe
         if zero_init_probe:
-            nn.init.zeros_(self.r_proj.weight)
+            nn.init.zeros_(self.r_norm.weight)
 
     # ------------------------------------------------------------------------------------------ pieces
     def _rotate(self, x, offset: int, cu_seqlens=None):
