@@ -1,6 +1,6 @@
 """Tiny randomly initialised Llama / Qwen3 models (no downloads) for the transformers integration tests."""
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 VOCAB = 97
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -8,7 +8,8 @@ COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden
 
 
 def config(arch: str, attn_implementation: str = "sdpa", **overrides):
-    """``arch``: ``"llama"``, ``"qwen3"`` or ``"qwen3_sliding"`` (layer 1 with a 5-token sliding window)."""
+    """``arch``: ``"llama"``, ``"qwen3"``, ``"qwen3_sliding"`` (layer 1 with a 5-token sliding window) or
+    ``"mistral"`` (every layer with a 5-token sliding window)."""
     kwargs = {**COMMON, **overrides, "attn_implementation": attn_implementation}
     if arch == "llama":
         return LlamaConfig(**kwargs)
@@ -17,6 +18,8 @@ def config(arch: str, attn_implementation: str = "sdpa", **overrides):
     if arch == "qwen3_sliding":
         return Qwen3Config(**kwargs, use_sliding_window=True, sliding_window=5,
                            layer_types=["full_attention", "sliding_attention"])
+    if arch == "mistral":
+        return MistralConfig(**{"sliding_window": 5, **kwargs})
     raise ValueError(arch)
 
 
@@ -24,8 +27,8 @@ def model(arch: str, attn_implementation: str = "sdpa", seed: int = 0, **overrid
     """A fresh fp32 ``*ForCausalLM`` in eval mode; the same ``seed`` gives the same weights."""
     torch.manual_seed(seed)
     cfg = config(arch, attn_implementation, **overrides)
-    cls = LlamaForCausalLM if arch == "llama" else Qwen3ForCausalLM
-    return cls(cfg).eval()
+    classes = {"llama": LlamaForCausalLM, "mistral": MistralForCausalLM}
+    return classes.get(arch, Qwen3ForCausalLM)(cfg).eval()
 
 
 def tokens(B: int = 2, T: int = 13, seed: int = 1) -> torch.Tensor:
