@@ -10,7 +10,7 @@ inflated: a zero ``W_R`` under the RMSNorm instead makes rho jump from 0 to unit
 nonzero entry and amplifies ``W_R``'s gradient by ``1 / sqrt(eps)``.
 
 Left-padded batches (``attention_mask`` with zeros first, as transformers pads for generation) run
-without a per-key mask: each row is rolled so that its real tokens come first (:mod:`regattn.hf.padding`);
+without a per-key mask: each row is rolled so that its real tokens come first (:mod:`regattn.layers.padding`);
 with a cache the real keys are then a prefix of ``cache_seqlens`` keys for :func:`regattn.parallax_decode`.
 
 Design (save / load). :func:`convert_to_parallax` works in place: each ``self_attn`` becomes a
@@ -35,7 +35,8 @@ from transformers import (
 )
 
 from regattn.hf.attention import config_backend, op_options
-from regattn.hf.padding import left_padding, roll_rows
+from regattn.hf.padding import left_padding
+from regattn.layers.padding import attend_left_padded, ragged_cache
 from regattn.ops.parallax.api import parallax, parallax_decode
 
 
@@ -119,18 +120,16 @@ class ParallaxAttention(nn.Module):
         return parallax(q, rho, k, v, **options, **kwargs)
 
     def _attend_padded(self, q, rho, k, v, start, window):
-        """Parallax of left-padded rows whose real keys start at ``start: [B]`` (see :mod:`regattn.hf.padding`).
+        """Parallax of left-padded rows whose real keys start at ``start: [B]`` (see :mod:`regattn.layers.padding`).
 
-        Without a cache (``T == S``) the rolled rows run the differentiable op and roll back; with one,
-        the rolled cache holds ``S - start`` real keys for the decode kernel (no gradient).
+        Without a cache (``T == S``) the rolled rows run the differentiable op; with one, the rolled
+        cache holds ``S - start`` real keys for the decode kernel (no gradient).
         """
         kwargs = dict(window=window, scale=self.scaling, backend=config_backend(self))
-        T, S = q.shape[1], k.shape[1]
-        k, v = roll_rows(k, start), roll_rows(v, start)
-        if T == S:
-            o = parallax(roll_rows(q, start), roll_rows(rho, start), k, v, **kwargs)
-            return roll_rows(o, -start)
-        return parallax_decode(q, rho, k, v, cache_seqlens=S - start, **kwargs)
+        if q.shape[1] == k.shape[1]:
+            return attend_left_padded(parallax, start, q, rho, k, v, **kwargs)
+        k, v, lengths = ragged_cache(k, v, start)
+        return parallax_decode(q, rho, k, v, cache_seqlens=lengths, **kwargs)
 
 
 def add_probes(model: nn.Module, *, rope_probe: bool) -> None:

@@ -1,22 +1,12 @@
-"""Left-padded batches for the regattn ops, which take no per-key mask.
+"""Left padding in transformers' attention masks: where each row's real tokens start.
 
-In a left-padded row the real tokens are contiguous at the end. Rolling the row left by its padding
-length puts them first: causal (and windowed) attention of the real queries then never reaches a
-padded key, and with a cache the real keys are a prefix whose length is the ops' ``cache_seqlens``.
-RoPE is applied before the roll and depends only on relative positions, so nothing else changes.
+The rows are then run as :mod:`regattn.layers.padding` describes (rolled so that real tokens come first).
 """
 from __future__ import annotations
 
 import torch
 
 from regattn.reference.common import visible
-
-
-def roll_rows(x: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
-    """``out[b, t] = x[b, (t + shift[b]) % n]`` for ``x: [B, n, ...]`` and ``shift: [B]`` (a per-row roll left)."""
-    n = x.shape[1]
-    index = (torch.arange(n, device=x.device) + shift[:, None]) % n                  # [B, n]
-    return x.gather(1, index.view(*index.shape, *[1] * (x.dim() - 2)).expand_as(x))
 
 
 def left_padding(attention_mask, T: int, S: int, *, window: int | None) -> torch.Tensor | None:
