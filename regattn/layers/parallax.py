@@ -24,6 +24,7 @@ from torch import nn
 from regattn.layers.rope import RotaryEmbedding
 from regattn.layers.heads import head_layout
 from regattn.layers.norm import RMSNorm
+from regattn.layers.padding import attend_left_padded, ragged_cache, trimmed_start
 from regattn.ops._common.checks import check_positive, check_tensor, check_window
 from regattn.ops.parallax.api import parallax, parallax_decode
 from regattn.reference.common import split_varlen
@@ -33,11 +34,13 @@ from regattn.reference.common import split_varlen
 class ParallaxCache:
     """Keys and values a later token can see: ``k: [B, n, H, D]``, ``v: [B, n, H, D]``; ``pos`` tokens seen.
 
-    With a window only the last ``window`` positions are kept.
+    With a window only the last ``window`` positions are kept. ``start: [B]``: the padding slots
+    that open each row of a left-padded batch (None: no padding).
     """
     k: torch.Tensor
     v: torch.Tensor
     pos: int
+    start: torch.Tensor | None = None
 
 
 class Parallax(nn.Module):
@@ -117,17 +120,21 @@ class Parallax(nn.Module):
         return self._output(o)
 
     # ------------------------------------------------------------------------------------------ generation
-    def prefill(self, x: torch.Tensor) -> tuple[torch.Tensor, ParallaxCache]:
-        """Run the prompt ``x: [B, T, d_model]``; returns the output and the cache for :meth:`step`."""
+    def prefill(self, x: torch.Tensor, start: torch.Tensor | None = None) -> tuple[torch.Tensor, ParallaxCache]:
+        """Run the prompt ``x: [B, T, d_model]``; returns the output and the cache for :meth:`step`.
+
+        ``start: [B]`` (int64): rows left-padded with ``start[b]`` slots, whose outputs are to be ignored.
+        """
         check_tensor("x", x, 3)
         q, rho, k, v = self.projections(x, 0)
-        o = parallax(q, rho, k, v, window=self.window, backend=self.backend)
-        return self._output(o), self._keep(k, v, x.shape[1])
+        o = attend_left_padded(parallax, start, q, rho, k, v, window=self.window, backend=self.backend)
+        return self._output(o), self._keep(k, v, x.shape[1], start)
 
-    def _keep(self, k, v, pos):
-        if self.window is not None and k.shape[1] > self.window:
+    def _keep(self, k, v, pos, start):
+        n = k.shape[1]
+        if self.window is not None and n > self.window:
             k, v = k[:, -self.window:], v[:, -self.window:]
-        return ParallaxCache(k=k, v=v, pos=pos)
+        return ParallaxCache(k=k, v=v, pos=pos, start=trimmed_start(start, n, k.shape[1]))
 
     def step(self, x: torch.Tensor, cache: ParallaxCache | None) -> tuple[torch.Tensor, ParallaxCache]:
         """New tokens ``x: [B, Tn, d_model]`` after ``cache`` (None: none yet), through the decode kernel."""
@@ -136,5 +143,9 @@ class Parallax(nn.Module):
             return self.prefill(x)
         q, rho, k, v = self.projections(x, cache.pos)
         keys, values = torch.cat([cache.k, k], 1), torch.cat([cache.v, v], 1)
-        o = parallax_decode(q, rho, keys, values, window=self.window, backend=self.backend)
-        return self._output(o), self._keep(keys, values, cache.pos + x.shape[1])
+        if cache.start is None:
+            o = parallax_decode(q, rho, keys, values, window=self.window, backend=self.backend)
+        else:
+            real_k, real_v, lengths = ragged_cache(keys, values, cache.start)
+            o = parallax_decode(q, rho, real_k, real_v, cache_seqlens=lengths, window=self.window, backend=self.backend)
+        return self._output(o), self._keep(keys, values, cache.pos + x.shape[1], cache.start)
