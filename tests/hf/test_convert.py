@@ -50,8 +50,9 @@ def _set_gains(model, std=1.0):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_zero_probe_keeps_logits(arch):
+    """In float64 (torch backend), the converted model's logits are the original's to rounding."""
     x = tiny.tokens(T=13)
-    model = tiny.model(arch)
+    model = tiny.model(arch).double()
     before = model(x).logits
     converted = regattn.convert_to_parallax(model)
     assert converted is model and type(model).__name__.startswith("Parallax")
@@ -59,7 +60,7 @@ def test_zero_probe_keeps_logits(arch):
     assert all(w.shape == layer.self_attn.q_proj.weight.shape and w.std() > 0.05
                for w, layer in zip(_probe_weights(model), model.model.layers))   # W_R normal (std 0.1)
     assert all(not gain.any() for gain in _gains(model))
-    assert rel_err(model(x).logits, before) < 1e-5
+    assert rel_err(model(x).logits, before) < 1e-12
 
 
 def _probe_gradients(model, x):
@@ -174,7 +175,7 @@ def test_rope_on_probe_matters():
     assert rel_err(a(x).logits, b(x).logits) > 1e-4
 
 
-@pytest.mark.parametrize("arch,rope_probe", [("llama", True), ("qwen3_sliding", False)])
+@pytest.mark.parametrize("arch,rope_probe", [("llama", True), ("qwen3_sliding", False), ("mistral", True)])
 def test_save_load_round_trip(tmp_path, arch, rope_probe):
     x = tiny.tokens(T=13)
     model = _train_step(regattn.convert_to_parallax(tiny.model(arch), rope_probe=rope_probe), x)

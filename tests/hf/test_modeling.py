@@ -124,3 +124,19 @@ def test_bad_inputs():
         model(x[:, :1], past_key_values=cache, attention_mask=torch.ones(2, 3, dtype=torch.long))
     with pytest.raises(TypeError, match="lm"):
         RegattnConfig(lm=[1, 2])
+
+
+def test_left_padding_on_the_kernels(interpret):
+    """Through the Triton kernels (the interpreter on CPU): the padded prefill of the Parallax and
+    GatedFWA kernels and the Parallax decode kernel with ragged cache lengths give the torch backend's
+    generation."""
+    model = _model(["parallax", "gatedfwa"])
+    x, mask = _left_padded((6, 3), 6)
+    kwargs = dict(attention_mask=mask, max_new_tokens=3, do_sample=False, output_logits=True,
+                  return_dict_in_generate=True)
+    expected = model.generate(x, **kwargs)
+    for block in model.lm.blocks:
+        block.mixer.layer.backend = "triton"
+    out = model.generate(x, **kwargs)
+    assert torch.equal(out.sequences, expected.sequences)
+    assert rel_err(torch.stack(out.logits), torch.stack(expected.logits)) < 1e-5
