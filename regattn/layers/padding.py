@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from regattn.ops.parallax.api import parallax_decode
+
 
 def roll_rows(x: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
     """``out[b, t] = x[b, (t + shift[b]) % n]`` for ``x: [B, n, ...]`` and ``shift: [B]`` (a per-row roll left)."""
@@ -35,3 +37,11 @@ def ragged_cache(keys: torch.Tensor, values: torch.Tensor, start: torch.Tensor):
 def trimmed_start(start: torch.Tensor | None, n: int, kept: int) -> torch.Tensor | None:
     """The padding left in a row of ``n`` slots after dropping all but the last ``kept``."""
     return None if start is None else (start - (n - kept)).clamp_min(0)
+
+
+def softmax_decode_left_padded(q, k, v, start: torch.Tensor, **options) -> torch.Tensor:
+    """Softmax attention of new tokens ``q: [B, Tn, HQ, D]`` on a left-padded cache ``k, v: [B, S, H, D]``:
+    the Parallax decode op with a zero probe (eq. 14 with rho = 0 is softmax attention) on each row's
+    real keys. ``options``: ``window``, ``scale``, ``backend``."""
+    k, v, lengths = ragged_cache(k, v, start)
+    return parallax_decode(q, torch.zeros_like(q), k, v, cache_seqlens=lengths, **options)

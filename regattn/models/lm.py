@@ -35,7 +35,7 @@ from torch.utils.checkpoint import checkpoint
 import regattn
 from regattn.layers import LLA, GatedFWA, GatedFWANSA, Parallax, Retention, RotaryEmbedding
 from regattn.layers.norm import RMSNorm
-from regattn.layers.padding import attend_left_padded, ragged_cache, trimmed_start
+from regattn.layers.padding import attend_left_padded, softmax_decode_left_padded, trimmed_start
 from regattn.models.stack import SwiGLU
 
 LM_MIXERS = ("softmax", "swa", "elsa", "parallax", "gatedfwa", "gatedfwa_nsa", "lla", "decay")
@@ -145,12 +145,6 @@ class SelfAttention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.prefill(x)[0]
 
-    def _attend_ragged(self, q, k, v, start):
-        """Softmax attention of new tokens on a left-padded cache: the Parallax decode op with a zero probe
-        (eq. 14 with rho = 0 is softmax attention) on each row's real keys."""
-        k, v, lengths = ragged_cache(k, v, start)
-        return regattn.parallax_decode(q, torch.zeros_like(q), k, v, cache_seqlens=lengths, window=self.window)
-
     def prefill(self, x: torch.Tensor, start: torch.Tensor | None = None) -> tuple[torch.Tensor, KVCache]:
         """``start: [B]``: rows left-padded with ``start[b]`` slots, whose outputs are to be ignored."""
         q, k, v = self._qkv(x, 0)
@@ -162,7 +156,7 @@ class SelfAttention(nn.Module):
         if cache.start is None:
             o = self._attend(q, keys, values)
         else:
-            o = self._attend_ragged(q, keys, values, cache.start)
+            o = softmax_decode_left_padded(q, keys, values, cache.start, window=self.window)
         return self._out(o), self._keep(keys, values, cache.pos + x.shape[1], cache.start)
 
     def _keep(self, k, v, pos, start=None):

@@ -207,35 +207,11 @@ def test_cached_decoding_matches_full_forward():
     assert torch.equal(model.generate(prompt, **kwargs), model.generate(prompt, use_cache=False, **kwargs))
 
 
-def _left_padded(lengths, T, seed=1):
-    """Tokens ``[B, T]`` with row ``b`` holding ``lengths[b]`` real tokens at the end (pad id 0 first) and its mask."""
-    x = tiny.tokens(B=len(lengths), T=T, seed=seed)
-    mask = torch.stack([torch.arange(T) >= T - n for n in lengths]).long()
-    return x * mask, mask
-
-
-def check_left_padding(model, lengths=(9, 2, 6), T=9, new=6):
-    """Logits of a left-padded batch at the real positions, and greedy ``generate`` on it (tokens and
-    per-step logits), equal each row run alone without padding."""
-    x, mask = _left_padded(lengths, T)
-    kwargs = dict(max_new_tokens=new, do_sample=False, output_logits=True, return_dict_in_generate=True)
-    with torch.no_grad():
-        padded = model(x, attention_mask=mask).logits
-        batch = model.generate(x, attention_mask=mask, **kwargs)
-    for b, n in enumerate(lengths):
-        row = x[b:b + 1, T - n:]
-        with torch.no_grad():
-            alone = model.generate(row, attention_mask=torch.ones_like(row), **kwargs)
-            assert rel_err(padded[b, T - n:], model(row).logits[0]) < 1e-5
-        assert torch.equal(batch.sequences[b, T - n:], alone.sequences[0])
-        assert rel_err(torch.stack(batch.logits)[:, b], torch.stack(alone.logits)[:, 0]) < 1e-5
-
-
 @pytest.mark.parametrize("arch", ["llama", "qwen3_sliding", "mistral"])
 def test_left_padding(arch):
     """Left padding (as transformers pads for generation) is accepted, with a trained-like probe; the
     windowed layers (qwen3_sliding, mistral: 5 tokens) see rows longer and shorter than the window."""
-    check_left_padding(_set_gains(regattn.convert_to_parallax(tiny.model(arch))))
+    tiny.check_left_padding(_set_gains(regattn.convert_to_parallax(tiny.model(arch))))
 
 
 def test_left_padding_is_differentiable():
@@ -243,7 +219,7 @@ def test_left_padding_is_differentiable():
     tokens equals the sum of the rows' own gradients."""
     model = _set_gains(regattn.convert_to_parallax(tiny.model("qwen3_sliding"))).train()
     lengths, T = (9, 5), 9
-    x, mask = _left_padded(lengths, T)
+    x, mask = tiny.left_padded(lengths, T)
     logits = model(x, attention_mask=mask).logits
     loss = sum(logits[b, T - n:].square().mean() for b, n in enumerate(lengths))
     padded = torch.autograd.grad(loss, _gains(model))
