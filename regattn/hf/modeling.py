@@ -49,6 +49,7 @@ class RegattnConfig(PreTrainedConfig):
         super().__post_init__(**kwargs)
 
     def lm_config(self) -> LMConfig:
+        """The :class:`LMConfig` that builds the model."""
         return LMConfig(**self.lm)
 
 
@@ -189,6 +190,6 @@ class RegattnForCausalLM(PreTrainedModel, GenerationMixin):
 
 
 def register() -> None:
-    """Let ``AutoConfig`` / ``AutoModelForCausalLM`` build :class:`RegattnForCausalLM` from ``model_type = "regattn"``."""
+    """Let ``AutoConfig`` / ``AutoModelForCausalLM`` build :class:`RegattnForCausalLM` from its ``model_type``."""
     AutoConfig.register(RegattnConfig.model_type, RegattnConfig, exist_ok=True)
     AutoModelForCausalLM.register(RegattnConfig, RegattnForCausalLM, exist_ok=True)
