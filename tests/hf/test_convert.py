@@ -274,7 +274,8 @@ def test_import_regattn_needs_no_transformers():
 
 
 def test_triton_kernel_in_converted_model(interpret):
-    """The fused Parallax kernel (interpreter on CPU) inside a converted model with a trained W_R."""
+    """The fused Parallax kernels (interpreter on CPU) inside a converted model after a training step,
+    on a plain and on a left-padded batch (rolled prefill, decode with ragged cache lengths)."""
     x = tiny.tokens(B=1, T=9)
     model = _train_step(regattn.convert_to_parallax(tiny.model("qwen3_sliding")), x)
     expected = model(x).logits
@@ -283,3 +284,8 @@ def test_triton_kernel_in_converted_model(interpret):
     prompt = x[:, :4]
     kwargs = dict(max_new_tokens=4, do_sample=False, attention_mask=torch.ones_like(prompt))
     assert torch.equal(model.generate(prompt, **kwargs), model.generate(prompt, use_cache=False, **kwargs))
+    padded, mask = tiny.left_padded((5, 2), 5)
+    kwargs = dict(max_new_tokens=3, do_sample=False, attention_mask=mask)
+    triton = model.generate(padded, **kwargs)
+    model.config.regattn_backend = "torch"
+    assert torch.equal(triton, model.generate(padded, **kwargs))
