@@ -11,11 +11,13 @@ on our ops:
 The ops' ``backend`` is the model config's ``regattn_backend`` (``"auto"`` when unset: the Triton
 kernels on CUDA, the reference on CPU). A layer's ``sliding_window`` (Qwen3 ``layer_types``, Mistral)
 becomes the ops' ``window``, so sliding-window layers run the windowed kernels. The ops are causal
-(or not, following the layer) and take unpadded batches, or packed sequences in one row marked by
-restarting ``position_ids`` (transformers' padding-free format; they run as ``cu_seqlens``).
-transformers builds a boolean mask for these names (its SDPA mask); a mask that says more than the
-ops compute — padding, custom patterns, static caches' unfilled slots — is refused with a ValueError
-rather than silently ignored.
+(or not, following the layer) and take unpadded batches, left-padded batches of a causal layer (each
+row rolled so that its real tokens come first, :mod:`regattn.layers.padding`; a decode step on the
+cache runs softmax as :func:`regattn.parallax_decode` with a zero probe and ragged lengths), or
+packed sequences in one row marked by restarting ``position_ids`` (transformers' padding-free
+format; they run as ``cu_seqlens``). transformers builds a boolean mask for these names (its SDPA
+mask); a mask that says more than the ops compute — right padding, custom patterns, static caches'
+unfilled slots — is refused with a ValueError rather than silently ignored.
 """
 from __future__ import annotations
 
@@ -23,6 +25,8 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
+from regattn.hf.padding import left_padding
+from regattn.layers.padding import attend_left_padded, softmax_decode_left_padded
 from regattn.ops.scan.api import scan_attention
 from regattn.ops.softmax.api import softmax_attention
 from regattn.reference.common import visible
@@ -126,13 +130,25 @@ def _transformers_call(op):
         causal = kwargs.get("is_causal")
         causal = getattr(module, "is_causal", True) if causal is None else causal
         q, k, v = (x.transpose(1, 2) for x in (query, key, value))
-        options = op_options(attention_mask, q, k, causal=causal, window=sliding_window or None,
+        window, backend = sliding_window or None, config_backend(module)
+        start = left_padding(attention_mask, q.shape[1], k.shape[1], window=window) if causal else None
+        if start is not None:
+            return _attend_left_padded(op, q, k, v, start, window=window, scale=scaling, backend=backend), None
+        options = op_options(attention_mask, q, k, causal=causal, window=window,
                              position_ids=kwargs.get("position_ids"))
-        return op(q, k, v, scale=scaling, backend=config_backend(module), **options), None
+        return op(q, k, v, scale=scaling, backend=backend, **options), None
 
     attention.__name__ = f"regattn_{op.__name__}"
     attention.__doc__ = f"transformers attention function running :func:`regattn.{op.__name__}`."
     return attention
+
+
+def _attend_left_padded(op, q, k, v, start, **options):
+    """Causal softmax ``op`` on left-padded rows (``start: [B]`` padding slots): rolled rows without a
+    cache (``T == S``), the zero-probe Parallax decode on the ragged cache otherwise."""
+    if q.shape[1] == k.shape[1]:
+        return attend_left_padded(op, start, q, k, v, causal=True, **options)
+    return softmax_decode_left_padded(q, k, v, start, **options)
 
 
 ATTENTION_FUNCTIONS = {

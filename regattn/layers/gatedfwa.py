@@ -24,6 +24,7 @@ from torch import nn
 
 from regattn.layers.checks import check_layer_input, check_options, head_layout
 from regattn.layers.norm import RMSNorm
+from regattn.layers.padding import attend_left_padded, trimmed_start
 from regattn.ops._common.checks import check_int, check_window
 from regattn.ops.gatedfwa.api import gate_dispatch, gatedfwa
 from regattn.layers.rope import RotaryEmbedding
@@ -34,13 +35,15 @@ class GatedFWACache:
     """What one step of generation needs: the last ``w`` positions of one layer.
 
     ``k: [B, n, H, D]``, ``v: [B, n, H, D]``, ``u: [B, n, HQ]`` (the gate values of those keys, fp32),
-    ``u_last: [B, HQ]`` (the running cumulative gate), ``pos``: tokens seen so far.
+    ``u_last: [B, HQ]`` (the running cumulative gate), ``pos``: tokens seen so far, ``start: [B]``: the
+    padding slots that open each row of a left-padded batch (None: no padding).
     """
     k: torch.Tensor
     v: torch.Tensor
     u: torch.Tensor
     u_last: torch.Tensor
     pos: int
+    start: torch.Tensor | None = None
 
 
 def gate_bias_init(num_heads: int, low: float = 1e-3, high: float = 1e-1) -> torch.Tensor:
@@ -121,24 +124,31 @@ class GatedFWA(nn.Module):
         """``x: [B, T, d_model]`` (``B == 1`` with packed ``cu_seqlens``) -> ``[B, T, d_model]``."""
         return self._prefill(x, cu_seqlens=cu_seqlens)[0]
 
-    def _prefill(self, x, *, cu_seqlens=None):
+    def _prefill(self, x, *, cu_seqlens=None, start=None):
+        """Output and ``(k, v, u)``; ``start``: left padding (the gate differences ``u_i - u_j`` of real
+        tokens do not depend on the padding before them)."""
         check_layer_input(x, self.q_proj)
         q, k, v = self._qkv(x)
         q, k = self._rotate(q, k, 0, cu_seqlens)
         h, beta = self.gate_inputs(x)
         u = gate_dispatch(h, beta, eps=self.eps, backend=self.backend)
-        o = gatedfwa(q, k, v, u, window=self.window, cu_seqlens=cu_seqlens, backend=self.backend)
+        o = attend_left_padded(gatedfwa, start, q, k, v, u, window=self.window, cu_seqlens=cu_seqlens,
+                               backend=self.backend)
         return self._output(x, o), (k, v, u)
 
     # ------------------------------------------------------------------------------------------ generation
-    def prefill(self, x: torch.Tensor) -> tuple[torch.Tensor, GatedFWACache]:
-        """Run the prompt ``x: [B, T, d_model]``; returns the output and the cache for :meth:`step`."""
-        y, (k, v, u) = self._prefill(x)
-        return y, self._keep(k, v, u, x.shape[1])
+    def prefill(self, x: torch.Tensor, start: torch.Tensor | None = None) -> tuple[torch.Tensor, GatedFWACache]:
+        """Run the prompt ``x: [B, T, d_model]``; returns the output and the cache for :meth:`step`.
 
-    def _keep(self, k, v, u, pos):
+        ``start: [B]`` (int64): rows left-padded with ``start[b]`` slots, whose outputs are to be ignored.
+        """
+        y, (k, v, u) = self._prefill(x, start=start)
+        return y, self._keep(k, v, u, x.shape[1], start)
+
+    def _keep(self, k, v, u, pos, start=None):
         n = k.shape[1] if self.window is None else min(self.window, k.shape[1])
-        return GatedFWACache(k=k[:, -n:], v=v[:, -n:], u=u[:, -n:], u_last=u[:, -1], pos=pos)
+        return GatedFWACache(k=k[:, -n:], v=v[:, -n:], u=u[:, -n:], u_last=u[:, -1], pos=pos,
+                             start=trimmed_start(start, k.shape[1], n))
 
     def step(self, x: torch.Tensor, cache: GatedFWACache | None) -> tuple[torch.Tensor, GatedFWACache]:
         """One token ``x: [B, 1, d_model]`` after ``cache`` (None: the first token); O(w) work."""
@@ -154,20 +164,26 @@ class GatedFWA(nn.Module):
         u_t = cache.u_last[:, None] + minus_alpha.to(cache.u.dtype)             # [B, 1, HQ]
         keys, values = torch.cat([cache.k, k], 1), torch.cat([cache.v, v], 1)
         gates = torch.cat([cache.u, u_t], 1)
+        n = keys.shape[1]
         if self.window is not None:
             keys, values, gates = keys[:, -self.window:], values[:, -self.window:], gates[:, -self.window:]
-        o = self._attend_one(q, keys, values, gates, u_t)
-        new = GatedFWACache(k=keys, v=values, u=gates, u_last=u_t[:, 0], pos=cache.pos + 1)
+        start = trimmed_start(cache.start, n, keys.shape[1])
+        o = self._attend_one(q, keys, values, gates, u_t, start)
+        new = GatedFWACache(k=keys, v=values, u=gates, u_last=u_t[:, 0], pos=cache.pos + 1, start=start)
         return self._output(x, o), new
 
-    def _attend_one(self, q, keys, values, gates, u_t):
-        """Softmax over the cached window for one query: ``q: [B, 1, HQ, D]`` -> ``[B, 1, HQ, D]``."""
+    def _attend_one(self, q, keys, values, gates, u_t, start=None):
+        """Softmax over the cached window for one query: ``q: [B, 1, HQ, D]`` -> ``[B, 1, HQ, D]``;
+        the first ``start[b]`` keys of row ``b`` (left padding) are left out."""
         groups = self.num_heads // self.num_kv_heads
         keys = keys.repeat_interleave(groups, 2)
         values = values.repeat_interleave(groups, 2)
         acc = torch.promote_types(q.dtype, torch.float32)
         logits = torch.einsum("bqhd,bshd->bhqs", q.to(acc), keys.to(acc)) * self.head_dim ** -0.5
         logits = logits + (u_t.transpose(1, 2)[..., None] - gates.transpose(1, 2)[:, :, None, :]).to(acc)
+        if start is not None:
+            padded = torch.arange(keys.shape[1], device=keys.device) < start[:, None]          # [B, n]
+            logits = logits.masked_fill(padded[:, None, None, :], float("-inf"))
         p = torch.softmax(logits, dim=-1)
         return torch.einsum("bhqs,bshd->bqhd", p, values.to(acc)).to(q.dtype)
 

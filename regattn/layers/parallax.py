@@ -7,8 +7,12 @@ Per query head ``h`` (heads grouped as in GQA; ``W_R`` shares ``W_Q``'s head dim
     o   = Parallax(q, rho, k, v)        eq. 14: softmax attention plus the covariance correction
     y   = concat_h(o) W_O
 
-``zero_init_probe=True`` starts ``W_R`` at zero, so ``rho = 0`` and the layer is softmax attention:
-a Transformer layer converted to Parallax computes the same function at the start.
+``zero_init_probe=True`` starts the probe's gain (``r_norm.weight``, the learnable per-channel gain after
+the RMSNorm on rho) at zero and leaves ``W_R`` at its normal initialisation: ``rho = 0``, so the layer is
+softmax attention and a Transformer layer converted to Parallax computes the same function at the start.
+The output is linear in rho (eq. 14), so it moves smoothly with the gain, and the gradients of the gain and
+of ``W_R`` are of the order of the other projections' (``W_R = 0`` under the RMSNorm would instead divide
+by ``sqrt(norm_eps)``: a discontinuous layer with huge gradients).
 """
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ from torch import nn
 from regattn.layers.checks import check_layer_input, check_options, head_layout
 from regattn.layers.norm import RMSNorm
 from regattn.layers.rope import RotaryEmbedding
+from regattn.layers.padding import attend_left_padded, ragged_cache, trimmed_start
 from regattn.ops._common.checks import check_window
 from regattn.ops.parallax.api import parallax, parallax_decode
 
@@ -28,11 +33,13 @@ from regattn.ops.parallax.api import parallax, parallax_decode
 class ParallaxCache:
     """Keys and values a later token can see: ``k: [B, n, H, D]``, ``v: [B, n, H, D]``; ``pos`` tokens seen.
 
-    With a window only the last ``window`` positions are kept.
+    With a window only the last ``window`` positions are kept. ``start: [B]``: the padding slots
+    that open each row of a left-padded batch (None: no padding).
     """
     k: torch.Tensor
     v: torch.Tensor
     pos: int
+    start: torch.Tensor | None = None
 
 
 class Parallax(nn.Module):
@@ -47,7 +54,7 @@ class Parallax(nn.Module):
         rope: rotate q and k by position; ``rope_probe`` rotates rho as well (the paper's choice).
         rope_base: RoPE frequency base, finite and > 0 (Qwen3 and the paper: 1e6).
         probe_gate: scale rho by a learned per-head ``sigmoid(x w_g)`` (Section 4.3).
-        zero_init_probe: start ``W_R`` at zero (the layer starts as softmax attention).
+        zero_init_probe: start the probe's gain ``r_norm.weight`` at zero (the layer starts as softmax attention).
         norm_eps: RMSNorm epsilon for q, k and rho.
         backend: passed to the ops (``"auto" | "torch" | "triton"``).
     """
@@ -76,7 +83,7 @@ class Parallax(nn.Module):
         self.rotary = RotaryEmbedding(D, base=rope_base) if rope else None
         self.rope_probe = rope and rope_probe
         if zero_init_probe:
-            nn.init.zeros_(self.r_proj.weight)
+            nn.init.zeros_(self.r_norm.weight)
 
     # ------------------------------------------------------------------------------------------ pieces
     def _rotate(self, x, offset: int, cu_seqlens=None):
@@ -112,17 +119,21 @@ class Parallax(nn.Module):
         return self._output(o)
 
     # ------------------------------------------------------------------------------------------ generation
-    def prefill(self, x: torch.Tensor) -> tuple[torch.Tensor, ParallaxCache]:
-        """Run the prompt ``x: [B, T, d_model]``; returns the output and the cache for :meth:`step`."""
+    def prefill(self, x: torch.Tensor, start: torch.Tensor | None = None) -> tuple[torch.Tensor, ParallaxCache]:
+        """Run the prompt ``x: [B, T, d_model]``; returns the output and the cache for :meth:`step`.
+
+        ``start: [B]`` (int64): rows left-padded with ``start[b]`` slots, whose outputs are to be ignored.
+        """
         check_layer_input(x, self.q_proj)
         q, rho, k, v = self.projections(x, 0)
-        o = parallax(q, rho, k, v, window=self.window, backend=self.backend)
-        return self._output(o), self._keep(k, v, x.shape[1])
+        o = attend_left_padded(parallax, start, q, rho, k, v, window=self.window, backend=self.backend)
+        return self._output(o), self._keep(k, v, x.shape[1], start)
 
-    def _keep(self, k, v, pos):
-        if self.window is not None and k.shape[1] > self.window:
+    def _keep(self, k, v, pos, start):
+        n = k.shape[1]
+        if self.window is not None and n > self.window:
             k, v = k[:, -self.window:], v[:, -self.window:]
-        return ParallaxCache(k=k, v=v, pos=pos)
+        return ParallaxCache(k=k, v=v, pos=pos, start=trimmed_start(start, n, k.shape[1]))
 
     def step(self, x: torch.Tensor, cache: ParallaxCache | None) -> tuple[torch.Tensor, ParallaxCache]:
         """New tokens ``x: [B, Tn, d_model]`` after ``cache`` (None: none yet), through the decode kernel."""
@@ -131,5 +142,9 @@ class Parallax(nn.Module):
             return self.prefill(x)
         q, rho, k, v = self.projections(x, cache.pos)
         keys, values = torch.cat([cache.k, k], 1), torch.cat([cache.v, v], 1)
-        o = parallax_decode(q, rho, keys, values, window=self.window, backend=self.backend)
-        return self._output(o), self._keep(keys, values, cache.pos + x.shape[1])
+        if cache.start is None:
+            o = parallax_decode(q, rho, keys, values, window=self.window, backend=self.backend)
+        else:
+            real_k, real_v, lengths = ragged_cache(keys, values, cache.start)
+            o = parallax_decode(q, rho, real_k, real_v, cache_seqlens=lengths, window=self.window, backend=self.backend)
+        return self._output(o), self._keep(keys, values, cache.pos + x.shape[1], cache.start)

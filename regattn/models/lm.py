@@ -35,6 +35,7 @@ from torch.utils.checkpoint import checkpoint
 import regattn
 from regattn.layers import LLA, GatedFWA, GatedFWANSA, Parallax, Retention, RotaryEmbedding
 from regattn.layers.norm import RMSNorm
+from regattn.layers.padding import attend_left_padded, softmax_decode_left_padded, trimmed_start
 from regattn.models.stack import SwiGLU
 
 LM_MIXERS = ("softmax", "swa", "elsa", "parallax", "gatedfwa", "gatedfwa_nsa", "lla", "decay")
@@ -99,10 +100,12 @@ class LMConfig(LMArchitecture):
 # ---------------------------------------------------------------------------------------------- attention
 @dataclass
 class KVCache:
-    """Keys ``[B, n, H, D]`` and values ``[B, n, H, D]`` a new token sees; ``pos`` tokens seen so far."""
+    """Keys ``[B, n, H, D]`` and values ``[B, n, H, D]`` a new token sees; ``pos`` tokens seen so far;
+    ``start: [B]`` the padding slots that open each row of a left-padded batch (None: no padding)."""
     k: torch.Tensor
     v: torch.Tensor
     pos: int
+    start: torch.Tensor | None = None
 
 
 class SelfAttention(nn.Module):
@@ -148,19 +151,25 @@ class SelfAttention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.prefill(x)[0]
 
-    def prefill(self, x: torch.Tensor) -> tuple[torch.Tensor, KVCache]:
+    def prefill(self, x: torch.Tensor, start: torch.Tensor | None = None) -> tuple[torch.Tensor, KVCache]:
+        """``start: [B]``: rows left-padded with ``start[b]`` slots, whose outputs are to be ignored."""
         q, k, v = self._qkv(x, 0)
-        return self._out(self._attend(q, k, v)), self._keep(k, v, x.shape[1])
+        return self._out(attend_left_padded(self._attend, start, q, k, v)), self._keep(k, v, x.shape[1], start)
 
     def step(self, x: torch.Tensor, cache: KVCache) -> tuple[torch.Tensor, KVCache]:
         q, k, v = self._qkv(x, cache.pos)
         keys, values = torch.cat([cache.k, k], 1), torch.cat([cache.v, v], 1)
-        return self._out(self._attend(q, keys, values)), self._keep(keys, values, cache.pos + x.shape[1])
+        if cache.start is None:
+            o = self._attend(q, keys, values)
+        else:
+            o = softmax_decode_left_padded(q, keys, values, cache.start, window=self.window)
+        return self._out(o), self._keep(keys, values, cache.pos + x.shape[1], cache.start)
 
-    def _keep(self, k, v, pos):
+    def _keep(self, k, v, pos, start=None):
+        n = k.shape[1]
         if self.window is not None:
             k, v = k[:, -self.window:], v[:, -self.window:]
-        return KVCache(k=k, v=v, pos=pos)
+        return KVCache(k=k, v=v, pos=pos, start=trimmed_start(start, n, k.shape[1]))
 
 
 # ---------------------------------------------------------------------------------------------- adapters
@@ -174,8 +183,8 @@ class LayerStep(nn.Module):
     def forward(self, x):
         return self.layer(x)
 
-    def prefill(self, x):
-        return self.layer.prefill(x)
+    def prefill(self, x, start=None):
+        return self.layer.prefill(x) if start is None else self.layer.prefill(x, start=start)
 
     def step(self, x, cache):
         return self.layer.prefill(x) if cache is None else self.layer.step(x, cache)
@@ -276,10 +285,14 @@ class DecoderBlock(nn.Module):
         h = h + self.mixer(self.mixer_norm(h))
         return h + self.mlp(self.mlp_norm(h))
 
-    def step(self, h, cache, first: bool):
-        """Prefill (``first``) or decode ``h: [B, n, dim]``; returns ``(h, cache)``."""
+    def step(self, h, cache, first: bool, start=None):
+        """Prefill (``first``; ``start: [B]`` the left padding of each row, or None) or decode ``h: [B, n, dim]``;
+        returns ``(h, cache)``."""
         x = self.mixer_norm(h)
-        y, cache = self.mixer.prefill(x) if first else self.mixer.step(x, cache)
+        if first:
+            y, cache = self.mixer.prefill(x) if start is None else self.mixer.prefill(x, start=start)
+        else:
+            y, cache = self.mixer.step(x, cache)
         h = h + y
         return h + self.mlp(self.mlp_norm(h)), cache
 
@@ -317,16 +330,24 @@ class DecoderLM(nn.Module):
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
 
     # ------------------------------------------------------------------------------------------ generation
-    def _run(self, tokens, caches):
-        """Logits of the last position of ``tokens [B, n]`` and the new caches (prefill when None)."""
+    def run(self, tokens, caches, start=None):
+        """The final (normed) hidden states ``[B, n, dim]`` of ``tokens [B, n]`` and the new caches: a
+        prefill when ``caches`` is None (``start: [B]``: rows left-padded with ``start[b]`` tokens,
+        whose outputs are to be ignored; softmax, swa, elsa, parallax and gatedfwa mixers), else a
+        decode step after them."""
         h = self.embed(tokens)
         first = caches is None
         caches = [None] * len(self.blocks) if first else caches
         out = []
         for block, cache in zip(self.blocks, caches):
-            h, cache = block.step(h, cache, first)
+            h, cache = block.step(h, cache, first, start)
             out.append(cache)
-        return self.head(self.norm(h[:, -1])), out
+        return self.norm(h), out
+
+    def _run(self, tokens, caches):
+        """Logits of the last position of ``tokens [B, n]`` and the new caches (prefill when None)."""
+        h, caches = self.run(tokens, caches)
+        return self.head(h[:, -1]), caches
 
     @staticmethod
     def pick(logits: torch.Tensor, temperature: float, top_k: int | None, generator,

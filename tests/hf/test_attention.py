@@ -56,11 +56,18 @@ def test_cached_generation_matches_sdpa(arch):
     assert rel_err(torch.stack(ours.logits), torch.stack(ref.logits)) < 1e-5
 
 
-def test_padding_is_refused():
+@pytest.mark.parametrize("arch", ["llama", "qwen3_sliding", "mistral"])
+@pytest.mark.parametrize("impl", IMPLS)
+def test_left_padding(arch, impl):
+    """A left-padded batch (prefill and greedy generation) equals each row alone."""
+    tiny.check_left_padding(tiny.model(arch, impl))
+
+
+def test_right_padding_is_refused():
     model = tiny.model("llama", "regattn_softmax")
     x = tiny.tokens(B=2, T=7)
     mask = torch.ones_like(x)
-    mask[0, :2] = 0
+    mask[0, 5:] = 0
     with pytest.raises(ValueError, match="attention_mask"):
         model(x, attention_mask=mask)
     model(x, attention_mask=torch.ones_like(x))   # a mask without padding is fine
