@@ -20,7 +20,7 @@ from regattn.bench import peers
 from regattn.bench.check import Check
 from regattn.bench.peers import Unavailable
 from regattn.ops._common.checks import resolve_backend
-from regattn.bench.timing import Measurement, describe, free_memory, measure
+from regattn.bench.timing import Measurement, describe, measure
 
 
 @dataclass
@@ -188,8 +188,6 @@ def run_suite(suite, shapes: list[dict], setup: Setup, *, on_shape=None) -> list
                                     rep_ms=setup.rep_ms)
                     err = case_errors(case, mode) if m.status == "ok" else None
                     group.append(row_of(shape, mode, case, m, err))
-                    if setup.cuda:
-                        free_memory()
             except Exception as err:  # inputs that cannot even be made (OOM at allocation)
                 group.append(row_of(shape, "-", Case("inputs", None), Measurement(describe(err)), None))
         add_ratios(group, getattr(suite, "MAIN", None))

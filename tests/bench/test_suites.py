@@ -23,8 +23,8 @@ def bound(suite: str, row: dict) -> float:
 def test_suite_runs_tiny_on_cpu(name, tmp_path, capsys, interpret):
     out, plot = tmp_path / f"{name}.json", tmp_path / f"{name}.png"
     backend = "triton" if os.environ.get("TRITON_INTERPRET") == "1" else "auto"
-    assert main(["bench", name, "--device", "cpu", "--rep-ms", "1", "--backend", backend, "--out", str(out),
-                 "--plot", str(plot)]) == 0
+    assert main(["bench", name, "--device", "cpu", "--rep-ms", "1", "--backend", backend, "--peers",
+                 "sdpa,flex,fla,reference,copy", "--out", str(out), "--plot", str(plot)]) == 0
     table = capsys.readouterr().out
     assert "ratio" in table and "ms" in table
     result = json.loads(out.read_text())
@@ -45,4 +45,5 @@ def test_suite_runs_tiny_on_cpu(name, tmp_path, capsys, interpret):
     assert checked and all(r["op"].startswith("regattn:triton") or backend == "auto" for r in checked)
     backward = [r for r in checked if r["mode"].endswith("fwd+bwd")]
     assert all(len(r["err"]) > 1 for r in backward)  # the output and every gradient
+    assert any(r["op"] == "reference" and r["status"] == "ok" for r in rows)
     assert plot.read_bytes()[:4] == b"\x89PNG"

@@ -16,7 +16,7 @@ from regattn.bench.check import Check, Slice
 from regattn.bench.runner import build, flex_case, for_mode, ours, randn, reference_case, sdpa_cases
 
 NAME = "gatedfwa"
-PEERS = ("sdpa-flash", "sdpa-cudnn", "flex", "fla", "reference", "copy")
+PEERS = ("sdpa-flash", "sdpa-cudnn", "flex", "fla", "copy")
 MAIN = {"fwd": ("flex",), "fwd+bwd": ("flex",), "gate fwd": ("copy",), "gate fwd+bwd": ("copy",)}
 MODES = ("fwd", "fwd+bwd")
 SCANS = ("one_pass", "scan_then_propagate")

@@ -13,7 +13,7 @@ from regattn.bench.check import Check, Slice
 from regattn.bench.runner import build, for_mode, ours, randn, reference_case, sdpa_cases
 
 NAME = "parallax"
-PEERS = ("sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "fla", "reference")
+PEERS = ("sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "fla")
 MAIN = {"fwd": ("sdpa:cudnn",), "fwd+bwd": ("sdpa:cudnn",), "decode": ("sdpa:",)}  # decode: the fastest SDPA
 MODES = ("fwd", "fwd+bwd")
 PREFILL = [dict(B=4, H=16, T=8192, D=128)]

@@ -9,7 +9,7 @@ from regattn.bench.check import Check, Slice
 from regattn.bench.runner import flex_case, ours, randn, reference_case, sdpa_cases
 
 NAME = "softmax"
-PEERS = ("sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flex", "reference")
+PEERS = ("sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flex")
 MAIN = {"fwd": ("sdpa:cudnn",), "fwd+bwd": ("sdpa:cudnn",)}
 MODES = ("fwd", "fwd+bwd")
 GOAL = [dict(B=4, H=16, T=8192, D=128)]
