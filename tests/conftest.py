@@ -42,3 +42,12 @@ def interpret():
     """Triton kernels run on CPU tensors only under TRITON_INTERPRET=1 (set by `make test`)."""
     if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
         pytest.skip("needs TRITON_INTERPRET=1 or a CUDA device")
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny models: one intra-op thread (spinning threads only slow them down on a busy machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

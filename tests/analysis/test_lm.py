@@ -14,12 +14,7 @@ from regattn.train.lm import LMTrainConfig, train_lm
 VOCAB = 40
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def srank(w: torch.Tensor) -> float:

@@ -7,6 +7,8 @@ import torch
 from regattn.models import LM_MIXERS, DecoderLM, LMConfig
 from regattn.models.lm import EOS_CHECK_EVERY, top_p_filter
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 VOCAB = 48
 NSA = {"gatedfwa_nsa": dict(block_cmp=4, stride_cmp=2, block_slc=4, topk=2)}
 
@@ -227,11 +229,3 @@ def test_gpu_kernels_generate_and_train_in_bf16(mixer):
         losses.append(loss.item())
     assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0] - 0.5, losses
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models: one intra-op thread (spinning threads only slow them down on a busy machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
