@@ -43,8 +43,7 @@ class Case:
     ``status`` says why); a forward+backward mode differentiates ``leaves``, and ``grads`` maps
     their gradients to ``{"dq": ..., ...}`` in our layout (default: the check's names in order).
     ``check`` (the float64 truth of this shape and mode) is set for cases computing our function;
-    ``flops`` and ``bytes`` come from :mod:`regattn.bench.counts`; ``err`` is set by the suite for
-    rows judged against another truth (the CG table)."""
+    ``flops`` and ``bytes`` come from :mod:`regattn.bench.counts`."""
     op: str
     call: Callable | None
     leaves: list = field(default_factory=list)
@@ -55,8 +54,6 @@ class Case:
     status: str = "ok"
     graph: bool = False
     check: Check | None = None
-    err: dict | None = None
-    extra: dict = field(default_factory=dict)
 
 
 def backward(mode: str) -> bool:
@@ -88,7 +85,7 @@ def ours_label(op, x: torch.Tensor, backend: str) -> str:
     return "regattn:" + resolve_backend(backend, x, op=op.__name__, has_triton=getattr(module, "HAS_TRITON", False))
 
 
-def build(op: str, builder, *, flops=None, bytes=None, ours=False, graph=False, check=None, **extra) -> Case:
+def build(op: str, builder, *, flops=None, bytes=None, ours=False, graph=False, check=None) -> Case:
     """A Case from ``builder() -> (call, leaves[, grads])``; a builder that cannot run gives the reason as status."""
     try:
         call, leaves, *grads = builder()
@@ -96,7 +93,7 @@ def build(op: str, builder, *, flops=None, bytes=None, ours=False, graph=False, 
         status = str(err) if isinstance(err, Unavailable) else describe(err)
         return Case(op, None, flops=flops, bytes=bytes, ours=ours, status=status, graph=graph)
     return Case(op, call, list(leaves), grads[0] if grads else None, flops=flops, bytes=bytes, ours=ours,
-                graph=graph, check=check, extra=extra)
+                graph=graph, check=check)
 
 
 def rate(count: float | None, ms: float | None, unit: float) -> float | None:
@@ -106,11 +103,9 @@ def rate(count: float | None, ms: float | None, unit: float) -> float | None:
 
 def row_of(shape: dict, mode: str, case: Case, m: Measurement, err: dict | None) -> dict:
     """One result row, as printed and as written to JSON."""
-    row = {"shape": shape_label(shape), "params": shape, "mode": mode, "op": case.op, "ours": case.ours,
-           "status": m.status, "ms": m.ms, "tflops": rate(case.flops, m.ms, 1e12), "gbps": rate(case.bytes, m.ms, 1e9),
-           "peak_mb": m.peak_mb, "graph": case.graph, "ratio": None, "err": err}
-    row.update(case.extra)
-    return row
+    return {"shape": shape_label(shape), "params": shape, "mode": mode, "op": case.op, "ours": case.ours,
+            "status": m.status, "ms": m.ms, "tflops": rate(case.flops, m.ms, 1e12), "gbps": rate(case.bytes, m.ms, 1e9),
+            "peak_mb": m.peak_mb, "graph": case.graph, "ratio": None, "err": err}
 
 
 def main_peer(group: list[dict], prefixes) -> dict | None:
@@ -156,8 +151,6 @@ def relative_diff(out, ref) -> float | None:
 
 def case_errors(case: Case, mode: str) -> dict | None:
     """The case's output (and, in a forward+backward mode, gradients) against its float64 check."""
-    if case.err is not None:
-        return case.err
     if case.check is None or case.call is None:
         return None
     try:
