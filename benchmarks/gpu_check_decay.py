@@ -18,7 +18,7 @@ import triton
 import regattn
 from regattn import reference
 from regattn.ops.decay import lightning2 as l2
-from regattn.ops.decay import registry, tune
+from regattn.ops.decay import choose, registry, tune
 
 OUT = os.environ.get("OUT", "/tmp/decay_out")
 START = time.time()
@@ -227,7 +227,7 @@ def tune_and_auto():
                                   gamma=GAMMA)
         except Exception as e:
             ms = f"{type(e).__name__}: {e}"[:200]
-        chosen = tune.choose_method(B, T, H, R, D, torch.bfloat16, True, torch.device("cuda"))
+        chosen = choose.choose_method(B, T, H, R, D, torch.bfloat16, True, torch.device("cuda"))
         row = dict(B=B, T=T, auto_ms=ms, chosen=chosen, best=best.get((B, T), (None, None))[1],
                    best_ms=best.get((B, T), (None, None))[0], fla_ms=FLA_MS[(B, T)])
         if isinstance(ms, float) and row["best_ms"]:

@@ -15,7 +15,7 @@ from regattn.ops._common.checks import check_choice, check_device, check_same, c
 from regattn.ops.decay import registry
 from regattn.ops.decay.memo import TensorMemo
 from regattn.ops.decay.registry import register_decay_method  # noqa: F401  (re-exported)
-from regattn.ops.decay.tune import choose_method
+from regattn.ops.decay.choose import choose_method
 
 HAS_TRITON = True
 METHODS = reference.decay.METHODS
@@ -76,7 +76,7 @@ def check_method(method) -> str:
 
 def resolve_method(method: str, B: int, T: int, H: int, R: int, D: int, dtype, gamma, backend: str,
                    device) -> str:
-    """``"auto"`` -> the measured fastest method for this shape (``tune.choose_method``); the torch
+    """``"auto"`` -> the measured fastest method for this shape (``choose.choose_method``); the torch
     backend uses the CPU rule, which picks among the torch forms."""
     if method != "auto":
         return method
@@ -98,7 +98,7 @@ def decay_linear_attention(b, c, v, gamma=None, *, method="auto", backend="auto"
             differentiate through it.
         method: ``"vanilla", "causal_dot_product", "block_based", "recursion", "lightning2",
             "fleet"``, a name added with ``register_decay_method``, or ``"auto"`` (the fastest
-            method measured for this shape on this kind of GPU; see ``regattn.ops.decay.tune``).
+            method measured for this shape on this kind of GPU; see ``regattn.ops.decay.choose``).
             All give the same numbers up to rounding.
         backend: ``"auto" | "torch" | "triton"``. ``lightning2``, ``fleet`` and
             ``causal_dot_product`` have Triton kernels (forward and backward); ``vanilla``,
