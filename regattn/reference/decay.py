@@ -17,7 +17,9 @@ they differ only in the order of the work:
   Algorithm 5, Appendix C.1).
 
 Decay powers are only ever formed with non-negative exponents, so gamma near 0 and long
-sequences with gamma = 1 stay finite. Computation runs in the inputs' dtype (float64 for
+sequences with gamma = 1 stay finite. A non-finite key (c) or value (v) reaches only the rows that
+see it: masked weights are zeros set by ``where``, and a non-finite entry enters no matrix product;
+the rows at or after it get NaN instead. Computation runs in the inputs' dtype (float64 for
 the exact reference) and is differentiable by autograd, in ``gamma`` too.
 
 Layout: ``b, c: [B, T, H, R]``, ``v: [B, T, H, D]``, ``gamma: [H]`` or None (no decay).
@@ -48,8 +50,7 @@ def _decay_mask(log_g: torch.Tensor, n: int) -> torch.Tensor:
     """``M: [H, n, n]`` with ``M_ij = gamma^(i - j)`` for ``i >= j``, else 0."""
     idx = torch.arange(n, device=log_g.device)
     dist = idx[:, None] - idx[None, :]
-    causal = dist >= 0
-    return torch.where(causal, _powers(log_g, dist.clamp_min(0)), torch.zeros((), dtype=log_g.dtype, device=log_g.device))
+    return torch.where(dist >= 0, _powers(log_g, dist.clamp_min(0)), torch.zeros((), dtype=log_g.dtype, device=log_g.device))
 
 
 def _heads_first(*xs):
@@ -57,9 +58,40 @@ def _heads_first(*xs):
     return [x.transpose(1, 2) for x in xs]
 
 
+def _finite(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with its non-finite entries set to 0."""
+    return torch.where(torch.isfinite(x), x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+def _seen_nonfinite(x: torch.Tensor) -> torch.Tensor:
+    """Bool ``[..., n, X]``: row ``i`` sees a non-finite ``x_jd`` at some ``j <= i`` (per column d)."""
+    return torch.cumsum((~torch.isfinite(x)).to(torch.int32), dim=-2) > 0
+
+
+def _poison(o: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
+    """``o`` plus NaN where ``seen``; the NaN is a constant, so gradients reach ``o`` unchanged."""
+    return o + torch.zeros_like(o).masked_fill(seen, float("nan"))
+
+
+def _causal_matmul(w, x):
+    """``w @ x`` for a lower-triangular ``w [..., n, n]`` whose zeros above the diagonal are exact:
+    ``x [..., n, X]`` enters the product with non-finite entries zeroed (a zero weight times NaN is NaN),
+    and the rows that see one get NaN."""
+    return _poison(w @ _finite(x), _seen_nonfinite(x))
+
+
 def _masked_block(b, c, v, mask):
-    """``(b c^T ⊙ mask) v`` for ``b, c: [B, H, n, R]``, ``v: [B, H, n, D]``, ``mask: [H, n, n]``."""
-    return ((b @ c.transpose(-1, -2)) * mask) @ v
+    """``(b c^T ⊙ mask) v`` for ``b, c: [..., n, R]``, ``v: [..., n, D]``, ``mask: [..., n, n]`` lower triangular.
+
+    The weights above the diagonal are zeros set by ``where``; a non-finite ``c_j`` or ``v_j`` reaches
+    only the rows ``i >= j``, forward and backward.
+    """
+    n = b.shape[-2]
+    causal = torch.ones(n, n, dtype=torch.bool, device=b.device).tril()
+    scores = b @ _finite(c).transpose(-1, -2)
+    w = torch.where(causal, scores * mask, torch.zeros((), dtype=scores.dtype, device=b.device))
+    seen_c = _seen_nonfinite(c).any(dim=-1, keepdim=True)
+    return _poison(w @ _finite(v), seen_c | _seen_nonfinite(v))
 
 
 # --- the six methods, each on [B, H, T, X] tensors ------------------------------------------
@@ -158,7 +190,7 @@ def _lambda_cumsum(x, log_g, chunk: int = BLOCK):
     for s in range(0, T, chunk):
         xi = flat[:, :, s:s + chunk]
         n = xi.shape[2]
-        yi = _decay_mask(log_g, n)[None] @ xi
+        yi = _causal_matmul(_decay_mask(log_g, n)[None], xi)
         if carry is not None:
             yi = yi + _powers(log_g, p[:n] + 1)[None, :, :, None] * carry[:, :, None]
         carry = yi[:, :, -1]
