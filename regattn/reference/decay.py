@@ -26,6 +26,8 @@ Layout: ``b, c: [B, T, H, R]``, ``v: [B, T, H, D]``, ``gamma: [H]`` or None (no 
 """
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
 METHODS = ("vanilla", "causal_dot_product", "block_based", "recursion", "lightning2", "fleet")
@@ -214,8 +216,12 @@ _IMPLS = {
 }
 
 
-def decay_linear_attention(b, c, v, gamma=None, *, method: str = "vanilla", block: int | None = None):
-    """``O = (B C^T ⊙ M) V``, ``M_ij = gamma^(i - j)`` for ``i >= j`` (leetdecoding.txt eq. 4).
+def decay_linear_attention(b, c, v, gamma=None, *, method: str = "vanilla", block: int | None = None,
+                           initial_state=None, output_final_state: bool = False, cu_seqlens=None):
+    """``O = (B C^T ⊙ M) V``, ``M_ij = gamma^(i - j)`` for ``i >= j`` (leetdecoding.txt eq. 4), from a state.
+
+    With an initial state ``S_0`` (1-based t): ``o_t = b_t (gamma^t S_0 + sum_{j<=t} gamma^(t-j) c_j^T v_j)``,
+    and the state after the last token is ``S_T = gamma^T S_0 + sum_j gamma^(T-j) c_j^T v_j``.
 
     Args:
         b: ``[B, T, H, R]``; c: ``[B, T, H, R]``; v: ``[B, T, H, D]``.
@@ -223,18 +229,81 @@ def decay_linear_attention(b, c, v, gamma=None, *, method: str = "vanilla", bloc
         method: one of ``METHODS``; all give the same numbers up to rounding.
         block: block size of ``block_based`` and ``lightning2``, chunk of ``fleet``'s
             lambda-cumsum, leaf size of ``recursion`` (defaults 64, 64, 64, 32).
+        initial_state: ``[N, H, R, D]`` (N = B, or the number of packed sequences), or None for zeros.
+        output_final_state: also return ``S_T: [N, H, R, D]``.
+        cu_seqlens: ``[N + 1]`` offsets of packed sequences (B == 1); each starts from its own state.
 
     Returns:
-        ``o: [B, T, H, D]`` in the inputs' dtype.
+        ``o: [B, T, H, D]`` in the inputs' dtype; ``(o, S_T)`` with ``output_final_state``, the state in
+        float32 (float64 for float64 inputs).
     """
     if method not in _IMPLS:
         raise ValueError(f"method: expected one of {', '.join(map(repr, METHODS))}, got {method!r}")
+    return with_state(partial(_parallel, method=method, block=block), b, c, v, gamma, initial_state=initial_state,
+                      output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+
+
+def _parallel(b, c, v, gamma, *, method: str, block: int | None):
+    """One method's parallel form from a zero state: ``[B, T, H, X] -> o [B, T, H, D]``."""
     log_g = _log_gamma(gamma, b.shape[2], b)
     bh, ch, vh = _heads_first(b, c, v)
     impl = _IMPLS[method]
     if block is not None and method != "vanilla" and method != "causal_dot_product":
         return impl(bh, ch, vh, log_g, block).transpose(1, 2)
     return impl(bh, ch, vh, log_g).transpose(1, 2)
+
+
+def state_dtype(dtype: torch.dtype) -> torch.dtype:
+    """States are float32, float64 for float64 inputs."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def with_state(parallel, b, c, v, gamma=None, *, initial_state=None, output_final_state: bool = False,
+               cu_seqlens=None):
+    """Any parallel form ``parallel(b, c, v, gamma) -> o`` (from a zero state) with an initial state, the
+    final state and packed sequences, as in ``decay_linear_attention``."""
+    if cu_seqlens is not None:
+        return _packed(parallel, b, c, v, gamma, initial_state, output_final_state, cu_seqlens)
+    o = parallel(b, c, v, gamma)
+    if initial_state is None and not output_final_state:
+        return o
+    o, state = _state_terms(o, b, c, v, gamma, initial_state)
+    return (o, state) if output_final_state else o
+
+
+def _state_terms(o, b, c, v, gamma, initial_state):
+    """``o`` plus the initial state's share ``gamma^(t+1) b_t S_0`` (0-based t), and the final state."""
+    T, H = b.shape[1], b.shape[2]
+    sdt = state_dtype(v.dtype)
+    log_g = _log_gamma(gamma, H, v.to(sdt))
+    t = torch.arange(T, device=b.device)
+    bh, ch, vh = _heads_first(b.to(sdt), c.to(sdt), v.to(sdt))
+    state = (_powers(log_g, T - 1 - t)[None, :, :, None] * ch).transpose(-1, -2) @ vh
+    if initial_state is None:
+        return o, state
+    s0 = initial_state.to(sdt)
+    carried = ((_powers(log_g, t + 1)[None, :, :, None] * bh) @ s0).transpose(1, 2)
+    state = state + _powers(log_g, torch.tensor(T, device=b.device))[None, :, None, None] * s0
+    return (o.to(sdt) + carried).to(o.dtype), state
+
+
+def _packed(parallel, b, c, v, gamma, initial_state, output_final_state, cu_seqlens):
+    """Packed sequences one at a time (reads the offsets on the host)."""
+    bounds = cu_seqlens.tolist()
+    outs, states = [], []
+    for n, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
+        s0 = None if initial_state is None else initial_state[n:n + 1]
+        if end == start:
+            H, R, D = b.shape[2], b.shape[3], v.shape[3]
+            states.append(b.new_zeros(1, H, R, D, dtype=state_dtype(v.dtype)) if s0 is None
+                          else s0.to(state_dtype(v.dtype)))
+            continue
+        o, state = with_state(parallel, b[:, start:end], c[:, start:end], v[:, start:end], gamma,
+                              initial_state=s0, output_final_state=True)
+        outs.append(o)
+        states.append(state)
+    o = torch.cat(outs, dim=1) if outs else v.new_zeros(v.shape)
+    return (o, torch.cat(states)) if output_final_state else o
 
 
 def decay_linear_step(state, b_t, c_t, v_t, gamma=None):
@@ -259,10 +328,8 @@ def decay_linear_step(state, b_t, c_t, v_t, gamma=None):
 
 
 def decay_linear_prefill(b, c, v, gamma=None, *, initial_state=None, method: str = "vanilla"):
-    """The parallel form and the state after the last token, ready for ``decay_linear_step``.
-
-    ``o_i = sum_{j<=i} gamma^(i-j) (b_i.c_j) v_j + gamma^(i+1) b_i S_0`` and
-    ``S_T = gamma^T S_0 + sum_j gamma^(T-1-j) c_j^T v_j``.
+    """The parallel form and the state after the last token, ready for ``decay_linear_step``:
+    ``decay_linear_attention(..., output_final_state=True)``.
 
     Args:
         b, c: ``[B, T, H, R]``; v: ``[B, T, H, D]``; gamma: ``[H]`` or None.
@@ -272,14 +339,5 @@ def decay_linear_prefill(b, c, v, gamma=None, *, initial_state=None, method: str
     Returns:
         ``(o [B, T, H, D], state [B, H, R, D])``.
     """
-    T, H = b.shape[1], b.shape[2]
-    log_g = _log_gamma(gamma, H, b)
-    o = decay_linear_attention(b, c, v, gamma, method=method)
-    bh, ch, vh = _heads_first(b, c, v)
-    t = torch.arange(T, device=b.device)
-    state = (_powers(log_g, T - 1 - t)[None, :, :, None] * ch).transpose(-1, -2) @ vh
-    if initial_state is not None:
-        s0 = initial_state.to(state.dtype)
-        o = o + ((_powers(log_g, t + 1)[None, :, :, None] * bh) @ s0).transpose(1, 2)
-        state = state + _powers(log_g, torch.tensor(T, device=b.device))[None, :, None, None] * s0
-    return o, state
+    return decay_linear_attention(b, c, v, gamma, method=method, initial_state=initial_state,
+                                  output_final_state=True)
