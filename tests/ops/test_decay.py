@@ -12,8 +12,10 @@ KERNELS = ("lightning2", "fleet", "causal_dot_product")
 
 
 def case(B, T, H, R, D, dtype, seed, gamma):
-    b, c, v = (randn(B, T, H, n, seed=seed + i, scale=n ** -0.25 if i < 2 else 1.0) for i, n in enumerate((R, R, D)))
-    do = randn(B, T, H, D, seed=seed + 3)
+    """b, c, v, do, gamma; ``seed=None`` draws fresh inputs."""
+    at = lambda i: None if seed is None else seed + i
+    b, c, v = (randn(B, T, H, n, seed=at(i), scale=n ** -0.25 if i < 2 else 1.0) for i, n in enumerate((R, R, D)))
+    do = randn(B, T, H, D, seed=at(3))
     g = None if gamma is None else torch.tensor(gamma, dtype=torch.float64)
     return b, c, v, do, g
 
@@ -141,3 +143,116 @@ def test_gamma_written_in_place_is_checked_again(interpret):
     g.fill_(1.5)
     with pytest.raises(ValueError, match="gamma"):
         regattn.decay_linear_attention(b, c, v, g, method="lightning2", backend="triton")
+
+
+def stateful_grads(fn, b, c, v, s0, do, ds, dtype):
+    """``(o, S_T) = fn(b, c, v, s0)`` in ``dtype`` (state float32 or float64), and the gradients of
+    ``<o, do> + <S_T, ds>`` w.r.t. b, c, v and s0."""
+    x = [t.detach().to(dtype).requires_grad_() for t in (b, c, v)]
+    s = s0.detach().to(torch.float64 if dtype == torch.float64 else torch.float32).requires_grad_()
+    o, final = fn(*x, s)
+    loss = (o.double() * do).sum() + (final.double() * ds).sum()
+    return [o, final, *torch.autograd.grad(loss, [*x, s])]
+
+
+def check_against_reference(got, truth, tol, what):
+    for name, out, ref in zip(("o", "S_T", "db", "dc", "dv", "dS_0"), got, truth):
+        assert out.shape == ref.shape, f"{what} {name}"
+        err = rel_err(out, ref)
+        assert err <= tol, f"{what} {name}: {err:.2e} > {tol:.2e}"
+
+
+@pytest.mark.parametrize("B,T,H,R,D", [(2, 37, 2, 16, 24), (1, 5, 1, 5, 7)])
+def test_lightning2_from_a_state(interpret, B, T, H, R, D):
+    """o and S_T from an initial state, and the gradients of both (d initial_state included)."""
+    b, c, v, do, g = case(B, T, H, R, D, torch.float32, seed=None, gamma=[0.9, 0.6][:H])
+    s0, ds = randn(B, H, R, D), randn(B, H, R, D)
+    run = lambda fn_gamma, **kw: lambda b, c, v, s: regattn.decay_linear_attention(
+        b, c, v, fn_gamma, initial_state=s, output_final_state=True, **kw)
+    truth = stateful_grads(run(g, backend="torch", method="vanilla"), b, c, v, s0, do, ds, torch.float64)
+    got = stateful_grads(run(g.float(), backend="triton"), b, c, v, s0, do, ds, torch.float32)
+    check_against_reference(got, truth, TOL[torch.float32], "lightning2")
+
+
+def test_lightning2_segments_from_a_state(interpret):
+    """The sequence-parallel path chains the segments with the initial state entering every row."""
+    b, c, v, _, g = case(2, 70, 2, 16, 16, torch.float32, seed=None, gamma=[0.95, 0.7])
+    s0 = randn(2, 2, 16, 16)
+    ref_o, ref_s = reference.decay_linear_attention(b, c, v, g, initial_state=s0, output_final_state=True)
+    o, s = lightning2_forward(*(t.float() for t in (b, c, v)), log2_gamma(g.float(), 2, "cpu"), segment=16,
+                              initial_state=s0.float(), output_final_state=True)
+    assert rel_err(o, ref_o) <= TOL[torch.float32] and rel_err(s, ref_s) <= TOL[torch.float32]
+
+
+def test_state_carried_across_a_split_through_kernels(interpret):
+    b, c, v, _, g = case(1, 41, 2, 8, 12, torch.float32, seed=None, gamma=[0.9, 0.99])
+    x = [t.float() for t in (b, c, v)]
+    whole, final = reference.decay_linear_attention(b, c, v, g, output_final_state=True)
+    o1, s1 = regattn.decay_linear_attention(*(t[:, :19] for t in x), g.float(), output_final_state=True,
+                                            backend="triton")
+    o2, s2 = regattn.decay_linear_attention(*(t[:, 19:] for t in x), g.float(), initial_state=s1,
+                                            output_final_state=True, backend="triton")
+    assert rel_err(torch.cat([o1, o2], 1), whole) <= TOL[torch.float32] and rel_err(s2, final) <= TOL[torch.float32]
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_packed_sequences(interpret, backend):
+    """Packed sequences (one of them empty) equal one call per sequence, gradients included."""
+    lengths = [7, 0, 20, 1, 13]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    N, H, R, D = len(lengths), 2, 8, 12
+    b, c, v, do, g = case(1, sum(lengths), H, R, D, torch.float32, seed=None, gamma=[0.9, 0.7])
+    s0, ds = randn(N, H, R, D), randn(N, H, R, D)
+    packed = lambda b, c, v, s: regattn.decay_linear_attention(b, c, v, g.float(), initial_state=s,
+                                                               output_final_state=True, cu_seqlens=cu, backend=backend)
+    got = stateful_grads(packed, b, c, v, s0, do, ds, torch.float32)
+
+    def one_by_one(b, c, v, s):
+        outs, finals = [], []
+        for n, (start, end) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+            if end == start:
+                finals.append(s[n:n + 1])
+                continue
+            o_n, s_n = reference.decay_linear_attention(b[:, start:end], c[:, start:end], v[:, start:end], g,
+                                                        initial_state=s[n:n + 1], output_final_state=True)
+            outs.append(o_n)
+            finals.append(s_n)
+        return torch.cat(outs, 1), torch.cat(finals)
+    truth = stateful_grads(one_by_one, b, c, v, s0, do, ds, torch.float64)
+    check_against_reference(got, truth, TOL[torch.float32], backend)
+
+
+def test_state_terms_added_to_other_kernels(interpret):
+    """fleet and causal_dot_product run from a zero state and add the state terms in torch; packed
+    sequences are lightning2's alone on the Triton backend."""
+    b, c, v, _, g = case(1, 23, 2, 8, 8, torch.float32, seed=None, gamma=[0.9, 0.6])
+    x = [t.float() for t in (b, c, v)]
+    s0 = randn(1, 2, 8, 8)
+    ref_o, ref_s = reference.decay_linear_attention(b, c, v, g, initial_state=s0, output_final_state=True)
+    for method in ("fleet", "causal_dot_product"):
+        o, s = regattn.decay_linear_attention(*x, g.float(), initial_state=s0.float(), output_final_state=True,
+                                              method=method, backend="triton")
+        assert rel_err(o, ref_o) <= TOL[torch.float32] and rel_err(s, ref_s) <= TOL[torch.float32], method
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        regattn.decay_linear_attention(*x, g.float(), cu_seqlens=torch.tensor([0, 23]), method="fleet",
+                                       backend="triton")
+
+
+def test_bad_state_arguments():
+    b, c, v = small()
+    with pytest.raises(ValueError, match="initial_state: expected shape"):
+        regattn.decay_linear_attention(b, c, v, initial_state=torch.zeros(2, 2, 4, 3))
+    with pytest.raises(ValueError, match="initial_state: expected shape"):     # N = 2 packed sequences
+        regattn.decay_linear_attention(b, c, v, initial_state=randn(1, 2, 4, 3), cu_seqlens=torch.tensor([0, 2, 6]))
+    with pytest.raises(TypeError, match="output_final_state"):
+        regattn.decay_linear_attention(b, c, v, output_final_state=1)
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        regattn.decay_linear_attention(b, c, v, cu_seqlens=torch.tensor([0, 2, 5]))
+    with pytest.raises(ValueError, match="cu_seqlens: packed sequences need batch size 1"):
+        regattn.decay_linear_attention(*(torch.cat([t, t]) for t in (b, c, v)), cu_seqlens=torch.tensor([0, 6]))
+
+
+def test_float64_on_triton_is_refused(interpret):
+    b, c, v = (t.double() for t in small())
+    with pytest.raises(TypeError, match="v: backend='triton' expects fp16, bf16 or fp32"):
+        regattn.decay_linear_attention(b, c, v, 0.9, method="lightning2", backend="triton")
