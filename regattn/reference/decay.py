@@ -164,9 +164,11 @@ def _lightning2(b, c, v, log_g, block: int = BLOCK):
     bb, cb, vb = (_pad_blocks(x, block) for x in (b, c, v))          # [B, H, N, L, X]
     N = bb.shape[2]
     p = torch.arange(block, device=b.device)
-    intra = ((bb @ cb.transpose(-1, -2)) * _decay_mask(log_g, block)[None, :, None]) @ vb
+    intra = _masked_block(bb, cb, vb, _decay_mask(log_g, block)[None, :, None])
     out_of = _powers(log_g, block - 1 - p)[None, :, None, :, None]
-    summaries = (out_of * cb).transpose(-1, -2) @ vb                 # [B, H, N, R, D]: each block's own state
+    # [B, H, N-1, R, D]: each block's own state (the last block's is never read: left out, so that a
+    # non-finite row there cannot reach its earlier rows through a zero gradient)
+    summaries = (out_of * cb[:, :, :-1]).transpose(-1, -2) @ vb[:, :, :-1]
     g_block = _powers(log_g, torch.tensor(block, device=b.device))[None, :, None, None]
     states = [b.new_zeros(Bsz, H, R, v.shape[-1])]                   # state before block n
     for n in range(N - 1):

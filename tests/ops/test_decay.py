@@ -256,3 +256,31 @@ def test_float64_on_triton_is_refused(interpret):
     b, c, v = (t.double() for t in small())
     with pytest.raises(TypeError, match="v: backend='triton' expects fp16, bf16 or fp32"):
         regattn.decay_linear_attention(b, c, v, 0.9, method="lightning2", backend="triton")
+
+
+NONFINITE_CASES = [(m, "torch") for m in reference.decay.METHODS] + [(m, "triton") for m in KERNELS]
+
+
+@pytest.mark.parametrize("method,backend", NONFINITE_CASES)
+@pytest.mark.parametrize("role,bad", [("b", float("nan")), ("c", float("inf")), ("v", float("nan")),
+                                      ("v", float("-inf"))])
+def test_nonfinite_at_the_last_position_stays_there(request, method, backend, role, bad):
+    """A NaN or inf in b, c or v at the last position leaves the earlier rows as a finite value there
+    would: their outputs and, for the loss over every row, db of every earlier row; and dc, dv of the
+    earlier positions when it sits in c or v (a non-finite b_T makes o_T non-finite, and dc_j, dv_j
+    rightly depend on o_T). The last row itself is non-finite."""
+    if backend == "triton":
+        request.getfixturevalue("interpret")
+    b, c, v, do, _ = case(1, 21, 2, 8, 8, torch.float32, seed=None, gamma=None)
+    g = torch.tensor([0.9, 0.6])
+    run = lambda *x: regattn.decay_linear_attention(*x, g, method=method, backend=backend)
+    finite = forward_backward(run, b, c, v, do, torch.float32)
+    inputs = {"b": b, "c": c, "v": v}
+    inputs[role] = inputs[role].clone()
+    inputs[role][:, -1, 1, 2] = bad
+    got = forward_backward(run, *inputs.values(), do, torch.float32)
+    assert not torch.isfinite(got[0][:, -1]).all()
+    checked = ("o", "db") + (("dc", "dv") if role != "b" else ())
+    for name, out, ref in zip(("o", "db", "dc", "dv"), got, finite):
+        if name in checked:
+            assert rel_err(out[:, :-1], ref[:, :-1]) <= 1e-6, f"{name} of the earlier rows"
