@@ -284,3 +284,25 @@ def test_nonfinite_at_the_last_position_stays_there(request, method, backend, ro
     for name, out, ref in zip(("o", "db", "dc", "dv"), got, finite):
         if name in checked:
             assert rel_err(out[:, :-1], ref[:, :-1]) <= 1e-6, f"{name} of the earlier rows"
+
+
+def seqlens_ops():
+    """Every op that takes cu_seqlens or cache_seqlens, as ``(argument name, call(seqlens))`` on CPU inputs."""
+    q, k, v, r = (randn(1, 6, 2, 4, dtype=torch.float32) for _ in range(4))
+    u = -torch.rand(1, 6, 2).cumsum(1)
+    return [
+        ("cu_seqlens", lambda s: regattn.softmax_attention(q, k, v, cu_seqlens=s)),
+        ("cu_seqlens", lambda s: regattn.gatedfwa(q, k, v, u, window=3, cu_seqlens=s)),
+        ("cu_seqlens", lambda s: regattn.parallax(q, r, k, v, cu_seqlens=s)),
+        ("cu_seqlens", lambda s: regattn.scan_attention(q, k, v, causal=True, cu_seqlens=s)),
+        ("cu_seqlens", lambda s: regattn.decay_linear_attention(q, k, v, 0.9, cu_seqlens=s)),
+        ("cache_seqlens", lambda s: regattn.parallax_decode(q[:, :1], r[:, :1], k, v, cache_seqlens=s)),
+    ]
+
+
+@pytest.mark.parametrize("index", range(len(seqlens_ops())))
+def test_seqlens_on_another_device_is_named(index):
+    """A seqlens tensor on another device than q (here meta) is refused by name before any host copy."""
+    name, call = seqlens_ops()[index]
+    with pytest.raises(ValueError, match=f"{name}: expected device cpu"):
+        call(torch.empty(2 if name == "cu_seqlens" else 1, dtype=torch.int32, device="meta"))
