@@ -306,3 +306,36 @@ def test_seqlens_on_another_device_is_named(index):
     name, call = seqlens_ops()[index]
     with pytest.raises(ValueError, match=f"{name}: expected device cpu"):
         call(torch.empty(2 if name == "cu_seqlens" else 1, dtype=torch.int32, device="meta"))
+
+
+@pytest.mark.parametrize("attn_method,method", [
+    ("vanilla", "vanilla"), ("causal-dot-product", "causal_dot_product"), ("block-based", "block_based"),
+    ("recursion", "recursion"), ("lightningAttention-2", "lightning2"), ("FleetAttention", "fleet"), ("auto", "auto"),
+])
+@pytest.mark.parametrize("is_mask_weight", [False, True])
+def test_causal_linear_decoder_is_decay_linear_attention(attn_method, method, is_mask_weight):
+    """LeetDecoding's call on ``[B, H, T, X]`` with gamma ``[H, 1]`` is ours on ``[B, T, H, X]`` with the
+    named method (the same rounding), and equals the reference."""
+    q, k, v = (randn(2, 3, 70, n) for n in (5, 5, 6))
+    gamma = torch.rand(3, 1, dtype=torch.float64) * 0.5 + 0.5 if is_mask_weight else None
+    flat_gamma = None if gamma is None else gamma[:, 0]
+    got = regattn.causal_linear_decoder(q, k, v, gamma, attn_method=attn_method, is_mask_weight=is_mask_weight)
+    ours = regattn.decay_linear_attention(*(x.transpose(1, 2) for x in (q, k, v)), flat_gamma, method=method)
+    assert got.shape == v.shape and torch.equal(got, ours.transpose(1, 2))
+    want = reference.decay_linear_attention(*(x.transpose(1, 2) for x in (q, k, v)), flat_gamma)
+    assert rel_err(got, want.transpose(1, 2)) < 1e-12
+
+
+def test_causal_linear_decoder_names_bad_arguments():
+    q, k, v = (randn(1, 2, 7, 4) for _ in range(3))
+    with pytest.raises(ValueError, match="attn_method: expected one of"):
+        regattn.causal_linear_decoder(q, k, v, attn_method="lightning2")
+    for bad in (torch.full((2,), 0.9), torch.full((1, 2), 0.9), torch.full((2, 1, 1), 0.9)):
+        with pytest.raises(ValueError, match="gamma"):
+            regattn.causal_linear_decoder(q, k, v, bad, is_mask_weight=True)
+    with pytest.raises(ValueError, match="gamma: given with is_mask_weight=False"):
+        regattn.causal_linear_decoder(q, k, v, torch.full((2, 1), 0.9))
+    with pytest.raises(ValueError, match="gamma: expected a \\[H, 1\\] tensor"):
+        regattn.causal_linear_decoder(q, k, v, is_mask_weight=True)
+    with pytest.raises(ValueError, match="k: expected shape \\[B, H, T, R\\]"):
+        regattn.causal_linear_decoder(q, k[..., :3], v)
