@@ -128,7 +128,7 @@ def _lightning2_kernel(
             # gamma^FINAL_POW S + gamma^(T - 1 + INIT_POW + FINAL_POW) X
             S = S * tl.exp2(FINAL_POW * log2g)
             if HAS_INIT:
-                S += tl.exp2((T - 1 + INIT_POW + FINAL_POW).to(tl.float32) * log2g) * X
+                S += tl.exp2((T - 1 + INIT_POW + FINAL_POW) * log2g) * X
             tl.store(FINAL + pid_bh.to(tl.int64) * R * D + state_offs, S, mask=state_mask)
 
 
@@ -177,6 +177,18 @@ def plan_segments(B: int, H: int, T: int, n_dblocks: int, BT: int, device: torch
     return triton.cdiv(triton.cdiv(T, n_seg), BT) * BT
 
 
+@dataclass
+class StateArgs:
+    """The state side of a call: ``initial [N, H, R, D]`` float32 (entering row t with weight
+    ``gamma^(t + init_pow)``), ``final [N, H, R, D]`` float32 to write
+    (``gamma^final_pow S_T + gamma^(T - 1 + init_pow + final_pow) initial``), ``cu_seqlens [N + 1]``."""
+    initial: torch.Tensor | None = None
+    final: torch.Tensor | None = None
+    cu_seqlens: torch.Tensor | None = None
+    init_pow: int = 1
+    final_pow: int = 0
+
+
 def _launch(b, c, v, log2g, o, local, seg, n_seg, reverse, chain, write_o, write_state, cfg, state):
     """One launch; ``state``: the ``StateArgs`` of this call."""
     B, T, H, R = b.shape
@@ -194,18 +206,6 @@ def _launch(b, c, v, log2g, o, local, seg, n_seg, reverse, chain, write_o, write
         VARLEN=state.cu_seqlens is not None, PRECISION=dot_precision(v.dtype),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
-
-
-@dataclass
-class StateArgs:
-    """The state side of a call: ``initial [N, H, R, D]`` float32 (entering row 0 with weight
-    ``gamma^(t + init_pow)``), ``final`` (written with ``gamma^final_pow S + gamma^(T-1+init_pow+final_pow) initial``),
-    ``cu_seqlens [N + 1]`` for packed sequences (B == 1)."""
-    initial: torch.Tensor | None = None
-    final: torch.Tensor | None = None
-    cu_seqlens: torch.Tensor | None = None
-    init_pow: int = 1
-    final_pow: int = 0
 
 
 def lightning2_forward(b, c, v, log2g, *, reverse: bool = False, segment: int | None = None,
