@@ -277,9 +277,9 @@ def _state_terms(o, b, c, v, gamma, initial_state):
     """``o`` plus the initial state's share ``gamma^(t+1) b_t S_0`` (0-based t), and the final state."""
     T, H = b.shape[1], b.shape[2]
     sdt = state_dtype(v.dtype)
-    log_g = _log_gamma(gamma, H, v.to(sdt))
-    t = torch.arange(T, device=b.device)
     bh, ch, vh = _heads_first(b.to(sdt), c.to(sdt), v.to(sdt))
+    log_g = _log_gamma(gamma, H, vh)
+    t = torch.arange(T, device=b.device)
     state = (_powers(log_g, T - 1 - t)[None, :, :, None] * ch).transpose(-1, -2) @ vh
     if initial_state is None:
         return o, state
