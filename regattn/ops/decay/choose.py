@@ -87,3 +87,9 @@ def _choose_on_gpu(B, T, H, R, D, dtype, decay, index) -> str:
     table = load_table(gpu_kind(torch.cuda.get_device_name(index)))
     picked = None if table is None else pick_from_table(table, B, T, H, R, D, dtype, decay)
     return picked or "lightning2"
+
+
+def forget_tables() -> None:
+    """Read the tables again on the next lookup (after ``regattn tune decay`` wrote one)."""
+    load_table.cache_clear()
+    _choose_on_gpu.cache_clear()

@@ -12,7 +12,7 @@ import torch
 
 from regattn.ops.decay import registry
 from regattn.ops.decay.api import decay_linear_attention
-from regattn.ops.decay.choose import TABLES, _choose_on_gpu, fastest, gpu_kind, load_table
+from regattn.ops.decay.choose import TABLES, fastest, forget_tables, gpu_kind
 
 GRID_T = (128, 512, 2048, 8192, 12800, 25600, 100000)
 GRID_B = (1, 16)
@@ -131,7 +131,6 @@ def main(argv=None) -> int:
                  entries=kept + entries)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(table, indent=1))
-    load_table.cache_clear()
-    _choose_on_gpu.cache_clear()
+    forget_tables()
     print(f"wrote {out} ({len(table['entries'])} points)")
     return 0
