@@ -262,8 +262,7 @@ NONFINITE_CASES = [(m, "torch") for m in reference.decay.METHODS] + [(m, "triton
 
 
 @pytest.mark.parametrize("method,backend", NONFINITE_CASES)
-@pytest.mark.parametrize("role,bad", [("b", float("nan")), ("c", float("inf")), ("v", float("nan")),
-                                      ("v", float("-inf"))])
+@pytest.mark.parametrize("role,bad", [("b", float("nan")), ("c", float("inf")), ("v", float("-inf"))])
 def test_nonfinite_at_the_last_position_stays_there(request, method, backend, role, bad):
     """A NaN or inf in b, c or v at the last position leaves the earlier rows as a finite value there
     would: their outputs and, for the loss over every row, db of every earlier row; and dc, dv of the

@@ -174,7 +174,7 @@ def test_packed_equals_one_call_per_sequence(with_state):
         assert rel_err(o[:, start:end], o_n) < 1e-12 and rel_err(final[n:n + 1], s_n) < 1e-12
 
 
-@pytest.mark.parametrize("method", ["vanilla", "lightning2"])
+@pytest.mark.parametrize("method", ["lightning2"])
 def test_gradcheck_with_states(method):
     b, c, v = inputs(1, 11, 2, 3, 2, requires_grad=True)
     s0 = randn(2, 2, 3, 2, requires_grad=True)
