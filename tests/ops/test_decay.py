@@ -184,6 +184,22 @@ def test_lightning2_segments_from_a_state(interpret):
     assert rel_err(o, ref_o) <= TOL[torch.float32] and rel_err(s, ref_s) <= TOL[torch.float32]
 
 
+def test_lightning2_segments_backward_state(interpret):
+    """What the backward asks of the kernel, over segments: rows from the last, the state entering row t
+    with gamma^t (``init_pow=0``) and the final state times gamma (``final_pow=1``)."""
+    T = 70
+    b, c, v, _, g = case(1, T, 2, 16, 16, torch.float32, seed=None, gamma=[0.95, 0.7])
+    x = randn(1, 2, 16, 16)
+    flipped = [t.flip(1) for t in (b, c, v)]
+    o_zero, s_zero = reference.decay_linear_attention(*flipped, g, output_final_state=True)
+    powers = g[None, :] ** torch.arange(T, dtype=torch.float64)[:, None]                      # [T, H]: gamma^t
+    want_o = o_zero + torch.einsum("bthr,bhrd->bthd", powers[None, :, :, None] * flipped[0], x)
+    want_s = g[:, None, None] * s_zero + (g ** T)[:, None, None] * x
+    o, s = lightning2_forward(*(t.float() for t in (b, c, v)), log2_gamma(g.float(), 2, "cpu"), reverse=True,
+                              segment=16, initial_state=x.float(), init_pow=0, final_pow=1, output_final_state=True)
+    assert rel_err(o.flip(1), want_o) <= TOL[torch.float32] and rel_err(s, want_s) <= TOL[torch.float32]
+
+
 def test_state_carried_across_a_split_through_kernels(interpret):
     b, c, v, _, g = case(1, 41, 2, 8, 12, torch.float32, seed=None, gamma=[0.9, 0.99])
     x = [t.float() for t in (b, c, v)]
