@@ -9,6 +9,7 @@ from regattn.ops.lla.api import lla, lla_decode
 from regattn.ops.decay.api import (
     decay_linear_attention, decay_linear_prefill, decay_linear_step, register_decay_method,
 )
+from regattn.ops.decay.leetdecoding import causal_linear_decoder
 from regattn.ops.scan.api import scan_attention
 from regattn.ops.scan.sdpa import exact_attention
 
@@ -17,6 +18,7 @@ __version__ = "0.1.0"
 __all__ = [
     "softmax_attention", "gatedfwa_gate", "gatedfwa", "parallax", "parallax_decode", "lla", "lla_decode",
     "decay_linear_attention", "decay_linear_prefill", "decay_linear_step", "register_decay_method",
+    "causal_linear_decoder",
     "scan_attention", "exact_attention",
 ]
 

@@ -17,12 +17,16 @@ they differ only in the order of the work:
   Algorithm 5, Appendix C.1).
 
 Decay powers are only ever formed with non-negative exponents, so gamma near 0 and long
-sequences with gamma = 1 stay finite. Computation runs in the inputs' dtype (float64 for
+sequences with gamma = 1 stay finite. A non-finite key (c) or value (v) reaches only the rows that
+see it: masked weights are zeros set by ``where``, and a non-finite entry enters no matrix product;
+the rows at or after it get NaN instead. Computation runs in the inputs' dtype (float64 for
 the exact reference) and is differentiable by autograd, in ``gamma`` too.
 
 Layout: ``b, c: [B, T, H, R]``, ``v: [B, T, H, D]``, ``gamma: [H]`` or None (no decay).
 """
 from __future__ import annotations
+
+from functools import partial
 
 import torch
 
@@ -48,8 +52,7 @@ def _decay_mask(log_g: torch.Tensor, n: int) -> torch.Tensor:
     """``M: [H, n, n]`` with ``M_ij = gamma^(i - j)`` for ``i >= j``, else 0."""
     idx = torch.arange(n, device=log_g.device)
     dist = idx[:, None] - idx[None, :]
-    causal = dist >= 0
-    return torch.where(causal, _powers(log_g, dist.clamp_min(0)), torch.zeros((), dtype=log_g.dtype, device=log_g.device))
+    return torch.where(dist >= 0, _powers(log_g, dist.clamp_min(0)), torch.zeros((), dtype=log_g.dtype, device=log_g.device))
 
 
 def _heads_first(*xs):
@@ -57,9 +60,40 @@ def _heads_first(*xs):
     return [x.transpose(1, 2) for x in xs]
 
 
+def _finite(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with its non-finite entries set to 0."""
+    return torch.where(torch.isfinite(x), x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+def _seen_nonfinite(x: torch.Tensor) -> torch.Tensor:
+    """Bool ``[..., n, X]``: row ``i`` sees a non-finite ``x_jd`` at some ``j <= i`` (per column d)."""
+    return torch.cumsum((~torch.isfinite(x)).to(torch.int32), dim=-2) > 0
+
+
+def _poison(o: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
+    """``o`` plus NaN where ``seen``; the NaN is a constant, so gradients reach ``o`` unchanged."""
+    return o + torch.zeros_like(o).masked_fill(seen, float("nan"))
+
+
+def _causal_matmul(w, x):
+    """``w @ x`` for a lower-triangular ``w [..., n, n]`` whose zeros above the diagonal are exact:
+    ``x [..., n, X]`` enters the product with non-finite entries zeroed (a zero weight times NaN is NaN),
+    and the rows that see one get NaN."""
+    return _poison(w @ _finite(x), _seen_nonfinite(x))
+
+
 def _masked_block(b, c, v, mask):
-    """``(b c^T ⊙ mask) v`` for ``b, c: [B, H, n, R]``, ``v: [B, H, n, D]``, ``mask: [H, n, n]``."""
-    return ((b @ c.transpose(-1, -2)) * mask) @ v
+    """``(b c^T ⊙ mask) v`` for ``b, c: [..., n, R]``, ``v: [..., n, D]``, ``mask: [..., n, n]`` lower triangular.
+
+    The weights above the diagonal are zeros set by ``where``; a non-finite ``c_j`` or ``v_j`` reaches
+    only the rows ``i >= j``, forward and backward.
+    """
+    n = b.shape[-2]
+    causal = torch.ones(n, n, dtype=torch.bool, device=b.device).tril()
+    scores = b @ _finite(c).transpose(-1, -2)
+    w = torch.where(causal, scores * mask, torch.zeros((), dtype=scores.dtype, device=b.device))
+    seen_c = _seen_nonfinite(c).any(dim=-1, keepdim=True)
+    return _poison(w @ _finite(v), seen_c | _seen_nonfinite(v))
 
 
 # --- the six methods, each on [B, H, T, X] tensors ------------------------------------------
@@ -130,9 +164,11 @@ def _lightning2(b, c, v, log_g, block: int = BLOCK):
     bb, cb, vb = (_pad_blocks(x, block) for x in (b, c, v))          # [B, H, N, L, X]
     N = bb.shape[2]
     p = torch.arange(block, device=b.device)
-    intra = ((bb @ cb.transpose(-1, -2)) * _decay_mask(log_g, block)[None, :, None]) @ vb
+    intra = _masked_block(bb, cb, vb, _decay_mask(log_g, block)[None, :, None])
     out_of = _powers(log_g, block - 1 - p)[None, :, None, :, None]
-    summaries = (out_of * cb).transpose(-1, -2) @ vb                 # [B, H, N, R, D]: each block's own state
+    # [B, H, N-1, R, D]: each block's own state (the last block's is never read: left out, so that a
+    # non-finite row there cannot reach its earlier rows through a zero gradient)
+    summaries = (out_of * cb[:, :, :-1]).transpose(-1, -2) @ vb[:, :, :-1]
     g_block = _powers(log_g, torch.tensor(block, device=b.device))[None, :, None, None]
     states = [b.new_zeros(Bsz, H, R, v.shape[-1])]                   # state before block n
     for n in range(N - 1):
@@ -158,7 +194,7 @@ def _lambda_cumsum(x, log_g, chunk: int = BLOCK):
     for s in range(0, T, chunk):
         xi = flat[:, :, s:s + chunk]
         n = xi.shape[2]
-        yi = _decay_mask(log_g, n)[None] @ xi
+        yi = _causal_matmul(_decay_mask(log_g, n)[None], xi)
         if carry is not None:
             yi = yi + _powers(log_g, p[:n] + 1)[None, :, :, None] * carry[:, :, None]
         carry = yi[:, :, -1]
@@ -182,8 +218,12 @@ _IMPLS = {
 }
 
 
-def decay_linear_attention(b, c, v, gamma=None, *, method: str = "vanilla", block: int | None = None):
-    """``O = (B C^T ⊙ M) V``, ``M_ij = gamma^(i - j)`` for ``i >= j`` (leetdecoding.txt eq. 4).
+def decay_linear_attention(b, c, v, gamma=None, *, method: str = "vanilla", block: int | None = None,
+                           initial_state=None, output_final_state: bool = False, cu_seqlens=None):
+    """``O = (B C^T ⊙ M) V``, ``M_ij = gamma^(i - j)`` for ``i >= j`` (leetdecoding.txt eq. 4), from a state.
+
+    With an initial state ``S_0`` (1-based t): ``o_t = b_t (gamma^t S_0 + sum_{j<=t} gamma^(t-j) c_j^T v_j)``,
+    and the state after the last token is ``S_T = gamma^T S_0 + sum_j gamma^(T-j) c_j^T v_j``.
 
     Args:
         b: ``[B, T, H, R]``; c: ``[B, T, H, R]``; v: ``[B, T, H, D]``.
@@ -191,18 +231,81 @@ def decay_linear_attention(b, c, v, gamma=None, *, method: str = "vanilla", bloc
         method: one of ``METHODS``; all give the same numbers up to rounding.
         block: block size of ``block_based`` and ``lightning2``, chunk of ``fleet``'s
             lambda-cumsum, leaf size of ``recursion`` (defaults 64, 64, 64, 32).
+        initial_state: ``[N, H, R, D]`` (N = B, or the number of packed sequences), or None for zeros.
+        output_final_state: also return ``S_T: [N, H, R, D]``.
+        cu_seqlens: ``[N + 1]`` offsets of packed sequences (B == 1); each starts from its own state.
 
     Returns:
-        ``o: [B, T, H, D]`` in the inputs' dtype.
+        ``o: [B, T, H, D]`` in the inputs' dtype; ``(o, S_T)`` with ``output_final_state``, the state in
+        float32 (float64 for float64 inputs).
     """
     if method not in _IMPLS:
         raise ValueError(f"method: expected one of {', '.join(map(repr, METHODS))}, got {method!r}")
+    return with_state(partial(_parallel, method=method, block=block), b, c, v, gamma, initial_state=initial_state,
+                      output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+
+
+def _parallel(b, c, v, gamma, *, method: str, block: int | None):
+    """One method's parallel form from a zero state: ``[B, T, H, X] -> o [B, T, H, D]``."""
     log_g = _log_gamma(gamma, b.shape[2], b)
     bh, ch, vh = _heads_first(b, c, v)
     impl = _IMPLS[method]
     if block is not None and method != "vanilla" and method != "causal_dot_product":
         return impl(bh, ch, vh, log_g, block).transpose(1, 2)
     return impl(bh, ch, vh, log_g).transpose(1, 2)
+
+
+def state_dtype(dtype: torch.dtype) -> torch.dtype:
+    """States are float32, float64 for float64 inputs."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def with_state(parallel, b, c, v, gamma=None, *, initial_state=None, output_final_state: bool = False,
+               cu_seqlens=None):
+    """Any parallel form ``parallel(b, c, v, gamma) -> o`` (from a zero state) with an initial state, the
+    final state and packed sequences, as in ``decay_linear_attention``."""
+    if cu_seqlens is not None:
+        return _packed(parallel, b, c, v, gamma, initial_state, output_final_state, cu_seqlens)
+    o = parallel(b, c, v, gamma)
+    if initial_state is None and not output_final_state:
+        return o
+    o, state = _state_terms(o, b, c, v, gamma, initial_state)
+    return (o, state) if output_final_state else o
+
+
+def _state_terms(o, b, c, v, gamma, initial_state):
+    """``o`` plus the initial state's share ``gamma^(t+1) b_t S_0`` (0-based t), and the final state."""
+    T, H = b.shape[1], b.shape[2]
+    sdt = state_dtype(v.dtype)
+    bh, ch, vh = _heads_first(b.to(sdt), c.to(sdt), v.to(sdt))
+    log_g = _log_gamma(gamma, H, vh)
+    t = torch.arange(T, device=b.device)
+    state = (_powers(log_g, T - 1 - t)[None, :, :, None] * ch).transpose(-1, -2) @ vh
+    if initial_state is None:
+        return o, state
+    s0 = initial_state.to(sdt)
+    carried = ((_powers(log_g, t + 1)[None, :, :, None] * bh) @ s0).transpose(1, 2)
+    state = state + _powers(log_g, torch.tensor(T, device=b.device))[None, :, None, None] * s0
+    return (o.to(sdt) + carried).to(o.dtype), state
+
+
+def _packed(parallel, b, c, v, gamma, initial_state, output_final_state, cu_seqlens):
+    """Packed sequences one at a time (reads the offsets on the host)."""
+    bounds = cu_seqlens.tolist()
+    outs, states = [], []
+    for n, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
+        s0 = None if initial_state is None else initial_state[n:n + 1]
+        if end == start:
+            H, R, D = b.shape[2], b.shape[3], v.shape[3]
+            states.append(b.new_zeros(1, H, R, D, dtype=state_dtype(v.dtype)) if s0 is None
+                          else s0.to(state_dtype(v.dtype)))
+            continue
+        o, state = with_state(parallel, b[:, start:end], c[:, start:end], v[:, start:end], gamma,
+                              initial_state=s0, output_final_state=True)
+        outs.append(o)
+        states.append(state)
+    o = torch.cat(outs, dim=1) if outs else v.new_zeros(v.shape)
+    return (o, torch.cat(states)) if output_final_state else o
 
 
 def decay_linear_step(state, b_t, c_t, v_t, gamma=None):
@@ -227,10 +330,8 @@ def decay_linear_step(state, b_t, c_t, v_t, gamma=None):
 
 
 def decay_linear_prefill(b, c, v, gamma=None, *, initial_state=None, method: str = "vanilla"):
-    """The parallel form and the state after the last token, ready for ``decay_linear_step``.
-
-    ``o_i = sum_{j<=i} gamma^(i-j) (b_i.c_j) v_j + gamma^(i+1) b_i S_0`` and
-    ``S_T = gamma^T S_0 + sum_j gamma^(T-1-j) c_j^T v_j``.
+    """The parallel form and the state after the last token, ready for ``decay_linear_step``:
+    ``decay_linear_attention(..., output_final_state=True)``.
 
     Args:
         b, c: ``[B, T, H, R]``; v: ``[B, T, H, D]``; gamma: ``[H]`` or None.
@@ -240,14 +341,5 @@ def decay_linear_prefill(b, c, v, gamma=None, *, initial_state=None, method: str
     Returns:
         ``(o [B, T, H, D], state [B, H, R, D])``.
     """
-    T, H = b.shape[1], b.shape[2]
-    log_g = _log_gamma(gamma, H, b)
-    o = decay_linear_attention(b, c, v, gamma, method=method)
-    bh, ch, vh = _heads_first(b, c, v)
-    t = torch.arange(T, device=b.device)
-    state = (_powers(log_g, T - 1 - t)[None, :, :, None] * ch).transpose(-1, -2) @ vh
-    if initial_state is not None:
-        s0 = initial_state.to(state.dtype)
-        o = o + ((_powers(log_g, t + 1)[None, :, :, None] * bh) @ s0).transpose(1, 2)
-        state = state + _powers(log_g, torch.tensor(T, device=b.device))[None, :, None, None] * s0
-    return o, state
+    return decay_linear_attention(b, c, v, gamma, method=method, initial_state=initial_state,
+                                  output_final_state=True)

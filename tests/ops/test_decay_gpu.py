@@ -41,3 +41,32 @@ def test_full_size(method, B, T, dtype, gamma):
 
 def test_rank_differs_from_value_dim():
     run("lightning2", torch.bfloat16, 1, 3001, 4, 64, 96, 0.9)
+
+
+@pytest.mark.parametrize("T,cu", [(20000, None), (9000, [0, 1000, 1000, 7000, 9000])])
+def test_full_size_from_a_state(T, cu):
+    """lightning2 from an initial state with the final state (sequence-parallel, or packed), and the
+    gradients of both, against the float64 reference."""
+    H, R, D = 4, 64, 64
+    cu = None if cu is None else torch.tensor(cu, device="cuda", dtype=torch.int32)
+    N = 1 if cu is None else cu.numel() - 1
+    b, c, v = (randn(1, T, H, n, seed=i, scale=n ** -0.25 if i < 2 else 1.0, device="cuda")
+               for i, n in enumerate((R, R, D)))
+    s0, ds, do = randn(N, H, R, D, seed=4, device="cuda"), randn(N, H, R, D, seed=5, device="cuda"), \
+        randn(1, T, H, D, seed=6, device="cuda")
+    g = torch.full((H,), 0.999, device="cuda", dtype=torch.float64)
+
+    def grads(fn, dt):
+        x = [t.detach().to(dt).requires_grad_() for t in (b, c, v)]
+        s = s0.detach().to(torch.float64 if dt == torch.float64 else torch.float32).requires_grad_()
+        o, final = fn(*x, s)
+        loss = (o.double() * do).sum() + (final.double() * ds).sum()
+        return [o, final, *torch.autograd.grad(loss, [*x, s])]
+
+    truth = grads(lambda *x: reference.decay_linear_attention(*x[:3], g, method="lightning2", initial_state=x[3],
+                                                              output_final_state=True, cu_seqlens=cu), torch.float64)
+    got = grads(lambda *x: regattn.decay_linear_attention(*x[:3], g.float(), initial_state=x[3],
+                                                          output_final_state=True, cu_seqlens=cu, backend="triton"),
+                torch.float32)
+    for out, ref in zip(got, truth):
+        assert rel_err(out, ref) <= TOL[torch.float32]

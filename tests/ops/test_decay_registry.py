@@ -4,7 +4,7 @@ import torch
 
 import regattn
 from regattn import reference
-from regattn.ops.decay import registry, tune
+from regattn.ops.decay import choose, registry
 from tests.helpers import randn, rel_err
 
 
@@ -47,28 +47,28 @@ def test_pick_from_table_nearest_point():
         entry(16, 8192, "float32", {"fleet": 1.0, "lightning2": 3.0}),
         entry(1, 512, "bfloat16", {"vanilla": "OOM", "someone_elses": 0.001}),
     ]}
-    pick = lambda B, T, dt=torch.bfloat16: tune.pick_from_table(table, B, T, 32, 128, 128, dt, True)
+    pick = lambda B, T, dt=torch.bfloat16: choose.pick_from_table(table, B, T, 32, 128, 128, dt, True)
     assert pick(1, 100) == "vanilla"
     assert pick(1, 90000) == "lightning2"          # OOM entries are never chosen
     assert pick(16, 8000) == "causal_dot_product"
     assert pick(16, 8000, torch.float32) == "fleet"  # same dtype preferred
     assert pick(1, 512) in ("vanilla", "lightning2")  # unregistered names are skipped
-    assert tune.pick_from_table({"entries": []}, 1, 10, 1, 1, 1, torch.float32, True) is None
+    assert choose.pick_from_table({"entries": []}, 1, 10, 1, 1, 1, torch.float32, True) is None
 
 
 def test_fallback_rules():
     cpu = torch.device("cpu")
-    assert tune.choose_method(1, 64, 2, 8, 8, torch.float32, True, cpu) == "vanilla"
-    assert tune.choose_method(1, 1000, 2, 8, 8, torch.float32, True, cpu) == "lightning2"
-    assert tune.choose_method(1, 10000, 2, 8, 8, torch.float32, True, cpu) == "block_based"
-    assert tune.gpu_kind("NVIDIA H100 80GB HBM3") == "h100"
-    assert tune.gpu_kind("NVIDIA H200") == "h200"
-    assert tune.load_table("no_such_gpu") is None
+    assert choose.choose_method(1, 64, 2, 8, 8, torch.float32, True, cpu) == "vanilla"
+    assert choose.choose_method(1, 1000, 2, 8, 8, torch.float32, True, cpu) == "lightning2"
+    assert choose.choose_method(1, 10000, 2, 8, 8, torch.float32, True, cpu) == "block_based"
+    assert choose.gpu_kind("NVIDIA H100 80GB HBM3") == "h100"
+    assert choose.gpu_kind("NVIDIA H200") == "h200"
+    assert choose.load_table("no_such_gpu") is None
 
 
 def test_shipped_tables_are_well_formed():
-    for path in tune.TABLES.glob("*.json"):
-        table = tune.load_table(path.stem)
+    for path in choose.TABLES.glob("*.json"):
+        table = choose.load_table(path.stem)
         assert table["entries"], path
         for e in table["entries"]:
             assert {"B", "T", "H", "R", "D", "dtype", "decay", "ms"} <= set(e)
@@ -93,3 +93,35 @@ def test_tune_command_needs_a_gpu(capsys):
     from regattn import cli
     assert cli.main(["tune", "decay"]) == 1
     assert "needs a CUDA device" in capsys.readouterr().out
+
+
+def imported(path, *, anywhere: bool = False) -> set[str]:
+    """The modules a file imports: at module level, or also inside functions with ``anywhere``."""
+    import ast
+    tree = ast.parse(path.read_text())
+    names = set()
+    for node in (ast.walk(tree) if anywhere else tree.body):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            names.add(node.module)
+            names.update(f"{node.module}.{a.name}" for a in node.names)
+    return names
+
+
+def test_api_and_tune_import_one_way():
+    """tune (the measuring command) imports api; api, and the lookup it uses, never import tune."""
+    from pathlib import Path
+    folder = Path(registry.__file__).parent
+    tune_name = "regattn.ops.decay.tune"
+    assert "regattn.ops.decay.api" in imported(folder / "tune.py")
+    for name in ("api.py", "choose.py", "registry.py"):
+        assert tune_name not in imported(folder / name, anywhere=True), name
+
+
+def test_tune_imports_alone():
+    import subprocess
+    import sys
+    code = "import regattn.ops.decay.tune as t; assert callable(t.main) and callable(t.decay_linear_attention)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr

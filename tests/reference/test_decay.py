@@ -13,10 +13,10 @@ GAMMAS = {
 }
 
 
-def inputs(B, T, H, R, D, seed, requires_grad=False):
-    return (randn(B, T, H, R, seed=seed, requires_grad=requires_grad),
-            randn(B, T, H, R, seed=seed + 1, requires_grad=requires_grad),
-            randn(B, T, H, D, seed=seed + 2, requires_grad=requires_grad))
+def inputs(B, T, H, R, D, seed=None, requires_grad=False):
+    """b, c, v; ``seed=None`` draws fresh inputs."""
+    seeds = (None, None, None) if seed is None else (seed, seed + 1, seed + 2)
+    return tuple(randn(B, T, H, n, seed=s, requires_grad=requires_grad) for n, s in zip((R, R, D), seeds))
 
 
 def gamma_of(name):
@@ -126,3 +126,60 @@ def test_long_sequence_recurrent_step_stays_finite():
     assert torch.isfinite(o_t).all() and torch.isfinite(state).all()
     direct = c[0, :, 0].double().T @ v[0, :, 0].double()
     assert rel_err(state[0, 0], direct) < 1e-4
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_state_carried_across_a_split(method):
+    """Two calls, the second from the first's final state, equal one call over the whole sequence."""
+    b, c, v = inputs(2, 29, 2, 3, 4)
+    g = gamma_of("mixed")
+    s0 = randn(2, 2, 3, 4)
+    whole, final = decay_linear_attention(b, c, v, g, method=method, block=8, initial_state=s0,
+                                          output_final_state=True)
+    o1, s1 = decay_linear_attention(b[:, :12], c[:, :12], v[:, :12], g, method=method, block=8,
+                                    initial_state=s0, output_final_state=True)
+    o2, s2 = decay_linear_attention(b[:, 12:], c[:, 12:], v[:, 12:], g, method=method, block=8,
+                                    initial_state=s1, output_final_state=True)
+    assert rel_err(torch.cat([o1, o2], 1), whole) < 1e-12 and rel_err(s2, final) < 1e-12
+    # from the state: o_t = b_t (gamma^t S_0 + ...) with 1-based t, by the token-by-token step
+    state, rows = s0, []
+    for t in range(b.shape[1]):
+        o_t, state = decay_linear_step(state, b[:, t], c[:, t], v[:, t], g)
+        rows.append(o_t)
+    assert rel_err(torch.stack(rows, 1), whole) < 1e-12 and rel_err(state, final) < 1e-12
+
+
+def test_final_state_alone_returns_a_pair():
+    b, c, v = inputs(1, 9, 2, 3, 4)
+    o = decay_linear_attention(b, c, v, gamma_of("mixed"))
+    o_again, state = decay_linear_attention(b, c, v, gamma_of("mixed"), output_final_state=True)
+    assert torch.equal(o, o_again) and state.shape == (1, 2, 3, 4) and state.dtype == torch.float64
+
+
+@pytest.mark.parametrize("with_state", [False, True])
+def test_packed_equals_one_call_per_sequence(with_state):
+    lengths = [5, 0, 17, 1, 9]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    b, c, v = inputs(1, sum(lengths), 2, 3, 4)
+    g = gamma_of("mixed")
+    s0 = randn(len(lengths), 2, 3, 4) if with_state else None
+    o, final = decay_linear_attention(b, c, v, g, method="lightning2", block=4, initial_state=s0,
+                                      output_final_state=True, cu_seqlens=cu)
+    for n, (start, end) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        one = None if s0 is None else s0[n:n + 1]
+        if end == start:                      # an empty sequence passes its state through
+            assert torch.equal(final[n:n + 1], torch.zeros(1, 2, 3, 4, dtype=torch.float64) if one is None else one)
+            continue
+        o_n, s_n = decay_linear_prefill(b[:, start:end], c[:, start:end], v[:, start:end], g, initial_state=one)
+        assert rel_err(o[:, start:end], o_n) < 1e-12 and rel_err(final[n:n + 1], s_n) < 1e-12
+
+
+@pytest.mark.parametrize("method", ["lightning2"])
+def test_gradcheck_with_states(method):
+    b, c, v = inputs(1, 11, 2, 3, 2, requires_grad=True)
+    s0 = randn(2, 2, 3, 2, requires_grad=True)
+    g = torch.tensor([0.9, 0.6], dtype=torch.float64, requires_grad=True)
+    cu = torch.tensor([0, 4, 11])
+    fn = lambda b, c, v, s0, g: decay_linear_attention(b, c, v, g, method=method, block=4, initial_state=s0,
+                                                       output_final_state=True, cu_seqlens=cu)
+    assert torch.autograd.gradcheck(fn, (b, c, v, s0, g), eps=1e-6, atol=1e-6)

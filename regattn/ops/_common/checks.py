@@ -13,6 +13,7 @@ import torch
 
 BACKENDS = ("auto", "torch", "triton")
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def host_checks_allowed() -> bool:
@@ -142,6 +143,13 @@ def check_int(name: str, value, *, minimum: int) -> int:
     return value
 
 
+def check_seqlens_device(name: str, seqlens, like: torch.Tensor, like_name: str = "q") -> None:
+    """``cu_seqlens`` / ``cache_seqlens`` on ``like``'s device; call before any of its values is read
+    on the host (a tensor elsewhere, a meta tensor included, would fail there with a foreign message)."""
+    if isinstance(seqlens, torch.Tensor) and seqlens.device != like.device:
+        raise ValueError(f"{name}: expected device {like.device} (as {like_name}), got {seqlens.device}")
+
+
 def check_cu_seqlens(cu_seqlens, batch: int, total: int) -> torch.Tensor | None:
     """Packed variable length: ``cu_seqlens`` int32/int64, starts at 0, non-decreasing, ends at T, and B == 1
     (the offsets' values are checked where :func:`host_checks_allowed`)."""
@@ -178,3 +186,14 @@ def resolve_backend(backend, x: torch.Tensor, *, op: str, has_triton: bool) -> s
         if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError("backend: 'triton' needs CUDA tensors, or TRITON_INTERPRET=1 to run kernels on the CPU")
     return backend
+
+
+def resolve_kernel_backend(backend, x: torch.Tensor, *, op: str, has_triton: bool, name: str = "q") -> str:
+    """``resolve_backend`` for kernels that cover fp16, bf16 and fp32: under ``"auto"`` float64 inputs
+    (the exact spec) go to the reference; ``"triton"`` refuses them with a TypeError naming ``name``."""
+    resolved = resolve_backend(backend, x, op=op, has_triton=has_triton)
+    if resolved == "triton" and x.dtype not in KERNEL_DTYPES:
+        if backend == "auto":
+            return "torch"
+        raise TypeError(f"{name}: backend='triton' expects fp16, bf16 or fp32 inputs, got {x.dtype}")
+    return resolved

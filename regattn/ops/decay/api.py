@@ -1,23 +1,26 @@
 """Exponentially decaying causal linear attention: the LeetDecoding methods (leetdecoding.txt eq. 4).
 
-Public entry points: ``decay_linear_attention`` (any registered method, or ``"auto"``),
-``decay_linear_prefill`` (the parallel form plus the final state) and ``decay_linear_step``
-(one decoding token in O(R * D)).
+Public entry points: ``decay_linear_attention`` (any registered method, or ``"auto"``; from an
+initial state, with the final state, over packed sequences as flash-linear-attention's chunk ops
+take them), ``decay_linear_prefill`` (the parallel form plus the final state) and
+``decay_linear_step`` (one decoding token in O(R * D)).
 """
 from __future__ import annotations
 
+from functools import partial
 from numbers import Real
 
 import torch
 
 from regattn import reference
 from regattn.ops._common.checks import (
-    check_choice, check_device, check_same, check_tensor, host_checks_allowed, resolve_backend,
+    check_choice, check_cu_seqlens, check_device, check_same, check_seqlens_device, check_tensor,
+    host_checks_allowed, resolve_kernel_backend,
 )
-from regattn.ops.decay import registry
+from regattn.ops.decay import function, registry
 from regattn.ops.decay.memo import TensorMemo
 from regattn.ops.decay.registry import register_decay_method  # noqa: F401  (re-exported)
-from regattn.ops.decay.tune import choose_method
+from regattn.ops.decay.choose import choose_method
 
 HAS_TRITON = True
 METHODS = reference.decay.METHODS
@@ -78,48 +81,25 @@ def check_method(method) -> str:
 
 
 def resolve_method(method: str, B: int, T: int, H: int, R: int, D: int, dtype, gamma, backend: str,
-                   device) -> str:
-    """``"auto"`` -> the measured fastest method for this shape (``tune.choose_method``); the torch
-    backend uses the CPU rule, which picks among the torch forms."""
+                   device, stateful: bool) -> str:
+    """``"auto"`` -> the measured fastest method for this shape (``choose.choose_method``); the torch
+    backend uses the CPU rule, which picks among the torch forms. With a state (an initial state, the
+    final state or packed sequences) the Triton backend runs ``lightning2``, the kernel that takes one."""
     if method != "auto":
         return method
+    if stateful and backend == "triton":
+        return "lightning2"
     on_gpu = backend == "triton" and device.type == "cuda"
     return choose_method(B, T, H, R, D, dtype, gamma is not None, device if on_gpu else torch.device("cpu"))
 
 
-def decay_linear_attention(b, c, v, gamma=None, *, method="auto", backend="auto"):
-    """Causal linear attention with exponential decay (leetdecoding.txt eq. 4).
-
-    ``O = (B C^T ⊙ M) V`` with ``M_ij = gamma^(i - j)`` for ``i >= j`` and 0 otherwise,
-    per head.
-
-    Args:
-        b: ``[B, T, H, R]`` (the query role); c: ``[B, T, H, R]`` (the key role); R may differ from D.
-        v: ``[B, T, H, D]``.
-        gamma: ``[H]`` decay per head in (0, 1], a float for every head, or None for 1.
-            The Triton methods treat gamma as a constant (no gradient); the torch methods
-            differentiate through it.
-        method: ``"vanilla", "causal_dot_product", "block_based", "recursion", "lightning2",
-            "fleet"``, a name added with ``register_decay_method``, or ``"auto"`` (the fastest
-            method measured for this shape on this kind of GPU; see ``regattn.ops.decay.tune``).
-            All give the same numbers up to rounding.
-        backend: ``"auto" | "torch" | "triton"``. ``lightning2``, ``fleet`` and
-            ``causal_dot_product`` have Triton kernels (forward and backward); ``vanilla``,
-            ``block_based`` and ``recursion`` are torch on every backend.
-
-    Returns:
-        ``o: [B, T, H, D]`` in v's dtype (accumulated in fp32 by the kernels).
-    """
-    B, T, H, R, D = check_decay_inputs(b, c, v)
-    gamma = check_gamma(gamma, H, b)
-    method = check_method(method)
-    backend = resolve_backend(backend, b, op="decay_linear_attention", has_triton=HAS_TRITON)
-    method = resolve_method(method, B, T, H, R, D, v.dtype, gamma, backend, b.device)
-    return registry.get_method(method).run(b, c, v, gamma, backend)
-
-
-def _state_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
+def check_packed(cu_seqlens, B: int, T: int, like: torch.Tensor) -> int:
+    """``cu_seqlens`` (None, or ``[N + 1]`` offsets on like's device with ``B == 1``); returns N (B when None)."""
+    check_seqlens_device("cu_seqlens", cu_seqlens, like, "b")
+    if cu_seqlens is None:
+        return B
+    check_cu_seqlens(cu_seqlens, B, T)  # reads the offsets where host_checks_allowed()
+    return cu_seqlens.numel() - 1
 
 
 def check_state(name: str, state, like: torch.Tensor, like_name: str, shape: tuple) -> None:
@@ -130,38 +110,85 @@ def check_state(name: str, state, like: torch.Tensor, like_name: str, shape: tup
         raise ValueError(f"{name}: expected shape [B, H, R, D] = {shape}, got {tuple(state.shape)}")
 
 
-def decay_linear_prefill(b, c, v, gamma=None, *, initial_state=None, method="auto", backend="auto"):
-    """The parallel form and the state after the last token, for decoding with ``decay_linear_step``.
+def decay_linear_attention(b, c, v, gamma=None, *, initial_state=None, output_final_state=False, cu_seqlens=None,
+                           method="auto", backend="auto"):
+    """Causal linear attention with exponential decay (leetdecoding.txt eq. 4), from a state.
 
-    ``o_i = sum_{j<=i} gamma^(i-j) (b_i.c_j) v_j + gamma^(i+1) b_i S_0`` and
-    ``S_T = gamma^T S_0 + sum_j gamma^(T-1-j) c_j^T v_j``.
+    ``O = (B C^T ⊙ M) V`` with ``M_ij = gamma^(i - j)`` for ``i >= j`` and 0 otherwise, per head.
+    With an initial state ``S_0`` (1-based t): ``o_t = b_t (gamma^t S_0 + sum_{j<=t} gamma^(t-j) c_j^T v_j)``;
+    the final state is ``S_T = gamma^T S_0 + sum_j gamma^(T-j) c_j^T v_j`` (what ``decay_linear_step`` continues).
+
+    Args:
+        b: ``[B, T, H, R]`` (the query role); c: ``[B, T, H, R]`` (the key role); R may differ from D.
+        v: ``[B, T, H, D]``.
+        gamma: ``[H]`` decay per head in (0, 1], a float for every head, or None for 1.
+            The Triton methods treat gamma as a constant (no gradient); the torch methods
+            differentiate through it.
+        initial_state: ``[N, H, R, D]`` (N = B, or the number of packed sequences), any float dtype
+            (used in float32; float64 for float64 inputs on the torch backend), or None for zeros.
+            Differentiable.
+        output_final_state: also return the state after each sequence's last token.
+        cu_seqlens: ``[N + 1]`` int offsets of packed sequences (``B == 1``), on b's device; each
+            sequence starts from its own initial state.
+        method: ``"vanilla", "causal_dot_product", "block_based", "recursion", "lightning2",
+            "fleet"``, a name added with ``register_decay_method``, or ``"auto"`` (the fastest
+            method measured for this shape on this kind of GPU; see ``regattn.ops.decay.choose``).
+            All give the same numbers up to rounding. ``lightning2``'s kernel takes the state itself
+            (what ``"auto"`` picks on the Triton backend when a state or ``cu_seqlens`` is given); other
+            methods add the state terms in torch, and on the Triton backend take no ``cu_seqlens``.
+        backend: ``"auto" | "torch" | "triton"``. ``lightning2``, ``fleet`` and
+            ``causal_dot_product`` have Triton kernels (forward and backward, fp16, bf16, fp32);
+            ``vanilla``, ``block_based`` and ``recursion`` are torch on every backend. float64 runs
+            the reference under ``"auto"``; ``"triton"`` refuses it.
+
+    Returns:
+        ``o: [B, T, H, D]`` in v's dtype (accumulated in fp32 by the kernels); with
+        ``output_final_state``, ``(o, S_T [N, H, R, D])``, S_T in float32 (float64 for float64 inputs).
+    """
+    B, T, H, R, D = check_decay_inputs(b, c, v)
+    gamma = check_gamma(gamma, H, b)
+    method = check_method(method)
+    backend = resolve_kernel_backend(backend, v, op="decay_linear_attention", has_triton=HAS_TRITON, name="v")
+    N = check_packed(cu_seqlens, B, T, b)
+    if initial_state is not None:
+        check_state("initial_state", initial_state, b, "b", (N, H, R, D))
+    if not isinstance(output_final_state, bool):
+        raise TypeError(f"output_final_state: expected a bool, got {type(output_final_state).__name__}")
+    stateful = initial_state is not None or output_final_state or cu_seqlens is not None
+    method = resolve_method(method, B, T, H, R, D, v.dtype, gamma, backend, b.device, stateful)
+    if not stateful:
+        return registry.get_method(method).run(b, c, v, gamma, backend)
+    return _run_with_state(method, backend, b, c, v, gamma, initial_state, output_final_state, cu_seqlens)
+
+
+def _run_with_state(method, backend, b, c, v, gamma, initial_state, output_final_state, cu_seqlens):
+    """The lightning2 kernel takes the state itself; any other method runs its parallel form from a zero
+    state with the state terms added in torch (``reference.decay.with_state``)."""
+    if backend == "triton" and method == "lightning2":
+        o, final = function.lightning2_with_state(b, c, v, gamma, initial_state, cu_seqlens)
+        return (o, final) if output_final_state else o
+    if backend == "triton" and registry.has_kernel(method) and cu_seqlens is not None:
+        raise ValueError(f"cu_seqlens: the Triton method {method!r} takes no packed sequences; use "
+                         "method='lightning2' (or 'auto'), or backend='torch'")
+    parallel = partial(registry.get_method(method).run, backend=backend)
+    return reference.decay.with_state(parallel, b, c, v, gamma, initial_state=initial_state,
+                                      output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+
+
+def decay_linear_prefill(b, c, v, gamma=None, *, initial_state=None, method="auto", backend="auto"):
+    """The parallel form and the state after the last token, for decoding with ``decay_linear_step``:
+    ``decay_linear_attention(..., output_final_state=True)``.
 
     Args:
         b, c: ``[B, T, H, R]``; v: ``[B, T, H, D]``; gamma: ``[H]`` in (0, 1], a float, or None.
         initial_state: ``[B, H, R, D]`` from an earlier segment or step, or None (zeros).
-        method, backend: as in ``decay_linear_attention`` (for the parallel part).
+        method, backend: as in ``decay_linear_attention``.
 
     Returns:
         ``(o [B, T, H, D] in v's dtype, state [B, H, R, D] in float32, float64 for float64 inputs)``.
     """
-    B, T, H, R, D = check_decay_inputs(b, c, v)
-    gamma = check_gamma(gamma, H, b)
-    sdt = _state_dtype(v.dtype)
-    if initial_state is not None:
-        check_state("initial_state", initial_state, b, "b", (B, H, R, D))
-    o = decay_linear_attention(b, c, v, gamma, method=method, backend=backend)
-    log_g = torch.zeros(H, device=b.device, dtype=sdt) if gamma is None else torch.log(gamma.to(sdt))
-    t = torch.arange(T, device=b.device, dtype=sdt)
-    to_end = torch.exp(log_g[:, None] * (T - 1 - t))                       # [H, T]: gamma^(T-1-j)
-    ch, vh = c.to(sdt).transpose(1, 2), v.to(sdt).transpose(1, 2)          # [B, H, T, X]
-    state = (to_end[None, :, :, None] * ch).transpose(-1, -2) @ vh
-    if initial_state is not None:
-        s0 = initial_state.to(sdt)
-        into = torch.exp(log_g[:, None] * (t + 1))                          # [H, T]: gamma^(i+1)
-        carried = (into[None, :, :, None] * b.to(sdt).transpose(1, 2)) @ s0
-        o = o + carried.transpose(1, 2).to(o.dtype)
-        state = state + torch.exp(log_g * T)[None, :, None, None] * s0
-    return o, state
+    return decay_linear_attention(b, c, v, gamma, initial_state=initial_state, output_final_state=True,
+                                  method=method, backend=backend)
 
 
 def decay_linear_step(state, b_t, c_t, v_t, gamma=None):
@@ -176,7 +203,7 @@ def decay_linear_step(state, b_t, c_t, v_t, gamma=None):
     """
     B, H, R, D = check_decay_inputs(b_t, c_t, v_t, names=("b_t", "c_t", "v_t"), layout="[B, H, R]")
     gamma = check_gamma(gamma, H, b_t)
-    sdt = _state_dtype(v_t.dtype)
+    sdt = reference.decay.state_dtype(v_t.dtype)
     if state is not None:
         check_state("state", state, b_t, "b_t", (B, H, R, D))
         state = state.to(sdt)

@@ -8,7 +8,7 @@ operator on other inputs, run forward or backward in time:
     dV = F_rev(C, B, dO)        dV_j = sum_{i>=j} gamma^(i-j) (c_j.b_i) dO_i
 
 so each kernel's backward is three launches of the kernel itself (``reverse=True`` walks the rows
-from the last). Saved for backward: b, c, v. gamma is a constant of these kernels.
+from the last). Saved for backward: b, c, v (and the initial state). gamma is a constant of these kernels.
 """
 from __future__ import annotations
 
@@ -63,6 +63,47 @@ class CausalDotProductFunction(_DecayKernelFunction):
     kernel = staticmethod(cdp_forward)
 
 
+def _transposed(state):
+    """``[N, H, R, D] -> [N, H, D, R]`` contiguous (the state of the same operator with b, c and v swapped)."""
+    return None if state is None else state.transpose(-1, -2).contiguous()
+
+
+class Lightning2StateFunction(torch.autograd.Function):
+    """lightning2 from an initial state ``S_0 [N, H, R, D]`` (float32 or None), returning ``(o, S_T)``,
+    over packed sequences with ``cu_seqlens``.
+
+    With the final state's gradient ``G`` (``dS_T``), and 0-based rows:
+
+        dB = F(dO, V, C)      from the state S_0^T, entering row t with gamma^(t+1)
+        dC = F_rev(V, dO, B)  from the state G^T, entering row T-1-j with gamma^(T-1-j)
+        dV = F_rev(C, B, dO)  from the state G, as dC
+        dS_0 = gamma^T G + sum_t gamma^(t+1) b_t^T dO_t     (the final state of dV's launch)
+    """
+
+    @staticmethod
+    def forward(ctx, b, c, v, s0, log2g, cu_seqlens):
+        b, c, v = (_rows_contiguous(x) for x in (b, c, v))
+        ctx.save_for_backward(b, c, v, s0, log2g, cu_seqlens)
+        ctx.set_materialize_grads(False)
+        return lightning2_forward(b, c, v, log2g, initial_state=s0, output_final_state=True, cu_seqlens=cu_seqlens)
+
+    @staticmethod
+    def backward(ctx, do, d_final):
+        b, c, v, s0, log2g, cu = ctx.saved_tensors
+        do = torch.zeros_like(v) if do is None else _rows_contiguous(do)
+        db = dc = dv = ds0 = None
+        if ctx.needs_input_grad[0]:
+            db = lightning2_forward(do, v, c, log2g, initial_state=_transposed(s0), cu_seqlens=cu)
+        if ctx.needs_input_grad[1]:
+            dc = lightning2_forward(v, do, b, log2g, reverse=True, initial_state=_transposed(d_final), init_pow=0,
+                                    cu_seqlens=cu)
+        if ctx.needs_input_grad[2] or ctx.needs_input_grad[3]:
+            g = None if d_final is None else d_final.contiguous()
+            dv, ds0 = lightning2_forward(c, b, do, log2g, reverse=True, initial_state=g, init_pow=0, final_pow=1,
+                                         output_final_state=True, cu_seqlens=cu)
+        return db, dc, dv, ds0, None, None
+
+
 _LOG2 = TensorMemo()
 
 
@@ -90,3 +131,9 @@ def _apply(function):
 lightning2 = _apply(Lightning2Function)
 fleet = _apply(FleetFunction)
 causal_dot_product = _apply(CausalDotProductFunction)
+
+
+def lightning2_with_state(b, c, v, gamma, initial_state=None, cu_seqlens=None):
+    """``(o, S_T)`` of lightning2 from ``initial_state`` (any float dtype, used as float32) over packed sequences."""
+    s0 = None if initial_state is None else initial_state.float().contiguous()
+    return Lightning2StateFunction.apply(b, c, v, s0, log2_gamma(gamma, b.shape[2], b.device), cu_seqlens)

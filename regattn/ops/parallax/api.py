@@ -8,6 +8,7 @@ from regattn.ops._common.checks import (
     check_attention_inputs, check_cu_seqlens, check_same, check_scale, check_shape, check_tensor,
     check_window, host_checks_allowed, resolve_backend,
 )
+from regattn.ops._common.checks import check_seqlens_device
 
 HAS_TRITON = True
 
@@ -50,6 +51,7 @@ def parallax(q, r, k, v, *, causal=True, window=None, scale=None, cu_seqlens=Non
     if window is not None and not causal:
         raise ValueError("window: a sliding window needs causal=True")
     scale = check_scale(scale, D)
+    check_seqlens_device("cu_seqlens", cu_seqlens, q)
     check_cu_seqlens(cu_seqlens, B, T)
     if cu_seqlens is not None and S != T:
         raise ValueError(f"cu_seqlens: needs as many keys as queries, got T = {T} and S = {S}")
@@ -128,6 +130,7 @@ def parallax_decode(q, r, k_cache, v_cache, *, cache_seqlens=None, window=None, 
         raise ValueError(f"q: expected at most S = {S} new tokens (they are part of the cache), got {Tn}")
     window = check_window(window)
     scale = check_scale(scale, D)
+    check_seqlens_device("cache_seqlens", cache_seqlens, q)
     _check_cache_seqlens(cache_seqlens, B, Tn, S, q.device)
     if backend == "auto" and q.dtype not in _KERNEL_DTYPES:
         backend = "torch"

@@ -7,6 +7,7 @@ from regattn.reference.elsa import blocked_scan_attention
 from regattn.ops._common.checks import (
     check_attention_inputs, check_choice, check_cu_seqlens, check_int, check_scale, check_window, resolve_backend,
 )
+from regattn.ops._common.checks import check_seqlens_device
 
 HAS_TRITON = True
 PRECISIONS = ("ieee", "tf32x3", "tf32")
@@ -50,6 +51,7 @@ def scan_attention(q, k, v, *, causal=False, scale=None, precision="ieee", windo
     scale = check_scale(scale, D)
     check_choice("precision", precision, PRECISIONS)
     window = check_window(window)
+    check_seqlens_device("cu_seqlens", cu_seqlens, q)
     cu_seqlens = check_cu_seqlens(cu_seqlens, B, T)
     if cu_seqlens is not None:
         _check_self_attention("cu_seqlens", T, S)

@@ -8,6 +8,7 @@ from regattn.ops._common.checks import (
     check_attention_inputs, check_cu_seqlens, check_scale, check_shape, check_tensor,
     check_window, check_device, resolve_backend,
 )
+from regattn.ops._common.checks import check_seqlens_device
 from regattn.ops.softmax.kernels import flash_attention
 
 HAS_TRITON = True
@@ -66,6 +67,7 @@ def softmax_attention(q, k, v, *, causal=True, window=None, gate=None, scale=Non
     gate = check_gate(gate, B, T, HQ, q)
     if gate is not None and S != T:
         raise ValueError(f"gate: needs as many keys as queries, got T = {T} queries and S = {S} keys")
+    check_seqlens_device("cu_seqlens", cu_seqlens, q)
     check_cu_seqlens(cu_seqlens, B, T)
     if cu_seqlens is not None and S != T:
         raise ValueError(f"cu_seqlens: needs as many keys as queries, got T = {T} and S = {S}")
