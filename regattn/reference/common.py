@@ -51,12 +51,12 @@ def contained_scores(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def _masked_product(w, x, seen):
-    """``where(seen, w, 0) @ x`` with non-finite entries of ``x`` swapped for 0, then put back as NaN
-    in the rows that see them."""
+    """``where(seen, w, 0) @ x`` with non-finite entries of ``x`` swapped for 0; a row that sees a key
+    ``x_j`` holding one is NaN (the whole row, as in the kernels)."""
     finite = torch.isfinite(x)
     zero = w.new_zeros(())
     out = torch.where(seen, w, zero) @ torch.where(finite, x, zero)
-    hits = seen.to(x.dtype) @ (~finite).to(x.dtype)
+    hits = seen.to(x.dtype) @ (~finite).any(-1, keepdim=True).to(x.dtype)  # [..., T, 1]
     return torch.where(hits > 0, float("nan"), out)
 
 
@@ -81,7 +81,7 @@ def contained_matmul(w: torch.Tensor, x: torch.Tensor, seen: torch.Tensor) -> to
     """``sum_j w_ij x_j`` over the pairs ``seen_ij``: ``[..., T, S] x [..., S, D] -> [..., T, D]``.
 
     ``w`` is taken as exactly zero where ``seen`` (boolean, broadcastable to ``w``) is False. A
-    non-finite ``x[j, d]`` makes entry ``d`` NaN in the rows that see ``j`` and nowhere else; in the
+    non-finite entry of ``x_j`` makes NaN the rows that see ``j`` and nothing else; in the
     backward a non-finite gradient of row ``i`` reaches only ``w_i`` and the ``x_j`` that row ``i`` sees.
     """
     return _ContainedMatmul.apply(w, x, seen)

@@ -127,14 +127,15 @@ def contained_dot(acc, w, x, seen, PRECISION: tl.constexpr):
     """``acc + w @ x`` over the pairs ``seen`` for a partially masked tile.
 
     ``w: [R, C]`` counts only where ``seen`` (``[R, C]``) is True (elsewhere it is selected to 0, whatever it
-    holds); ``x: [C, E]``. Non-finite entries of ``x`` enter the product as 0 and come back as NaN in the
-    rows that see them, so they reach no other row.
+    holds); ``x: [C, E]``. A row ``x_c`` with a non-finite entry enters the product as 0 and makes NaN the
+    rows that see it, so it reaches no other row.
     """
     finite = tl.abs(x) < float("inf")
     x_safe = tl.where(finite, x, 0.0).to(x.dtype)
     acc += tl.dot(tl.where(seen, w, 0.0).to(x.dtype), x_safe, input_precision=PRECISION)
-    hits = tl.dot(seen.to(x.dtype), tl.where(finite, 0.0, 1.0).to(x.dtype), input_precision=PRECISION)
-    return tl.where(hits > 0, float("nan"), acc)
+    bad = tl.max(tl.where(finite, 0, 1), 1)                       # [C]: x_c holds a non-finite entry
+    hits = tl.max(tl.where(seen, bad[None, :], 0), 1)             # [R]: the row sees such an x_c
+    return tl.where(hits[:, None] > 0, float("nan"), acc)
 
 
 @triton.jit
