@@ -119,16 +119,20 @@ def test_hidden_entries_do_not_leak(backend, op, case, k_value, v_value, request
 
 @pytest.mark.parametrize("tensor", ["k", "v"])
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_parallax_decode_ignores_entries_beyond_cache_length(backend, tensor, request):
+def test_parallax_decode_ignores_hidden_cache_entries(backend, tensor, request):
+    """Entries beyond each row's cache length, and (with a window of 4) inside the cache but behind the window."""
     _backend(backend, request)
-    B, Tn, S = 2, 2, 40
+    B, Tn, S, window = 2, 2, 40, 4
     q, r = (randn(B, Tn, H, D, dtype=torch.float32, device=DEV) for _ in range(2))
     k, v = (randn(B, S, H, D, dtype=torch.float32, device=DEV) for _ in range(2))
     lens = torch.tensor([17, 33], dtype=torch.int32, device=DEV)
-    poisoned = {"k": k.clone(), "v": v.clone()}
-    poisoned[tensor][0, 20, 1, 5] = float("nan")
-    poisoned[tensor][1, 39, 0, 2] = float("inf")
-    got = regattn.parallax_decode(q, r, poisoned["k"], poisoned["v"], cache_seqlens=lens, backend=backend)
-    want = regattn.parallax_decode(q, r, k, v, cache_seqlens=lens, backend=backend)
-    assert torch.isfinite(got).all()
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    beyond = {"k": k.clone(), "v": v.clone()}
+    beyond[tensor][0, 20, 1, 5], beyond[tensor][1, 39, 0, 2] = NAN, INF
+    behind = {"k": beyond["k"].clone(), "v": beyond["v"].clone()}
+    behind[tensor][0, 10, 0, 1], behind[tensor][1, 25, 1, 3] = INF, NAN
+    for w, poisoned in ((None, beyond), (window, behind)):
+        got = regattn.parallax_decode(q, r, poisoned["k"], poisoned["v"], cache_seqlens=lens, window=w,
+                                      backend=backend)
+        want = regattn.parallax_decode(q, r, k, v, cache_seqlens=lens, window=w, backend=backend)
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
