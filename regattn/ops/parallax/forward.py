@@ -12,7 +12,8 @@ import triton
 import triton.language as tl
 
 from regattn.ops.parallax.tiles import (
-    LOG2E, contained_dot, dot_precision, group_pad, head_block, interpreting, key_range, packed_rows, program_tile, visible,
+    LOG2E, contained_dot, dot_precision, group_pad, head_block, interpreting, key_range, packed_rows, program_tile,
+    visible,
 )
 
 

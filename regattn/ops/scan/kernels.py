@@ -244,17 +244,18 @@ def _fwd_kernel(Q, K, V, O, LSE, WS_M, WS_L, WS_ACC, CU,
         hi = tl.minimum(hi, lo + per)
 
     if CHUNK == 0:
-        m_i, l_i, acc = _fold_tiles(q, k_base, v_base, skt, svt, lo, hi, full_lo, full_hi, offs_m, offs_n0, offs_d, offs_dv, Tb, Sb,
-                                    qk_scale, D, DV, BLOCK_M, BLOCK_N, BLOCK_DV, CAUSAL, WINDOW, EVEN_N, PREC,
-                                    FRESH, ROUND_TF32)
+        m_i, l_i, acc = _fold_tiles(q, k_base, v_base, skt, svt, lo, hi, full_lo, full_hi, offs_m, offs_n0, offs_d,
+                                    offs_dv, Tb, Sb, qk_scale, D, DV, BLOCK_M, BLOCK_N, BLOCK_DV, CAUSAL, WINDOW,
+                                    EVEN_N, PREC, FRESH, ROUND_TF32)
     else:
         # Two levels: CHUNK tiles fold into a chunk state, and the chunk states into the total, so that
         # no accumulator sees more than max(CHUNK, n / (CHUNK * BLOCK_N)) sequential additions.
         m_i, l_i, acc = _identity(BLOCK_M, BLOCK_DV)
         for c0 in range(lo, hi, CHUNK * BLOCK_N):
             m_c, l_c, acc_c = _fold_tiles(q, k_base, v_base, skt, svt, c0, tl.minimum(hi, c0 + CHUNK * BLOCK_N),
-                                          full_lo, full_hi, offs_m, offs_n0, offs_d, offs_dv, Tb, Sb, qk_scale, D, DV, BLOCK_M,
-                                          BLOCK_N, BLOCK_DV, CAUSAL, WINDOW, EVEN_N, PREC, FRESH, ROUND_TF32)
+                                          full_lo, full_hi, offs_m, offs_n0, offs_d, offs_dv, Tb, Sb, qk_scale, D,
+                                          DV, BLOCK_M, BLOCK_N, BLOCK_DV, CAUSAL, WINDOW, EVEN_N, PREC, FRESH,
+                                          ROUND_TF32)
             m_i, l_i, acc = _combine(m_i, l_i, acc, m_c, l_c, acc_c)
 
     rows = _stats_rows(bat, h, HQ, T, row0) + offs_m
