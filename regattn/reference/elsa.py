@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from regattn.reference.common import per_sequence, repeat_kv, visible
+from regattn.reference.common import contained_matmul, contained_scores, per_sequence, repeat_kv, visible
 
 ORDERS = ("sequential", "tree")
 
@@ -39,9 +39,9 @@ def leaves(logits: torch.Tensor, v: torch.Tensor):
         ``(m [..., T, S], S [..., T, S], W [..., T, S, Dv])``: ``(s_j, 1, v_j)`` for a visible key,
         the identity ``(-inf, 0, 0)`` for a hidden one.
     """
-    seen = logits > float("-inf")
+    seen = logits != float("-inf")
     s = seen.to(logits.dtype)
-    w = v.unsqueeze(-3) * s.unsqueeze(-1)
+    w = torch.where(seen.unsqueeze(-1), v.unsqueeze(-3), v.new_zeros(()))  # a hidden NaN value stays out
     return logits, s, w
 
 
@@ -141,7 +141,7 @@ def _scan_attention(q, k, v, *, causal, window, scale, order):
     B, T, HQ, _ = q.shape
     S = k.shape[1]
     k, v = repeat_kv(k, HQ), repeat_kv(v, HQ)
-    logits = torch.einsum("bthd,bshd->bhts", q, k) * scale
+    logits = contained_scores(q.transpose(1, 2), k.transpose(1, 2)) * scale
     vv = v.transpose(1, 2)  # [B, HQ, S, Dv]
     if not causal:
         mask = visible(T, S, causal=False, window=window, device=q.device)
@@ -180,13 +180,14 @@ def block_states(logits: torch.Tensor, v: torch.Tensor, block: int):
     s = logits.unflatten(-1, (nb, block))  # [..., T, nb, block]
     m = s.amax(-1)
     e = torch.exp(s - _anchor(m).unsqueeze(-1))
-    w = torch.einsum("...tnb,...nbd->...tnd", e, v.unflatten(-2, (nb, block)))
+    seen = (s != float("-inf")).transpose(-3, -2)  # [..., nb, T, block]
+    w = contained_matmul(e.transpose(-3, -2), v.unflatten(-2, (nb, block)), seen).transpose(-3, -2)
     return m, e.sum(-1), w
 
 
 def _blocked_attention(q, k, v, *, causal, window, scale, block):
     T, HQ, S = q.shape[1], q.shape[2], k.shape[1]
-    logits = torch.einsum("bthd,bshd->bhts", q, repeat_kv(k, HQ)) * scale
+    logits = contained_scores(q.transpose(1, 2), repeat_kv(k, HQ).transpose(1, 2)) * scale
     mask = visible(T, S, causal=causal, window=window, device=q.device)
     state = block_states(logits.masked_fill(~mask, float("-inf")), repeat_kv(v, HQ).transpose(1, 2), block)
     return finalize(reduce_tree(state)).transpose(1, 2)

@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 import torch
 
-from regattn.reference.common import repeat_kv, visible
+from regattn.reference.common import contained_matmul, contained_scores, repeat_kv, visible
 
 
 class LLAStatistics(NamedTuple):
@@ -40,16 +40,20 @@ def heads_first(x: torch.Tensor, num_heads: int) -> torch.Tensor:
     return repeat_kv(x, num_heads).transpose(1, 2)
 
 
+def seen_pairs(q, k, window=None) -> torch.Tensor:
+    """Boolean ``[T, S]``: the keys each query sees (causal, queries aligned to the end of the keys)."""
+    return visible(q.shape[1], k.shape[1], causal=True, window=window, device=q.device)
+
+
 def lla_weights(q, k, *, scale, window=None):
     """Kernel weights ``w_ij = exp(scale q_i.k_j - m_i)`` over visible keys, 0 elsewhere.
 
     Args: q ``[B, T, HQ, D]``, k ``[B, S, H, D]``. Returns ``(w [B, HQ, T, S], m [B, HQ, T])``;
     ``m`` is 0 for a query that sees no key. Gradients flow through the row maximum too.
     """
-    T, HQ, S = q.shape[1], q.shape[2], k.shape[1]
-    s = torch.einsum("bhtd,bhsd->bhts", q.transpose(1, 2), heads_first(k, HQ)) * scale
-    mask = visible(T, S, causal=True, window=window, device=q.device)
-    s = s.masked_fill(~mask, float("-inf"))
+    HQ = q.shape[2]
+    s = contained_scores(q.transpose(1, 2), heads_first(k, HQ)) * scale
+    s = s.masked_fill(~seen_pairs(q, k, window), float("-inf"))
     m = s.amax(dim=-1)
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     return torch.exp(s - m[..., None]), m
@@ -86,6 +90,7 @@ def lla_statistics(q, k, *, lam, scale, window=None, blocks=None) -> LLAStatisti
     B, T, HQ, D = q.shape
     w, _ = lla_weights(q, k, scale=scale, window=window)
     z = heads_first(k, HQ)[:, :, None, :, :] - q.transpose(1, 2)[:, :, :, None, :]
+    z = torch.where(seen_pairs(q, k, window)[..., None], z, z.new_zeros(()))  # hidden keys stay out
     omega = w.sum(-1)
     mu = torch.einsum("bhts,bhtsd->bhtd", w, z)
     scatter = torch.einsum("bhts,bhtsd,bhtse->bhtde", w, z, z)
@@ -104,29 +109,30 @@ def relmm(x, q, k) -> torch.Tensor:
 
     ``x, q: [B, HQ, T, D]``, ``k: [B, HQ, S, D]``.
     """
-    return x @ k.transpose(-1, -2) - (x * q).sum(-1, keepdim=True)
+    return contained_scores(x, k) - (x * q).sum(-1, keepdim=True)
 
 
-def lla_output(w, omega, mu, rho, q, k, v) -> torch.Tensor:
+def lla_output(w, omega, mu, rho, q, k, v, seen) -> torch.Tensor:
     """Eq. 8 / 16: ``o_i = sum_j w_ij (1 - z_ij.rho_i) v_j / (omega_i - mu_i.rho_i)``.
 
     Heads-first ``w [B, HQ, T, S]``, ``omega [B, HQ, T]``, ``mu, rho, q [B, HQ, T, D]``,
-    ``k [B, HQ, S, D]``, ``v [B, HQ, S, Dv]``; returns ``[B, T, HQ, Dv]``. A query that sees no
-    key (``omega = 0``) gets zeros.
+    ``k [B, HQ, S, D]``, ``v [B, HQ, S, Dv]``, ``seen [T, S]``; returns ``[B, T, HQ, Dv]``. A query
+    that sees no key (``omega = 0``) gets zeros; a hidden key or value never reaches a row.
     """
     delta = omega - (mu * rho).sum(-1)
-    seen = omega > 0
-    delta = torch.where(seen, delta, torch.ones_like(delta))
-    scores = w * (1 - relmm(rho, q, k)) / delta[..., None]
-    return (scores @ v).transpose(1, 2)
+    delta = torch.where(omega > 0, delta, torch.ones_like(delta))
+    zr = torch.where(seen, relmm(rho, q, k), w.new_zeros(()))  # no 0 * NaN in the product or its gradient
+    scores = w * (1 - zr) / delta[..., None]
+    return contained_matmul(scores, v, seen).transpose(1, 2)
 
 
-def sigma_matvec(p, q, k, w, omega, mu_tilde, lam_diag, blocks) -> torch.Tensor:
+def sigma_matvec(p, q, k, w, omega, mu_tilde, lam_diag, blocks, seen=None) -> torch.Tensor:
     """Eq. 13 without materialising ``Sigma_i``: ``Sigma_i p_i`` for every query, ``[B, HQ, T, D]``.
 
     ``p, q, mu_tilde (= sum_j w_ij k_j), lam_diag: [B, HQ, T, D]``, ``k: [B, HQ, S, D]``,
     ``w: [B, HQ, T, S]``, ``omega: [B, HQ, T]``. With ``blocks = g`` every inner product runs
-    within each of the g feature blocks (BD-LLA).
+    within each of the g feature blocks (BD-LLA). ``seen [T, S]`` (default: where ``w`` is nonzero)
+    keeps hidden keys out.
     """
     g = 1 if blocks is None else blocks
     B, HQ, T, D = p.shape
@@ -135,8 +141,13 @@ def sigma_matvec(p, q, k, w, omega, mu_tilde, lam_diag, blocks) -> torch.Tensor:
         return x.reshape(*x.shape[:-1], g, D // g)
 
     pb, qb, mb, kb = split(p), split(q), split(mu_tilde), split(k)
-    kp = torch.einsum("bhsgc,bhtgc->bhtsg", kb, pb)          # k_j.p_i per block
-    data = torch.einsum("bhts,bhtsg,bhsgc->bhtgc", w, kp, kb)  # sum_j w_ij (k_j.p) k_j
+    seen = (w != 0 if seen is None else seen).unsqueeze(-3)  # [.., 1, T, S]
+    heads_blocks = (0, 1, 3, 2, 4)  # [B, HQ, N, g, c] <-> [B, HQ, g, N, c]
+    kg = kb.permute(heads_blocks)
+    kp = contained_scores(pb.permute(heads_blocks), kg)     # k_j.p_i per block, [B, HQ, g, T, S]
+    kp = torch.where(seen, kp, kp.new_zeros(()))
+    data = contained_matmul(w[:, :, None] * kp, kg, seen)   # sum_j w_ij (k_j.p) k_j
+    data = data.permute(heads_blocks)
     qp = (qb * pb).sum(-1, keepdim=True)
     mp = (mb * pb).sum(-1, keepdim=True)
     out = data - qp * mb - mp * qb + omega[..., None, None] * qp * qb
@@ -174,7 +185,7 @@ def _lla_explicit(q, k, v, *, lam, scale, window, blocks):
     rho = lla_probe(stats)
     HQ = q.shape[2]
     return lla_output(stats.w, stats.omega, stats.mu, rho, q.transpose(1, 2), heads_first(k, HQ),
-                      heads_first(v, HQ))
+                      heads_first(v, HQ), seen_pairs(q, k, window))
 
 
 def lla_matrix_free(q, k, v, *, lam, scale, window=None, blocks=None, cg_iters: int, cg_tol=1e-6):
@@ -184,17 +195,18 @@ def lla_matrix_free(q, k, v, *, lam, scale, window=None, blocks=None, cg_iters: 
     """
     B, T, HQ, D = q.shape
     w, _ = lla_weights(q, k, scale=scale, window=window)
+    seen = seen_pairs(q, k, window)
     qh, kh, vh = q.transpose(1, 2), heads_first(k, HQ), heads_first(v, HQ)
     omega = w.sum(-1)
-    mu_tilde = w @ kh                                   # eq. 10
+    mu_tilde = contained_matmul(w, kh, seen)            # eq. 10
     mu = mu_tilde - omega[..., None] * qh               # eq. 11
     lam_diag = ridge(lam, (B, HQ, T, D), dtype=q.dtype, device=q.device)
 
     def matvec(p):
-        return sigma_matvec(p, qh, kh, w, omega, mu_tilde, lam_diag, blocks)
+        return sigma_matvec(p, qh, kh, w, omega, mu_tilde, lam_diag, blocks, seen)
 
     rho = conjugate_gradient(matvec, mu, iters=cg_iters, tol=cg_tol)
-    return lla_output(w, omega, mu, rho, qh, kh, vh)
+    return lla_output(w, omega, mu, rho, qh, kh, vh, seen)
 
 
 def lla_blocks_uncentred(q, k, v, *, lam, scale, window=None, blocks: int):
@@ -207,9 +219,10 @@ def lla_blocks_uncentred(q, k, v, *, lam, scale, window=None, blocks: int):
     B, T, HQ, D = q.shape
     c = D // blocks
     w, _ = lla_weights(q, k, scale=scale, window=window)
+    seen = seen_pairs(q, k, window)
     qh, kh, vh = q.transpose(1, 2), heads_first(k, HQ), heads_first(v, HQ)
     omega = w.sum(-1)
-    mt = w @ kh
+    mt = contained_matmul(w, kh, seen)
     mu = mt - omega[..., None] * qh
 
     def split(x):  # [..., D] -> [..., g, c]
@@ -217,13 +230,13 @@ def lla_blocks_uncentred(q, k, v, *, lam, scale, window=None, blocks: int):
 
     kb = split(kh)
     kk = (kb[..., :, None] * kb[..., None, :]).flatten(-3)                     # [B, HQ, S, g c c]
-    second = (w @ kk).view(B, HQ, T, blocks, c, c)
+    second = contained_matmul(w, kk, seen).view(B, HQ, T, blocks, c, c)
     qb, mb = split(qh), split(mt)
     sigma = (second - mb[..., :, None] * qb[..., None, :] - qb[..., :, None] * mb[..., None, :]
              + omega[..., None, None, None] * qb[..., :, None] * qb[..., None, :])
     sigma = sigma + torch.diag_embed(split(ridge(lam, (B, HQ, T, D), dtype=q.dtype, device=q.device)))
     rho = torch.linalg.solve(sigma, split(mu)[..., None])[..., 0].reshape(B, HQ, T, D)
-    return lla_output(w, omega, mu, rho, qh, kh, vh)
+    return lla_output(w, omega, mu, rho, qh, kh, vh, seen)
 
 
 def lla(q, k, v, *, lam, scale=None, window=None, blocks=None, cg_iters=None, cg_tol=1e-6):

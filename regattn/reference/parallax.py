@@ -16,22 +16,24 @@ from __future__ import annotations
 
 import torch
 
-from regattn.reference.common import per_sequence, repeat_kv
-from regattn.reference.softmax import attention_logits, softmax_weights
+from regattn.reference.common import contained_scores, per_sequence, repeat_kv, visible
+from regattn.reference.softmax import attention_logits, mix_values, softmax_weights
 
 FORMS = ("eq8", "eq14", "score")
 
 
-def _probe_scores(r, k):
-    """``t = r.k``, ``[B, HQ, T, S]`` (k already repeated to HQ heads)."""
-    return torch.einsum("bthd,bshd->bhts", r, k)
+def _probe_scores(r, k, *, causal, window):
+    """``t = r.k``, ``[B, HQ, T, S]``, exactly 0 where hidden (k already repeated to HQ heads)."""
+    t = contained_scores(r.transpose(1, 2), k.transpose(1, 2))
+    seen = visible(r.shape[1], k.shape[1], causal=causal, window=window, device=r.device)
+    return torch.where(seen, t, t.new_zeros(()))
 
 
 def _weights_and_probe(q, r, k, *, causal, window, scale):
     """Softmax weights ``p``, probe scores ``t`` and their mean ``tbar = sum_j p t`` (``[B, HQ, T, 1]``)."""
     logits = attention_logits(q, k, causal=causal, window=window, scale=scale)
     p = softmax_weights(logits)
-    t = _probe_scores(r, repeat_kv(k, q.shape[2]))
+    t = _probe_scores(r, repeat_kv(k, q.shape[2]), causal=causal, window=window)
     tbar = (p * t).sum(-1, keepdim=True)
     return logits, p, t, tbar
 
@@ -44,14 +46,13 @@ def _scores(q, r, k, *, causal, window, scale):
 
 def _parallax_score(q, r, k, v, *, causal, window, scale):
     s = _scores(q, r, k, causal=causal, window=window, scale=scale)
-    return torch.einsum("bhts,bshd->bthd", s, repeat_kv(v, q.shape[2]))
+    return mix_values(s, v, causal=causal, window=window)
 
 
 def _parallax_eq14(q, r, k, v, *, causal, window, scale):
     _, p, t, tbar = _weights_and_probe(q, r, k, causal=causal, window=window, scale=scale)
-    v = repeat_kv(v, q.shape[2])
-    vbar = torch.einsum("bhts,bshd->bthd", p, v)
-    o2 = torch.einsum("bhts,bshd->bthd", p * t, v)
+    vbar = mix_values(p, v, causal=causal, window=window)
+    o2 = mix_values(p * t, v, causal=causal, window=window)
     return vbar * (1 + tbar.transpose(1, 2)) - o2
 
 
@@ -61,7 +62,7 @@ def _parallax_eq8(q, r, k, v, *, causal, window, scale):
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     w = torch.exp(logits - m)  # zero where hidden
     a = w * (1 - t + tbar)
-    num = torch.einsum("bhts,bshd->bthd", a, repeat_kv(v, q.shape[2]))
+    num = mix_values(a, v, causal=causal, window=window)
     den = a.sum(-1).transpose(1, 2)[..., None]  # [B, T, HQ, 1]; equals sum_j w_ij
     den = torch.where(den == 0, torch.ones_like(den), den)
     return num / den

@@ -3,14 +3,17 @@ from __future__ import annotations
 
 import torch
 
-from regattn.reference.common import per_sequence, repeat_kv, visible
+from regattn.reference.common import contained_matmul, contained_scores, per_sequence, repeat_kv, visible
 
 
 def attention_logits(q, k, *, causal=True, window=None, gate=None, scale):
-    """Masked logits ``[B, HQ, T, S]`` in q's dtype: ``scale * q.k (+ u_i - u_j)``, ``-inf`` where hidden."""
+    """Masked logits ``[B, HQ, T, S]`` in q's dtype: ``scale * q.k (+ u_i - u_j)``, ``-inf`` where hidden.
+
+    A non-finite key is NaN in its own column only, and the mask selects it away where hidden.
+    """
     HQ, T, S = q.shape[2], q.shape[1], k.shape[1]
     k = repeat_kv(k, HQ)
-    s = torch.einsum("bthd,bshd->bhts", q, k) * scale
+    s = contained_scores(q.transpose(1, 2), k.transpose(1, 2)) * scale
     if gate is not None:
         u = gate.to(s.dtype).transpose(1, 2)  # [B, HQ, T]
         s = s + u[:, :, :, None] - u[:, :, None, :]
@@ -24,9 +27,19 @@ def softmax_weights(logits):
     return torch.nan_to_num(p, nan=0.0)
 
 
+def mix_values(p, v, *, causal=True, window=None):
+    """``o_i = sum_j p_ij v_j`` over the visible keys, ``p: [B, HQ, T, S]``, ``v: [B, S, H, Dv] -> [B, T, HQ, Dv]``.
+
+    A non-finite value reaches only the rows that see it (:func:`contained_matmul`).
+    """
+    T, S = p.shape[-2:]
+    seen = visible(T, S, causal=causal, window=window, device=p.device)
+    return contained_matmul(p, repeat_kv(v, p.shape[1]).transpose(1, 2), seen).transpose(1, 2)
+
+
 def _softmax_attention(q, k, v, *, causal, window, gate, scale):
     p = softmax_weights(attention_logits(q, k, causal=causal, window=window, gate=gate, scale=scale))
-    return torch.einsum("bhts,bshd->bthd", p, repeat_kv(v, q.shape[2]))
+    return mix_values(p, v, causal=causal, window=window)
 
 
 def softmax_attention(q, k, v, *, causal=True, window=None, gate=None, scale=None, cu_seqlens=None):

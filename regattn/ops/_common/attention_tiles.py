@@ -8,6 +8,9 @@ Conventions of every kernel that uses these pieces:
   ``Sk`` keys sits at key position ``pos = i + Sk - Tq``. ``CAUSAL`` keeps ``j <= pos``; a window
   ``WINDOW > 0`` keeps ``j > pos - WINDOW`` (``WINDOW = 0`` means no window).
 * A key or query tile is *full* when every (row, key) pair in it is visible; full tiles skip the mask.
+* Containment: in a partially masked tile, a non-finite key, value, query or gradient reaches only the
+  rows that see it. Hidden scores are selected to exact zeros (``tl.where``) and products over the masked
+  dim go through :func:`contained_dot`, since ``0 * NaN = NaN`` inside a plain ``tl.dot``.
 """
 from __future__ import annotations
 
@@ -117,6 +120,22 @@ def online_softmax_step(m_i, l_i, s2):
     alpha = tl.exp2(m_i - m_use)
     l_new = l_i * alpha + tl.sum(p, 1)
     return m_new, l_new, p, alpha
+
+
+@triton.jit
+def contained_dot(acc, w, x, seen, PRECISION: tl.constexpr):
+    """``acc + w @ x`` over the pairs ``seen`` for a partially masked tile.
+
+    ``w: [R, C]`` counts only where ``seen`` (``[R, C]``) is True (elsewhere it is selected to 0, whatever it
+    holds); ``x: [C, E]``. A row ``x_c`` with a non-finite entry enters the product as 0 and makes NaN the
+    rows that see it, so it reaches no other row.
+    """
+    finite = tl.abs(x) < float("inf")
+    x_safe = tl.where(finite, x, 0.0).to(x.dtype)
+    acc += tl.dot(tl.where(seen, w, 0.0).to(x.dtype), x_safe, input_precision=PRECISION)
+    bad = tl.max(tl.where(finite, 0, 1), 1)                       # [C]: x_c holds a non-finite entry
+    hits = tl.max(tl.where(seen, bad[None, :], 0), 1)             # [R]: the row sees such an x_c
+    return tl.where(hits[:, None] > 0, float("nan"), acc)
 
 
 @triton.jit

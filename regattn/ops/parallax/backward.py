@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from regattn.ops.parallax.tiles import (
-    LOG2E, dot_precision, group_pad, head_block, interpreting, key_range, load_row_scalars, packed_rows,
+    LOG2E, contained_dot, dot_precision, group_pad, head_block, interpreting, key_range, load_row_scalars, packed_rows,
     program_tile, query_range, visible, visible_t,
 )
 
@@ -67,14 +67,21 @@ def _dq_tile(q, r, do, K, V, j0, qpos, klen, window, sk_t, sv_t, lse, tau, beta,
     vt = tl.load(V + j[None, :] * sv_t + offs_dv[:, None], mask=kv_ok[None, :] & (offs_dv[:, None] < DV),
                  other=0.0)
     s1 = tl.dot(q, kt, input_precision=PRECISION) * qk_scale
-    if MASK:
-        s1 = tl.where(visible(qpos, j, klen, window, CAUSAL, HAS_WINDOW), s1, float("-inf"))
     t = tl.dot(r, kt, input_precision=PRECISION)
     a = tl.dot(do, vt, input_precision=PRECISION)
+    if MASK:  # every score branch: hidden keys give exact zeros
+        seen = visible(qpos, j, klen, window, CAUSAL, HAS_WINDOW)
+        s1 = tl.where(seen, s1, float("-inf"))
+        t = tl.where(seen, t, 0.0)
+        a = tl.where(seen, a, 0.0)
     p, g1, g2 = _coefficients(s1, t, a, lse[:, None], tau[:, None], beta[:, None], tbar[:, None])
     k = tl.trans(kt)
-    dq += tl.dot(g1.to(k.dtype), k, input_precision=PRECISION)
-    dr += tl.dot(g2.to(k.dtype), k, input_precision=PRECISION)
+    if MASK:
+        dq = contained_dot(dq, g1, k, seen, PRECISION)
+        dr = contained_dot(dr, g2, k, seen, PRECISION)
+    else:
+        dq += tl.dot(g1.to(k.dtype), k, input_precision=PRECISION)
+        dr += tl.dot(g2.to(k.dtype), k, input_precision=PRECISION)
     return dq, dr
 
 
@@ -138,15 +145,23 @@ def _dk_tile(k, v, Q, R, DO, LSE, TAU, BETA, TBAR, t0, h, qlen, off, start, bb, 
                    mask=row_ok[None, :] & (offs_dv[:, None] < DV), other=0.0)
     lse, tau, beta, tbar = load_row_scalars(LSE, TAU, BETA, TBAR, (bb * HQ + hq) * T + start + t, row_ok)
     s1 = tl.dot(k, qt, input_precision=PRECISION) * qk_scale  # [N, M]
-    if MASK:
-        s1 = tl.where(visible_t(j, t + off, klen, window, CAUSAL, HAS_WINDOW), s1, float("-inf"))
     tt = tl.dot(k, rt, input_precision=PRECISION)
     a = tl.dot(v, dot_, input_precision=PRECISION)
+    if MASK:  # every score branch: hidden pairs give exact zeros
+        seen = visible_t(j, t + off, klen, window, CAUSAL, HAS_WINDOW)
+        s1 = tl.where(seen, s1, float("-inf"))
+        tt = tl.where(seen, tt, 0.0)
+        a = tl.where(seen, a, 0.0)
     p, g1, g2 = _coefficients(s1, tt, a, lse[None, :], tau[None, :], beta[None, :], tbar[None, :])
     w = p * (1.0 + tbar[None, :] - tt)
-    dv += tl.dot(w.to(v.dtype), tl.trans(dot_), input_precision=PRECISION)
-    dk += tl.dot((g1 * scale).to(k.dtype), tl.trans(qt), input_precision=PRECISION)
-    dk += tl.dot(g2.to(k.dtype), tl.trans(rt), input_precision=PRECISION)
+    if MASK:  # a non-finite query, probe or dO row reaches only the keys it sees
+        dv = contained_dot(dv, w, tl.trans(dot_), seen, PRECISION)
+        dk = contained_dot(dk, g1 * scale, tl.trans(qt), seen, PRECISION)
+        dk = contained_dot(dk, g2, tl.trans(rt), seen, PRECISION)
+    else:
+        dv += tl.dot(w.to(v.dtype), tl.trans(dot_), input_precision=PRECISION)
+        dk += tl.dot((g1 * scale).to(k.dtype), tl.trans(qt), input_precision=PRECISION)
+        dk += tl.dot(g2.to(k.dtype), tl.trans(rt), input_precision=PRECISION)
     return dk, dv
 
 

@@ -16,7 +16,9 @@ import torch
 import triton
 import triton.language as tl
 
-from regattn.ops.parallax.tiles import LOG2E, dot_precision, group_pad, head_block, interpreting, visible
+from regattn.ops.parallax.tiles import (
+    LOG2E, contained_dot, dot_precision, group_pad, head_block, interpreting, visible,
+)
 
 
 @triton.jit
@@ -110,7 +112,9 @@ def _parallax_decode_kernel(
         v = tl.load(V + j[:, None] * sv_t + offs_dv[None, :], mask=kv_ok[:, None] & (offs_dv[None, :] < DV),
                     other=0.0)
         s1, s2 = _unstack_rows(tl.dot(qr, kt, input_precision=PRECISION))
-        s1 = tl.where(visible(qpos, j, klen, window, True, HAS_WINDOW), s1 * qk_scale, float("-inf"))
+        seen = visible(qpos, j, klen, window, True, HAS_WINDOW)  # keys past the cache length never load
+        s1 = tl.where(seen, s1 * qk_scale, float("-inf"))
+        s2 = tl.where(seen, s2, 0.0)
         m_new = tl.maximum(m_i, tl.max(s1, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.math.exp2(m_i - m_use)
@@ -118,8 +122,8 @@ def _parallax_decode_kernel(
         p2 = p1 * s2
         d1 = d1 * alpha + tl.sum(p1, 1)
         d2 = d2 * alpha + tl.sum(p2, 1)
-        pp = _stack_rows(p1, p2).to(v.dtype)
-        acc = acc * _stack_vec(alpha)[:, None] + tl.dot(pp, v, input_precision=PRECISION)
+        pp = _stack_rows(p1, p2)
+        acc = contained_dot(acc * _stack_vec(alpha)[:, None], pp, v, _stack_rows(seen, seen), PRECISION)
         m_i = m_new
 
     orow = tl.arange(0, HALF)

@@ -10,7 +10,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from regattn.ops._common.attention_tiles import LOG2E, dot_precision, head_block, interpreting  # noqa: F401
+from regattn.ops._common.attention_tiles import (  # noqa: F401
+    LOG2E, contained_dot, dot_precision, head_block, interpreting,
+)
 
 
 def group_pad(groups: int) -> int:

@@ -27,8 +27,8 @@ import triton
 import triton.language as tl
 
 from regattn.ops._common.attention_tiles import (
-    LOG2E, head_block, interpreting, key_span, online_softmax_step, query_span, row_dot, softmax_finish,
-    visible_mask,
+    LOG2E, contained_dot, full_key_span, head_block, interpreting, key_span, online_softmax_step, query_span,
+    row_dot, softmax_finish, visible_mask,
 )
 
 
@@ -94,6 +94,19 @@ def _key_tiles(m0, Tb, Sb, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL:
 
 
 @triton.jit
+def _full_keys(m0, Tb, Sb, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr):
+    """Keys ``[lo, hi)`` every query of the tile ``[m0, m0 + BLOCK_M)`` sees (may be empty)."""
+    shift = Sb - Tb
+    return full_key_span(m0 + shift, tl.minimum(m0 + BLOCK_M, Tb) - 1 + shift, Sb, CAUSAL, WINDOW)
+
+
+@triton.jit
+def _partial(start, full_lo, full_hi, BLOCK: tl.constexpr):
+    """Whether the tile ``[start, start + BLOCK)`` leaves ``[full_lo, full_hi)``: some pair in it is hidden."""
+    return (start < full_lo) | (start + BLOCK > full_hi)
+
+
+@triton.jit
 def _query_tiles(n0, Tb, Sb, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
                  WINDOW: tl.constexpr):
     """Queries ``[lo, hi)`` that see some key of the tile ``[n0, n0 + BLOCK_N)``; ``lo`` on a tile edge."""
@@ -151,24 +164,28 @@ def _combine(m_a, l_a, w_a, m_b, l_b, w_b):
 
 
 @triton.jit
-def _fold_tiles(q, k_base, v_base, skt, svt, lo, hi, offs_m, offs_n0, offs_d, offs_dv, Tb, Sb, qk_scale,
-                D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+def _fold_tiles(q, k_base, v_base, skt, svt, lo, hi, full_lo, full_hi, offs_m, offs_n0, offs_d, offs_dv, Tb, Sb,
+                qk_scale, D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, EVEN_N: tl.constexpr,
                 PREC: tl.constexpr, FRESH: tl.constexpr, ROUND_TF32: tl.constexpr):
     """Left fold of the key tiles ``[lo, hi)`` from the identity: each tile's state (its max, the sum of
     ``p`` and ``p @ v``: tree reductions across the tile) merges into the running state by un-sum-renorm
-    (the online-softmax step). Returns ``(m, l, acc)``."""
+    (the online-softmax step). Tiles outside the full keys ``[full_lo, full_hi)`` of a causal or windowed
+    fold multiply through :func:`contained_dot`. Returns ``(m, l, acc)``."""
     m_i, l_i, acc = _identity(BLOCK_M, BLOCK_DV)
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + offs_n0
         k = _tf32(_load_rows(k_base, offs_n, skt, offs_d, Sb, D, EVEN_N), ROUND_TF32)
         s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
         if CAUSAL or WINDOW > 0 or not EVEN_N:
-            s = tl.where(_visible(offs_m, offs_n, Tb, Sb, CAUSAL, WINDOW), s, float("-inf"))
+            seen = _visible(offs_m, offs_n, Tb, Sb, CAUSAL, WINDOW)
+            s = tl.where(seen, s, float("-inf"))
         m_i, l_i, p, alpha = online_softmax_step(m_i, l_i, s)
         v = _tf32(_load_rows(v_base, offs_n, svt, offs_dv, Sb, DV, EVEN_N), ROUND_TF32)
         p = _tf32(p.to(v.dtype), ROUND_TF32)
-        if FRESH:
+        if (CAUSAL or WINDOW > 0) and _partial(n0, full_lo, full_hi, BLOCK_N):
+            acc = contained_dot(acc * alpha[:, None], p, v, seen, PREC)
+        elif FRESH:
             acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PREC)
         else:
             acc = tl.dot(p, v, acc * alpha[:, None], input_precision=PREC)
@@ -220,23 +237,25 @@ def _fwd_kernel(Q, K, V, O, LSE, WS_M, WS_L, WS_ACC, CU,
     q = _tf32(_load_rows(q_base, offs_m, sqt, offs_d, Tb, D, False), ROUND_TF32)
 
     lo, hi = _key_tiles(m0, Tb, Sb, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
+    full_lo, full_hi = _full_keys(m0, Tb, Sb, BLOCK_M, CAUSAL, WINDOW)
     if NSPLIT > 1:
         per = tl.cdiv(tl.cdiv(hi - lo, BLOCK_N), NSPLIT) * BLOCK_N
         lo = lo + split * per
         hi = tl.minimum(hi, lo + per)
 
     if CHUNK == 0:
-        m_i, l_i, acc = _fold_tiles(q, k_base, v_base, skt, svt, lo, hi, offs_m, offs_n0, offs_d, offs_dv, Tb, Sb,
-                                    qk_scale, D, DV, BLOCK_M, BLOCK_N, BLOCK_DV, CAUSAL, WINDOW, EVEN_N, PREC,
-                                    FRESH, ROUND_TF32)
+        m_i, l_i, acc = _fold_tiles(q, k_base, v_base, skt, svt, lo, hi, full_lo, full_hi, offs_m, offs_n0, offs_d,
+                                    offs_dv, Tb, Sb, qk_scale, D, DV, BLOCK_M, BLOCK_N, BLOCK_DV, CAUSAL, WINDOW,
+                                    EVEN_N, PREC, FRESH, ROUND_TF32)
     else:
         # Two levels: CHUNK tiles fold into a chunk state, and the chunk states into the total, so that
         # no accumulator sees more than max(CHUNK, n / (CHUNK * BLOCK_N)) sequential additions.
         m_i, l_i, acc = _identity(BLOCK_M, BLOCK_DV)
         for c0 in range(lo, hi, CHUNK * BLOCK_N):
             m_c, l_c, acc_c = _fold_tiles(q, k_base, v_base, skt, svt, c0, tl.minimum(hi, c0 + CHUNK * BLOCK_N),
-                                          offs_m, offs_n0, offs_d, offs_dv, Tb, Sb, qk_scale, D, DV, BLOCK_M,
-                                          BLOCK_N, BLOCK_DV, CAUSAL, WINDOW, EVEN_N, PREC, FRESH, ROUND_TF32)
+                                          full_lo, full_hi, offs_m, offs_n0, offs_d, offs_dv, Tb, Sb, qk_scale, D,
+                                          DV, BLOCK_M, BLOCK_N, BLOCK_DV, CAUSAL, WINDOW, EVEN_N, PREC, FRESH,
+                                          ROUND_TF32)
             m_i, l_i, acc = _combine(m_i, l_i, acc, m_c, l_c, acc_c)
 
     rows = _stats_rows(bat, h, HQ, T, row0) + offs_m
@@ -302,10 +321,10 @@ def _row_stats(LSE, DELTA, stats, offs_m, Tb):
 @triton.jit
 def _probs(q, k, lse, offs_m, offs_n, Tb, Sb, qk_scale, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
            PREC: tl.constexpr):
-    """``p = exp2(s - lse)`` of a ``[BLOCK_M, BLOCK_N]`` tile, 0 where a key is hidden."""
+    """``p = exp2(s - lse)`` of a ``[BLOCK_M, BLOCK_N]`` tile, 0 where a key is hidden, and the visibility."""
     s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
     vis = _visible(offs_m, offs_n, Tb, Sb, CAUSAL, WINDOW)
-    return tl.where(vis, tl.exp2(s - lse[:, None]), 0.0)
+    return tl.where(vis, tl.exp2(s - lse[:, None]), 0.0), vis
 
 
 @triton.jit
@@ -344,15 +363,22 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DVV, CU,
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
     stats = _stats_rows(bat, h, HQ, T, row0)
     lo, hi = _query_tiles(n0, Tb, Sb, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
+    _, _, full_lo, full_hi = query_span(n0, tl.minimum(n0 + BLOCK_N, Sb) - 1, Tb, Sb - Tb, CAUSAL, WINDOW)
     for m0 in range(lo, hi, BLOCK_M):
         offs_m = m0 + offs_m0
         q = _tf32(_load_rows(q_base, offs_m, sqt, offs_d, Tb, D, False), ROUND_TF32)
         do = _tf32(_load_rows(do_base, offs_m, sdot, offs_dv, Tb, DV, False), ROUND_TF32)
         lse, delta = _row_stats(LSE, DELTA, stats, offs_m, Tb)
-        p = _probs(q, k, lse, offs_m, offs_n, Tb, Sb, qk_scale, CAUSAL, WINDOW, PREC)
-        dv = tl.dot(tl.trans(_tf32(p.to(do.dtype), ROUND_TF32)), do, dv, input_precision=PREC)
+        p, seen = _probs(q, k, lse, offs_m, offs_n, Tb, Sb, qk_scale, CAUSAL, WINDOW, PREC)
         ds = _score_grads(p, do, v, delta, PREC)
-        dk = tl.dot(tl.trans(_tf32(ds.to(q.dtype), ROUND_TF32)), q, dk, input_precision=PREC)
+        if (CAUSAL or WINDOW > 0) and _partial(m0, full_lo, full_hi, BLOCK_M):
+            # a non-finite query or dO row reaches only the keys it sees
+            pt, dst, seen_t = tl.trans(p), tl.trans(tl.where(seen, ds, 0.0)), tl.trans(seen)
+            dv = contained_dot(dv, _tf32(pt, ROUND_TF32), do, seen_t, PREC)
+            dk = contained_dot(dk, _tf32(dst, ROUND_TF32), q, seen_t, PREC)
+        else:
+            dv = tl.dot(tl.trans(_tf32(p.to(do.dtype), ROUND_TF32)), do, dv, input_precision=PREC)
+            dk = tl.dot(tl.trans(_tf32(ds.to(q.dtype), ROUND_TF32)), q, dk, input_precision=PREC)
     dk = dk * sm_scale
     _store_rows(_head_rows(DK, bat, h, row0, sdkb, sdkh, sdkt), dk, offs_n, sdkt, offs_d, Sb, D)
     _store_rows(_head_rows(DVV, bat, h, row0, sdvb, sdvh, sdvt), dv, offs_n, sdvt, offs_dv, Sb, DV)
@@ -385,13 +411,17 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, CU,
     v_base = _head_rows(V, bat, hk, row0, svb, svh, svt)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     lo, hi = _key_tiles(m0, Tb, Sb, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
+    full_lo, full_hi = _full_keys(m0, Tb, Sb, BLOCK_M, CAUSAL, WINDOW)
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + offs_n0
         k = _tf32(_load_rows(k_base, offs_n, skt, offs_d, Sb, D, False), ROUND_TF32)
         v = _tf32(_load_rows(v_base, offs_n, svt, offs_dv, Sb, DV, False), ROUND_TF32)
-        p = _probs(q, k, lse, offs_m, offs_n, Tb, Sb, qk_scale, CAUSAL, WINDOW, PREC)
+        p, seen = _probs(q, k, lse, offs_m, offs_n, Tb, Sb, qk_scale, CAUSAL, WINDOW, PREC)
         ds = _score_grads(p, do, v, delta, PREC)
-        dq = tl.dot(_tf32(ds.to(k.dtype), ROUND_TF32), k, dq, input_precision=PREC)
+        if (CAUSAL or WINDOW > 0) and _partial(n0, full_lo, full_hi, BLOCK_N):
+            dq = contained_dot(dq, _tf32(tl.where(seen, ds, 0.0), ROUND_TF32), k, seen, PREC)
+        else:
+            dq = tl.dot(_tf32(ds.to(k.dtype), ROUND_TF32), k, dq, input_precision=PREC)
     dq = dq * sm_scale
     _store_rows(_head_rows(DQ, bat, h, row0, sdqb, sdqh, sdqt), dq, offs_m, sdqt, offs_d, Tb, D)
 
