@@ -12,8 +12,7 @@ import triton
 import triton.language as tl
 
 from regattn.ops.parallax.tiles import (
-    LOG2E, contained_dot, dot_precision, group_pad, head_block, interpreting, key_range, packed_rows, program_tile,
-    visible,
+    LOG2E, dot_precision, group_pad, head_block, interpreting, key_range, packed_rows, program_tile, visible,
 )
 
 
@@ -29,22 +28,16 @@ def _fwd_tile(q, r, K, V, j0, qpos, klen, window, sk_t, sv_t, m_i, d1, d2, o1, o
                  other=0.0)
     s1 = tl.dot(q, kt, input_precision=PRECISION) * qk_scale
     s2 = tl.dot(r, kt, input_precision=PRECISION)
-    if MASK:  # both score branches: a hidden key's probe score is exactly 0 too
-        seen = visible(qpos, j, klen, window, CAUSAL, HAS_WINDOW)
-        s1 = tl.where(seen, s1, float("-inf"))
-        s2 = tl.where(seen, s2, 0.0)
+    if MASK:
+        s1 = tl.where(visible(qpos, j, klen, window, CAUSAL, HAS_WINDOW), s1, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s1, 1))
     alpha = tl.math.exp2(m_i - m_new)
     p1 = tl.math.exp2(s1 - m_new[:, None])
     p2 = p1 * s2
     d1 = d1 * alpha + tl.sum(p1, 1)
     d2 = d2 * alpha + tl.sum(p2, 1)
-    if MASK:
-        o1 = contained_dot(o1 * alpha[:, None], p1, vt, seen, PRECISION)
-        o2 = contained_dot(o2 * alpha[:, None], p2, vt, seen, PRECISION)
-    else:
-        o1 = o1 * alpha[:, None] + tl.dot(p1.to(vt.dtype), vt, input_precision=PRECISION)
-        o2 = o2 * alpha[:, None] + tl.dot(p2.to(vt.dtype), vt, input_precision=PRECISION)
+    o1 = o1 * alpha[:, None] + tl.dot(p1.to(vt.dtype), vt, input_precision=PRECISION)
+    o2 = o2 * alpha[:, None] + tl.dot(p2.to(vt.dtype), vt, input_precision=PRECISION)
     return m_new, d1, d2, o1, o2
 
 

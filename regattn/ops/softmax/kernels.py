@@ -19,8 +19,8 @@ import triton
 import triton.language as tl
 
 from regattn.ops._common.attention_tiles import (
-    LOG2E, attention_blocks, contained_dot, dot_precision, full_key_span, head_block, key_span, online_softmax_step,
-    query_span, row_dot, softmax_finish, tile_loop_bounds, visible_mask, visible_mask_t,
+    LOG2E, attention_blocks, dot_precision, full_key_span, head_block, key_span, online_softmax_step, query_span,
+    row_dot, softmax_finish, tile_loop_bounds, visible_mask, visible_mask_t,
 )
 
 
@@ -116,15 +116,11 @@ def _fwd_tiles(acc, m_i, l_i, q, uq2, pos, K_h, V_h, U_k, stride_kt, stride_vt, 
         s2 = tl.dot(q, kt, input_precision=PRECISION) * sm_scale2
         s2 = _gate_logits(s2, uq2, U_k, offs_n, stride_ut, kmask, GATED)
         if MASKED:
-            seen = visible_mask(pos, offs_n, Sk, CAUSAL, WINDOW)
-            s2 = tl.where(seen, s2, float("-inf"))
+            s2 = tl.where(visible_mask(pos, offs_n, Sk, CAUSAL, WINDOW), s2, float("-inf"))
         m_i, l_i, p, alpha = online_softmax_step(m_i, l_i, s2)
         v = tl.load(V_h + offs_n[:, None] * stride_vt + offs_dv[None, :],
                     mask=kmask[:, None] & (offs_dv < DV)[None, :], other=0.0)
-        if MASKED:
-            acc = contained_dot(acc * alpha[:, None], p, v, seen, PRECISION)
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     return acc, m_i, l_i
 
 
@@ -185,18 +181,13 @@ def _bwd_kv_tiles(dk, dv, du, k, v, uk2, offs_n, Q_h, DO_h, U_h, LSE_h, DELTA_h,
             uq2 = tl.load(U_h + offs_m * sut, mask=rmask, other=0.0).to(tl.float32) * 1.4426950408889634
             st = st + uq2[None, :] - uk2[:, None]
         if MASKED:
-            seen = visible_mask_t(offs_n, offs_m + off, Sk, CAUSAL, WINDOW) & rmask[None, :]
-            st = tl.where(seen, st, float("-inf"))
+            st = tl.where(visible_mask_t(offs_n, offs_m + off, Sk, CAUSAL, WINDOW) & rmask[None, :], st,
+                          float("-inf"))
         pt = tl.exp2(st - lse2[None, :])
+        dv += tl.dot(pt.to(do.dtype), do, input_precision=PRECISION)
         dpt = tl.dot(v, tl.trans(do), input_precision=PRECISION)
         dst = pt * (dpt - delta[None, :])
-        if MASKED:
-            dst = tl.where(seen, dst, 0.0)
-            dv = contained_dot(dv, pt, do, seen, PRECISION)
-            dk = contained_dot(dk, dst, tl.trans(qt), seen, PRECISION)
-        else:
-            dv += tl.dot(pt.to(do.dtype), do, input_precision=PRECISION)
-            dk += tl.dot(dst.to(qt.dtype), tl.trans(qt), input_precision=PRECISION)
+        dk += tl.dot(dst.to(qt.dtype), tl.trans(qt), input_precision=PRECISION)
         if GATED:
             du -= tl.sum(dst, 1)
     return dk, dv, du
@@ -271,16 +262,11 @@ def _bwd_q_tiles(dq, duq, q, do, uq2, lse2, delta, pos, K_h, V_h, U_k, skt, svt,
         s2 = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale2
         s2 = _gate_logits(s2, uq2, U_k, offs_n, sut, kmask, GATED)
         if MASKED:
-            seen = visible_mask(pos, offs_n, Sk, CAUSAL, WINDOW)
-            s2 = tl.where(seen, s2, float("-inf"))
+            s2 = tl.where(visible_mask(pos, offs_n, Sk, CAUSAL, WINDOW), s2, float("-inf"))
         p = tl.exp2(s2 - lse2[:, None])
         dp = tl.dot(do, vt, input_precision=PRECISION)
         ds = p * (dp - delta[:, None])
-        if MASKED:
-            ds = tl.where(seen, ds, 0.0)
-            dq = contained_dot(dq, ds, k, seen, PRECISION)
-        else:
-            dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
         if GATED:
             duq += tl.sum(ds, 1)
     return dq, duq
