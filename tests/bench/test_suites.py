@@ -42,7 +42,7 @@ def test_suite_runs_tiny_on_cpu(name, tmp_path, capsys, interpret):
             assert "status" not in r["err"], r
             assert all(math.isfinite(e) and e <= bound(name, r) for e in r["err"].values()), r
     checked = [r for r in rows if r["ours"] and r["err"] is not None]
-    assert checked and all(r["op"].startswith("regattn:triton") or backend == "auto" for r in checked)
+    assert checked and (backend == "auto" or any(r["op"].startswith("regattn:triton") for r in checked))
     backward = [r for r in checked if r["mode"].endswith("fwd+bwd")]
     assert all(len(r["err"]) > 1 for r in backward)  # the output and every gradient
     assert any(r["op"] == "reference" and r["status"] == "ok" for r in rows)

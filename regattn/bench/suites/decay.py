@@ -8,13 +8,15 @@ import regattn
 from regattn import reference
 from regattn.bench import counts, peers
 from regattn.bench.check import Check, Slice
-from regattn.bench.runner import build, ours, randn, reference_case
+from regattn.bench.runner import Case, build, ours, randn, reference_case
 from regattn.ops.decay.api import METHODS
 
 NAME = "decay"
 PEERS = ("fla", "copy", "reference")
 MAIN = {"fwd": ("fla:chunk_simple_gla",)}
 FLA = ("chunk_simple_gla", "chunk_lightning_attn")
+KERNELS = ("lightning2", "fleet", "causal_dot_product")  # methods with Triton kernels; the rest are torch forms
+TORCH_FORMS_UP_TO = 8192  # B * T up to which the torch forms are timed on a GPU (past it: seconds a call, or OOM)
 GOAL = [dict(B=B, H=32, T=T, R=128, D=128, gamma=0.99) for B, T in ((1, 8192), (16, 8192), (1, 100000), (16, 25600))]
 GRIDS = {
     "tiny": [dict(B=1, H=2, T=40, R=8, D=8, gamma=g) for g in (None, 0.9)],
@@ -58,10 +60,17 @@ def cases(shape: dict, setup, user=None):
         name, fn = user
         yield "fwd", build(name, lambda: ((lambda: fn(b, c, v, gamma)), []), ours=True, check=truth, **n)
     for method in ("auto",) + METHODS:
+        torch_form = method not in KERNELS and method != "auto"
+        if setup.cuda and torch_form and B * T > TORCH_FORMS_UP_TO:
+            yield "fwd", Case(f"regattn:torch[{method}]", None, ours=user is None,
+                              status=f"not timed: a torch form, timed where B*T <= {TORCH_FORMS_UP_TO}")
+            continue
         case = ours(regattn.decay_linear_attention, b, setup,
                     lambda method=method: regattn.decay_linear_attention(b, c, v, gamma, method=method,
                                                                       backend=setup.backend), [],
                     tag=f"[{method}]", check=truth, **n)
+        if torch_form:  # runs in torch whatever the backend
+            case.op = case.op.replace("regattn:triton", "regattn:torch")
         case.ours = user is None
         yield "fwd", case
     if peers.wanted(setup.peers, "fla"):

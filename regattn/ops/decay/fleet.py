@@ -11,8 +11,7 @@ Inside a row block, for a chunk of ``RB`` ranks at a time:
 
 The prefix sums ``l`` (``R x BD`` per program) live in a float32 scratch buffer that only their
 own program reads and writes, so the sum over ranks needs no atomics (the race of Appendix D
-cannot happen). ``REVERSE`` walks the rows from the end (for the backward). A non-finite ``c_j v_j``
-reaches only the rows ``>= j`` (``finite_rows``, ``poison_seen``).
+cannot happen). ``REVERSE`` walks the rows from the end (for the backward).
 """
 from __future__ import annotations
 
@@ -21,7 +20,7 @@ import triton
 import triton.language as tl
 
 from regattn.ops._common.attention_tiles import dot_precision, head_block, interpreting
-from regattn.ops.decay.tiles import decay_into, decay_matrix, decay_out_of, finite_rows, poison_seen
+from regattn.ops.decay.tiles import decay_into, decay_matrix, decay_out_of
 
 
 @triton.jit
@@ -65,8 +64,7 @@ def _fleet_kernel(
             b = tl.load(Bm + bi * sb_b + pos[:, None] * sb_t + hi * sb_h + rr[None, :], mask=rows, other=0.0)
             c = tl.load(Cm + bi * sc_b + pos[:, None] * sc_t + hi * sc_h + rr[None, :], mask=rows, other=0.0)
             x = c.to(tl.float32)[:, :, None] * v[:, None, :]                                # [BT, RB, BD]
-            x_ok, first_bad = finite_rows(tl.reshape(x, (BT, RB * BD)), offs_t, BT)
-            y = poison_seen(tl.dot(cumsum_mask, x_ok, input_precision=PRECISION), offs_t, first_bad)
+            y = tl.dot(cumsum_mask, tl.reshape(x, (BT, RB * BD)), input_precision=PRECISION)
             l_ptr = l_base + rr[:, None] * D + offs_d[None, :]
             l_mask = mask_r[:, None] & mask_d[None, :]
             carried = tl.load(l_ptr, mask=l_mask, other=0.0)                                # [RB, BD]

@@ -20,9 +20,7 @@ launch every segment first folds the earlier segments' states into its initial s
 An initial state ``X`` enters each row through its own product (``gamma^(t + INIT_POW) b X``), so the
 segments chain as without it and the backward can pass the final state's gradient in with ``INIT_POW = 0``;
 ``FINAL`` is written by the last segment. ``VARLEN`` reads each packed sequence's bounds from ``CU``
-(one program per sequence, head and value-column block). The intra-block product keeps a
-non-finite ``c_j`` or ``v_j`` out of the rows before ``j`` (``where`` for the weights,
-``finite_rows``/``poison_seen`` for the values).
+(one program per sequence, head and value-column block).
 """
 from __future__ import annotations
 
@@ -35,7 +33,7 @@ import triton
 import triton.language as tl
 
 from regattn.ops._common.attention_tiles import dot_precision, head_block, interpreting
-from regattn.ops.decay.tiles import decay_into, decay_matrix, decay_out_of, finite_rows, poison_seen
+from regattn.ops.decay.tiles import decay_into, decay_matrix, decay_out_of
 
 LOG2E = 1.4426950408889634
 
@@ -73,7 +71,6 @@ def _lightning2_kernel(
     mask_r = offs_r < R
     mask_d = offs_d < D
 
-    causal = offs_t[:, None] >= offs_t[None, :]
     intra_mask = decay_matrix(offs_t, log2g)
     into = decay_into(offs_t, log2g)
 
@@ -106,10 +103,8 @@ def _lightning2_kernel(
         if WRITE_O:
             b = tl.load(b_base + pos[:, None] * sb_t + offs_r[None, :], mask=valid[:, None] & mask_r[None, :],
                         other=0.0)
-            scores = tl.where(causal, tl.dot(b, tl.trans(c), input_precision=PRECISION) * intra_mask, 0.0)
-            v_ok, first_bad = finite_rows(v, offs_t, BT)
-            o = tl.dot(scores.to(v.dtype), v_ok, input_precision=PRECISION)
-            o = poison_seen(o, offs_t, first_bad)
+            scores = tl.dot(b, tl.trans(c), input_precision=PRECISION) * intra_mask
+            o = tl.dot(scores.to(v.dtype), v, input_precision=PRECISION)
             b_in = (b * into[:, None]).to(v.dtype)
             o += tl.dot(b_in, S.to(v.dtype), input_precision=PRECISION)
             if HAS_INIT:

@@ -1,9 +1,8 @@
-"""Tile steps the row-block decay kernels share (``lightning2``, ``fleet``).
+"""Powers of gamma the row-block decay kernels share (``lightning2``, ``fleet``).
 
 A block holds ``BT`` rows ``p = 0 .. BT-1``. Powers come from ``log2g = log2 gamma`` and only
 non-negative exponents are formed, so gamma near 0 underflows to exact zeros and gamma = 1 never
-overflows. A causal product inside a block multiplies later rows by zero weights; ``finite_rows``
-and ``poison_seen`` keep a non-finite later row out of the earlier rows (zero times NaN is NaN).
+overflows.
 """
 from __future__ import annotations
 
@@ -30,16 +29,3 @@ def decay_out_of(n, offs_t, valid, log2g):
     state carried out of the block."""
     return tl.where(valid, tl.exp2(tl.maximum(n - 1 - offs_t, 0).to(tl.float32) * log2g), 0.0)
 
-
-@triton.jit
-def finite_rows(x, offs_t, BT: tl.constexpr):
-    """``x [BT, N]`` with its non-finite entries set to 0, and per column the first row that held one (BT if none)."""
-    ok = (x - x) == 0
-    first = tl.min(tl.where(ok, BT, offs_t[:, None]), axis=0)
-    return tl.where(ok, x, 0.0), first
-
-
-@triton.jit
-def poison_seen(o, offs_t, first):
-    """``o [BT, N]`` with NaN in the rows at or after ``first`` (per column): the rows that see a non-finite entry."""
-    return tl.where(offs_t[:, None] >= first[None, :], float("nan"), o)
