@@ -105,25 +105,19 @@ def number(value, fmt: str) -> str:
     return "–" if value is None else format(value, fmt)
 
 
-def rate(row: dict) -> str:
-    if row.get("tflops") is not None:
-        return f"{row['tflops']:.3g} TFLOP/s"
-    return "–" if row.get("gbps") is None else f"{row['gbps']:.0f} GB/s"
-
-
 def row_cells(row: dict, first: bool) -> list[str]:
     """One table line; the shape and mode only on the first line of their group."""
     shape, mode = (row["shape"], row["mode"] + (" (graph)" if row.get("graph") else "")) if first else ("", "")
     ms = number(row["ms"], ".4g") if row["status"] == "ok" else row["status"]
     ratio = number(row.get("ratio"), ".2f") + ("x" if row.get("ratio") is not None else "")
-    return [shape, mode, row["op"], ms, ratio, rate(row), number(row.get("peak_mb"), ".0f"),
-            worst_error(row.get("err")) or "–"]
+    return [shape, mode, row["op"], ms, ratio, number(row.get("tflops"), ".3g"), number(row.get("gbps"), ".0f"),
+            number(row.get("peak_mb"), ".0f"), worst_error(row.get("err")) or "–"]
 
 
 def result_table(result: dict) -> str:
     """Every row as measured: time, ratio to the suite's main peer, rate, peak memory and the largest
     relative error against the float64 reference (with what it is of)."""
-    lines = ["| shape | mode | op | ms | ratio | rate | peak MiB | error vs float64 |", "|" + "---|" * 8]
+    lines = ["| shape | mode | op | ms | ratio | TFLOP/s | GB/s | peak MiB | error vs float64 |", "|" + "---|" * 9]
     for rows in groups(result["rows"]).values():
         lines += ["| " + " | ".join(row_cells(r, i == 0)).replace("\n", " ") + " |" for i, r in enumerate(rows)]
     return "\n".join(lines)
@@ -137,7 +131,7 @@ def suite_results(root: Path) -> list[dict]:
 INTRO = ("Each table lists what one `regattn bench SUITE` run measured, rows in the order run (the goal shapes "
          "first): the median time of `triton.testing.do_bench` (decode also inside a CUDA graph: "
          "`do_bench_cudagraph`), the ratio to the suite's main peer measured in the same process on the same "
-         "inputs (below 1.00x: faster), TFLOP/s or GB/s by the problem's count (`regattn.bench.counts`), the "
+         "inputs (below 1.00x: faster), TFLOP/s and GB/s by the problem's counts (`regattn.bench.counts`), the "
          "peak memory of one call above its inputs, and the largest relative error of the output and every "
          "gradient against the float64 reference on a slice of the problem (`regattn.bench.check`; all errors "
          "are in the JSON). Our ops are `regattn:triton` (the Triton kernels) or `regattn:torch`. Peers that "

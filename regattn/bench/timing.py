@@ -1,13 +1,14 @@
 """Time and peak memory of one zero-argument callable, with out-of-memory reported, not raised.
 
 On CUDA: ``triton.testing.do_bench`` medians after a warm-up call (the warm-up also compiles;
-do_bench flushes L2 between calls), or CUDA-graph replay (``do_bench_cudagraph``, no flush:
-a small KV cache stays in L2 for every op alike) for decode-sized work, where the launch
-overhead is what an eager caller pays and a graph removes; a call that cannot be captured (a
-host sync inside it) gets the status ``not capturable``; peak memory is ``torch.cuda.max_memory_allocated`` during one
-call, above what was allocated before it. A call slower than the timing window itself is timed
-by the median of three event-timed calls instead (do_bench would run it about ten times). On CPU (the smoke mode) the ``perf_counter``
-calls made within the timing window give a median and no peak memory is read.
+do_bench flushes L2 between calls), or CUDA-graph replay (``do_bench_cudagraph``, no flush: a
+small KV cache stays in L2 for every op alike) for decode-sized work, where the launch overhead is
+what an eager caller pays and a graph removes; a call that cannot be captured (a host sync inside
+it) gets the status ``not capturable``. Peak memory is ``torch.cuda.max_memory_allocated`` during
+one call, above what was allocated before it. A call slower than the timing window itself is timed
+by the median of three event-timed calls (do_bench would run it about ten times). On CPU (the smoke
+mode) the ``perf_counter`` calls made within the timing window give a median and no peak memory is
+read.
 """
 from __future__ import annotations
 

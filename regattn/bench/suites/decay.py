@@ -78,6 +78,6 @@ def cases(shape: dict, setup, user=None):
             yield "fwd", build(f"fla:{name}", lambda: fla_decay(name, b, c, v, gamma),
                                check=truth if name == "chunk_simple_gla" else None, **n)
     if peers.wanted(setup.peers, "copy"):
-        yield "fwd", build("copy (memory floor)", lambda: peers.copy_floor(n["bytes"], setup.device), **n)
+        yield "fwd", build("copy (memory floor)", lambda: peers.copy_floor(n["bytes"], setup.device), bytes=n["bytes"])
     yield from reference_case(setup, "fwd", lambda: reference.decay_linear_attention(b, c, v, gamma), [],
                               check=truth, **n)

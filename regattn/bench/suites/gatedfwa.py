@@ -61,7 +61,7 @@ def gate_cases(shape, setup):
                              [h, beta], tag=f"[{scan}]", check=truth, **n)
         yield from reference_case(setup, mode, lambda: reference.gatedfwa_gate(h, beta), [h, beta], check=truth, **n)
         if peers.wanted(setup.peers, "copy"):
-            yield mode, build("copy (memory floor)", lambda: peers.copy_floor(nbytes, setup.device), **n)
+            yield mode, build("copy (memory floor)", lambda: peers.copy_floor(nbytes, setup.device), bytes=nbytes)
 
 
 def fla_forgetting(q, k, v, u, window):
