@@ -40,3 +40,19 @@ def run_command(prog: str, main, argv: list[str]) -> int:
     except UsageError as e:
         print(f"{prog}: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
+
+
+def device(flag: str, name: str) -> None:
+    """``auto``, ``cpu``, or a CUDA device this machine has."""
+    import torch
+
+    if name == "auto":
+        return
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        raise UsageError(f"{flag}: expected auto, cpu or cuda[:N], got {name!r}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError(f"{flag} {name}: no CUDA device is available")
+    if dev.type == "cuda" and (dev.index or 0) >= torch.cuda.device_count():
+        raise UsageError(f"{flag} {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")

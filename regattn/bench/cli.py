@@ -16,6 +16,7 @@ import torch
 
 from regattn.bench import peers as peer_names, report, results, suites
 from regattn.bench.runner import Setup, format_table, run_suite
+from regattn import usage
 from regattn.usage import UsageError, run_command
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}
@@ -139,8 +140,7 @@ def check_args(args) -> str:
     if args.suite not in (*suites.NAMES, "all", "report"):
         raise UsageError(f"suite: expected one of {', '.join(suites.NAMES)}, 'all' or 'report', got {args.suite!r}")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
-        raise UsageError(f"--device: expected a device this machine has, got {device!r} (no CUDA device)")
+    usage.device("--device", device)
     if args.rep_ms < 1:
         raise UsageError(f"--rep-ms: expected a positive number of milliseconds, got {args.rep_ms}")
     for name in suite_names(args.suite):

@@ -6,11 +6,10 @@ import inspect
 import math
 import os
 
-import torch
 
 from regattn.models.mixers import build_mixer
 from regattn.tasks import MAD_TASKS, TASKS
-from regattn.usage import UsageError
+from regattn.usage import UsageError, device  # noqa: F401  (device: re-exported for the commands here)
 
 
 def at_least(flag: str, value, low) -> None:
@@ -33,20 +32,6 @@ def fraction(flag: str, value: float | None) -> None:
     """None (a default) or a value in [0, 1]."""
     if value is not None and not 0 <= value <= 1:
         raise UsageError(f"{flag}: expected a fraction in [0, 1], got {value}")
-
-
-def device(flag: str, name: str) -> None:
-    """``auto``, ``cpu``, or a CUDA device this machine has."""
-    if name == "auto":
-        return
-    try:
-        dev = torch.device(name)
-    except RuntimeError:
-        raise UsageError(f"{flag}: expected auto, cpu or cuda[:N], got {name!r}") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise UsageError(f"{flag} {name}: no CUDA device is available")
-    if dev.type == "cuda" and (dev.index or 0) >= torch.cuda.device_count():
-        raise UsageError(f"{flag} {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
 
 
 def existing_file(flag: str, path: str) -> None:

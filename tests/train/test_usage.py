@@ -41,6 +41,9 @@ BAD = [
     (["demo", "--length", "0"], "--length"),
     (["verify", "--dim", "x"], "--dim"),
     (["tune", "decay", "--H", "x"], "--H"),
+    (["verify", "--device", "cuda"], "--device"),
+    (["tune", "decay"], "CUDA device"),
+    (["bench", "scan", "--device", "cuda"], "--device"),
 ]
 
 

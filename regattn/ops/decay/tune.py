@@ -13,6 +13,7 @@ import torch
 from regattn.ops.decay import registry
 from regattn.ops.decay.api import decay_linear_attention
 from regattn.ops.decay.choose import TABLES, fastest, forget_tables, gpu_kind
+from regattn.usage import UsageError
 
 GRID_T = (128, 512, 2048, 8192, 12800, 25600, 100000)
 GRID_B = (1, 16)
@@ -116,8 +117,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None, help="default: the package table for this GPU kind")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
-        print("regattn tune decay: needs a CUDA device")
-        return 1
+        raise UsageError("regattn tune decay measures the methods on a CUDA device: none is available")
     import triton
     name = torch.cuda.get_device_name()
     methods = args.methods or list(registry.method_names())

@@ -25,6 +25,7 @@ import torch
 
 from regattn.ops.scan.api import PRECISIONS, scan_attention
 from regattn.reference.softmax import softmax_attention
+from regattn.usage import device
 
 UNIT_ROUNDOFF = {"ieee": 2.0 ** -24, "tf32x3": 2.0 ** -24, "tf32": 2.0 ** -11,
                  "float16": 2.0 ** -11, "bfloat16": 2.0 ** -8, "float64": 2.0 ** -53}
@@ -139,6 +140,7 @@ def parse_args(argv):
 
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    device("--device", args.device)
     default = "1024,2048,4096,8192,16384" if args.device.startswith("cuda") else "64,128,256,512,1024"
     ns = [int(x) for x in (args.n or default).split(",")]
     dtype = DTYPES[args.dtype]
