@@ -8,7 +8,7 @@ import torch
 from regattn import reference
 from regattn.ops._common.checks import (
     check_attention_inputs, check_device, check_int, check_positive, check_scale, check_tensor,
-    check_window, host_checks_allowed, resolve_backend,
+    check_window, host_checks_allowed, resolve_kernel_backend,
 )
 from regattn.ops.lla.backward import lla_backward
 from regattn.ops.lla.forward import SOLVER_CG, lla_forward, solver_for
@@ -121,17 +121,6 @@ class FlashBlockLLA(torch.autograd.Function):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dlam, None, None, None, None, None, None
 
 
-def kernel_backend(backend, q: torch.Tensor, op: str) -> str:
-    """``resolve_backend`` for kernels that cover fp16, bf16 and fp32: float64 goes to the reference
-    under ``"auto"`` and is refused under ``"triton"``."""
-    resolved = resolve_backend(backend, q, op=op, has_triton=HAS_TRITON)
-    if resolved == "triton" and q.dtype == torch.float64:
-        if backend == "auto":
-            return "torch"
-        raise TypeError(f"q: backend='triton' expects fp16, bf16 or fp32 inputs, got {q.dtype}")
-    return resolved
-
-
 def check_lla_args(q, k, v, lam, scale, window, blocks, cg_iters, cg_tol):
     """Validate every argument of :func:`lla`; returns ``(lam, scale, window, cg_tol)``."""
     B, T, S, HQ, H, D, Dv = check_attention_inputs(q, k, v)
@@ -206,7 +195,7 @@ def lla(q, k, v, *, lam, scale=None, window=None, blocks=None, cg_iters=None, cg
         ``o: [B, T, HQ, Dv]`` in q's dtype.
     """
     lam, scale, window, cg_tol = check_lla_args(q, k, v, lam, scale, window, blocks, cg_iters, cg_tol)
-    if kernel_backend(backend, q, "lla") == "triton":
+    if resolve_kernel_backend(backend, q, op="lla", has_triton=HAS_TRITON) == "triton":
         return lla_triton(q, k, v, lam, scale=scale, window=window, blocks=blocks, cg_iters=cg_iters,
                           cg_tol=cg_tol)
     return reference.lla(q, k, v, lam=lam, scale=scale, window=window, blocks=blocks,
@@ -233,7 +222,7 @@ def lla_decode(q, k_cache, v_cache, *, lam, scale=None, window=None, blocks=None
         raise ValueError(f"q: expected at most as many new tokens as the cache holds ({k_cache.shape[1]}), "
                          f"got {q.shape[1]}")
     with torch.no_grad():
-        if kernel_backend(backend, q, "lla_decode") == "triton":
+        if resolve_kernel_backend(backend, q, op="lla_decode", has_triton=HAS_TRITON) == "triton":
             return lla_triton(q, k_cache, v_cache, lam, scale=scale, window=window, blocks=blocks,
                               cg_iters=cg_iters, cg_tol=cg_tol)
         return reference.lla(q, k_cache, v_cache, lam=lam, scale=scale, window=window, blocks=blocks,

@@ -5,13 +5,12 @@ import torch
 
 from regattn.reference.elsa import blocked_scan_attention
 from regattn.ops._common.checks import (
-    check_attention_inputs, check_choice, check_cu_seqlens, check_int, check_scale, check_window, resolve_backend,
+    check_attention_inputs, check_choice, check_cu_seqlens, check_int, check_scale, check_seqlens_device,
+    check_window, resolve_kernel_backend,
 )
-from regattn.ops._common.checks import check_seqlens_device
 
 HAS_TRITON = True
 PRECISIONS = ("ieee", "tf32x3", "tf32")
-KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def scan_attention(q, k, v, *, causal=False, scale=None, precision="ieee", window=None, partition=None,
@@ -66,7 +65,7 @@ def scan_attention(q, k, v, *, causal=False, scale=None, precision="ieee", windo
         check_int("num_splits", num_splits, minimum=1)
         if num_splits > 64 or num_splits & (num_splits - 1):
             raise ValueError(f"num_splits: expected a power of two in [1, 64], got {num_splits}")
-    backend = _backend(backend, q)
+    backend = resolve_kernel_backend(backend, q, op="scan_attention", has_triton=HAS_TRITON)
     if partition is not None:
         return _partitioned(q, k, v, partition, causal=causal, scale=scale, precision=precision, window=window,
                             num_splits=num_splits, backend=backend)
@@ -79,16 +78,6 @@ def scan_attention(q, k, v, *, causal=False, scale=None, precision="ieee", windo
 def _check_self_attention(name: str, T: int, S: int) -> None:
     if T != S:
         raise ValueError(f"{name}: expects as many queries as keys (T == S), got T = {T}, S = {S}")
-
-
-def _backend(backend, q: torch.Tensor) -> str:
-    """Triton for fp16/bf16/fp32 on CUDA under ``"auto"``; float64 goes to the reference."""
-    resolved = resolve_backend(backend, q, op="scan_attention", has_triton=HAS_TRITON)
-    if resolved == "triton" and q.dtype not in KERNEL_DTYPES:
-        if backend == "auto":
-            return "torch"
-        raise TypeError(f"q: backend='triton' expects fp16, bf16 or fp32 inputs, got {q.dtype}")
-    return resolved
 
 
 def partition_offsets(B: int, T: int, size: int, device) -> torch.Tensor:

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from regattn.ops.scan.api import KERNEL_DTYPES, PRECISIONS, scan_attention
+from regattn.ops._common.checks import KERNEL_DTYPES
+from regattn.ops.scan.api import PRECISIONS, scan_attention
 from regattn.ops._common.checks import BACKENDS, check_choice
 
 

@@ -6,28 +6,11 @@ import torch
 from regattn import reference
 from regattn.ops._common.checks import (
     check_attention_inputs, check_cu_seqlens, check_scale, check_shape, check_tensor,
-    check_window, check_device, resolve_backend,
+    check_window, check_device, check_seqlens_device, resolve_kernel_backend,
 )
-from regattn.ops._common.checks import check_seqlens_device
 from regattn.ops.softmax.kernels import flash_attention
 
 HAS_TRITON = True
-KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-
-def kernel_backend(backend, q: torch.Tensor, *, op: str) -> str:
-    """Resolve ``backend`` for the fused attention kernel, which covers fp16, bf16 and fp32.
-
-    Under ``"auto"`` float64 inputs (the exact spec) go to the reference; ``"triton"`` refuses them.
-    """
-    resolved = resolve_backend(backend, q, op=op, has_triton=HAS_TRITON)
-    if resolved == "triton" and q.dtype not in KERNEL_DTYPES:
-        if backend == "auto":
-            return "torch"
-        raise TypeError(f"q: backend='triton' expects fp16, bf16 or fp32 inputs, got {q.dtype}")
-    return resolved
-
-
 def check_gate(gate, B: int, T: int, HQ: int, q: torch.Tensor, name: str = "gate"):
     """The cumulative log-gate ``u: [B, T, HQ]``, float, on q's device."""
     if gate is None:
@@ -71,7 +54,7 @@ def softmax_attention(q, k, v, *, causal=True, window=None, gate=None, scale=Non
     check_cu_seqlens(cu_seqlens, B, T)
     if cu_seqlens is not None and S != T:
         raise ValueError(f"cu_seqlens: needs as many keys as queries, got T = {T} and S = {S}")
-    if kernel_backend(backend, q, op="softmax_attention") == "triton":
+    if resolve_kernel_backend(backend, q, op="softmax_attention", has_triton=HAS_TRITON) == "triton":
         return flash_attention(q, k, v, gate, causal=causal, window=window, scale=scale, cu_seqlens=cu_seqlens)
     return reference.softmax_attention(q, k, v, causal=causal, window=window, gate=gate, scale=scale,
                                        cu_seqlens=cu_seqlens)
