@@ -10,6 +10,7 @@ generator resumes, so a suite may replace its inputs between cases.
 from __future__ import annotations
 
 import sys
+import time
 import warnings
 from dataclasses import dataclass, field
 from typing import Callable
@@ -166,13 +167,15 @@ def case_errors(case: Case, mode: str) -> dict | None:
 
 
 def run_suite(suite, shapes: list[dict], setup: Setup, *, on_shape=None) -> list[dict]:
-    """Measure and check every case of every shape; ``on_shape(rows_so_far)`` after each shape."""
+    """Measure and check every case of every shape; ``on_shape(rows_so_far)`` after each shape. Each row
+    records ``wall_s``: the seconds it took, compilation and a peer's autotuning included."""
     rows = []
     for shape in shapes:
         group = []
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             try:
+                start = time.perf_counter()
                 for mode, case in suite.cases(shape, setup):
                     if case.call is None:
                         m = Measurement(case.status)
@@ -181,6 +184,9 @@ def run_suite(suite, shapes: list[dict], setup: Setup, *, on_shape=None) -> list
                                     rep_ms=setup.rep_ms)
                     err = case_errors(case, mode) if m.status == "ok" else None
                     group.append(row_of(shape, mode, case, m, err))
+                    now = time.perf_counter()
+                    group[-1]["wall_s"] = round(now - start, 2)  # making, timing and checking the case
+                    start = now
             except Exception as err:  # inputs that cannot even be made (OOM at allocation)
                 group.append(row_of(shape, "-", Case("inputs", None), Measurement(describe(err)), None))
         add_ratios(group, getattr(suite, "MAIN", None))

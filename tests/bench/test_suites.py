@@ -33,7 +33,8 @@ def test_suite_runs_tiny_on_cpu(name, tmp_path, capsys, interpret):
     assert {r["shape"] for r in rows} == {" ".join(f"{k}={v}" for k, v in s.items() if v is not None)
                                            for s in suites.get(name).GRIDS["tiny"]}
     for r in rows:
-        assert set(r) >= {"params", "mode", "op", "ours", "status", "ms", "ratio", "err", "peak_mb", "graph"}
+        assert set(r) >= {"params", "mode", "op", "ours", "status", "ms", "ratio", "err", "peak_mb", "graph",
+                          "wall_s"}
         assert r["status"] == "ok" or r["status"] in ("OOM", "unsupported", "not installed") \
             or r["status"].startswith("error"), r
         if r["ours"]:
