@@ -86,7 +86,7 @@ class ParallaxAttention(nn.Module):
         y = proj(x).unflatten(-1, (-1, self.head_dim))
         return y if norm is None else norm(y)
 
-    def forward(self, hidden_states, position_embeddings, attention_mask=None, past_key_values=None, **kwargs):
+    def forward(self, hidden_states, position_embeddings, attention_mask=None, cache=None, **kwargs):
         """As the attention it replaces; returns ``(out: [B, T, d], None)``."""
         q = self._heads(self.q_proj, hidden_states, self.q_norm)
         k = self._heads(self.k_proj, hidden_states, self.k_norm)
@@ -96,7 +96,8 @@ class ParallaxAttention(nn.Module):
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         if self.rope_probe:
             rho = _rotate(rho, cos, sin)
-        cache = past_key_values if past_key_values is not None else kwargs.get("past_key_value")  # older name
+        if cache is None:  # named past_key_values (or past_key_value) before transformers 5.24
+            cache = kwargs.get("past_key_values", kwargs.get("past_key_value"))
         if cache is not None:
             cache_kwargs = {"cache_position": kwargs["cache_position"]} if "cache_position" in kwargs else None
             k, v = (x.transpose(1, 2) for x in cache.update(k.transpose(1, 2), v.transpose(1, 2), self.layer_idx,

@@ -28,6 +28,8 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from regattn.layers.rope import RotaryEmbedding
 from regattn.models.lm import DecoderLM, LMConfig
 
+# the output's cache field: ``cache`` from transformers 5.24 on, ``past_key_values`` before
+CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 PADDED_MIXERS = ("softmax", "swa", "elsa", "parallax", "gatedfwa")
 
 
@@ -141,18 +143,22 @@ class RegattnForCausalLM(PreTrainedModel, GenerationMixin):
         self.lm.head = value
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                past_key_values: RegattnCache | None = None, labels: torch.Tensor | None = None,
-                use_cache: bool | None = None, logits_to_keep: int = 0, **kwargs) -> CausalLMOutputWithPast:
+                cache: RegattnCache | None = None, labels: torch.Tensor | None = None,
+                use_cache: bool | None = None, logits_to_keep: int = 0, past_key_values: RegattnCache | None = None,
+                **kwargs) -> CausalLMOutputWithPast:
         """``input_ids: [B, T]`` -> logits ``[B, T, V]`` (the last ``logits_to_keep`` positions when > 0).
 
         ``labels: [B, T]`` gives the mean next-token cross-entropy (labels shifted inside, -100 ignored).
-        ``use_cache`` returns a :class:`RegattnCache`; given one in ``past_key_values``, the tokens follow
-        it (``attention_mask`` then covers the cached tokens too: left padding is read at the prefill).
+        ``use_cache`` returns a :class:`RegattnCache`; given one in ``cache`` (``past_key_values`` before
+        transformers 5.24), the tokens follow it (``attention_mask`` then covers the cached tokens too: left
+        padding is read at the prefill).
         """
-        if past_key_values is not None and not isinstance(past_key_values, RegattnCache):
-            raise TypeError(f"past_key_values: expected a RegattnCache, got {type(past_key_values).__name__}")
+        for name, given in (("cache", cache), ("past_key_values", past_key_values)):
+            if given is not None and not isinstance(given, RegattnCache):
+                raise TypeError(f"{name}: expected a RegattnCache, got {type(given).__name__}")
+        cache = cache if cache is not None else past_key_values
         use_cache = self.config.use_cache if use_cache is None else use_cache
-        cache = past_key_values if past_key_values is not None else RegattnCache() if use_cache else None
+        cache = cache if cache is not None else RegattnCache() if use_cache else None
         keep = (lambda x: x[:, -logits_to_keep:]) if logits_to_keep else (lambda x: x)
         if cache is not None and cache.states is not None:
             self._check_step_mask(attention_mask, input_ids, cache.seen)
@@ -170,7 +176,7 @@ class RegattnForCausalLM(PreTrainedModel, GenerationMixin):
         loss = None
         if labels is not None:
             loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
-        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=cache)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, **{CACHE_FIELD: cache})
 
     def _prompt_padding(self, attention_mask, input_ids) -> torch.Tensor | None:
         """:func:`prompt_padding`, refused for the mixers that take no left padding."""
