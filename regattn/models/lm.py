@@ -18,6 +18,10 @@ RMSNorm on q and k, RoPE with base 10^6 (given to every mixer that rotates), no 
 | gatedfwa_nsa | regattn.layers.GatedFWANSA                       | its inputs (no decode path: a step reruns it)     |
 | lla          | regattn.layers.LLA (learned ridge)               | keys and values                                   |
 | decay        | regattn.layers.Retention (RetNet decays)         | the recurrent state ``[B, H, R, D]``              |
+| mamba2       | fla.layers.Mamba2 (regattn.models.baselines)     | its inputs (no decode cache: a step reruns it)    |
+| gdn          | fla.layers.GatedDeltaNet                         | its inputs (no decode cache: a step reruns it)    |
+| gla          | fla.layers.GatedLinearAttention                  | its inputs (no decode cache: a step reruns it)    |
+| deltanet     | fla.layers.DeltaNet                              | its inputs (no decode cache: a step reruns it)    |
 
 Every mixer here maps ``x [B, T, dim] -> [B, T, dim]`` and has ``prefill(x) -> (y, cache)`` and
 ``step(x [B, 1, dim], cache) -> (y, cache)``; :meth:`DecoderLM.generate` runs on them.
@@ -36,6 +40,7 @@ import regattn
 from regattn.layers import LLA, GatedFWA, GatedFWANSA, Parallax, Retention, RotaryEmbedding
 from regattn.layers.norm import RMSNorm
 from regattn.layers.padding import attend_left_padded, softmax_decode_left_padded, trimmed_start
+from regattn.models.baselines import BASELINES, build_baseline
 from regattn.models.stack import SwiGLU
 
 LM_MIXERS = ("softmax", "swa", "elsa", "parallax", "gatedfwa", "gatedfwa_nsa", "lla", "decay")
@@ -46,7 +51,8 @@ WINDOWED = ("swa", "gatedfwa", "gatedfwa_nsa")
 class LMArchitecture:
     """The decoder's widths and mixers (the fields :class:`LMConfig` shares with the LM training config).
 
-    mixer: one name of :data:`LM_MIXERS` for every layer, or a list with one name per layer;
+    mixer: one name of :data:`LM_MIXERS` or of the baselines (``mamba2``, ``gdn``, ``gla``, ``deltanet``:
+    the ``baselines`` extra) for every layer, or a list with one name per layer;
     dim (model width); layers; heads (query heads) and kv_heads (GQA; None = heads);
     head_dim (None = dim // heads); ffn (SwiGLU hidden width; None = 3 * dim, as Qwen3-0.6B);
     window: the sliding window of swa, gatedfwa and gatedfwa_nsa (the others take one through
@@ -90,8 +96,8 @@ class LMConfig(LMArchitecture):
         if len(names) != self.layers:
             raise ValueError(f"mixer: expected {self.layers} names (one per layer), got {len(names)}")
         for name in names:
-            if name not in LM_MIXERS:
-                raise ValueError(f"mixer: expected names from {LM_MIXERS}, got {name!r}")
+            if name not in LM_MIXERS + BASELINES:
+                raise ValueError(f"mixer: expected names from {LM_MIXERS + BASELINES}, got {name!r}")
             if name in WINDOWED and self.window is None:
                 raise ValueError(f"window: mixer {name!r} needs a window, got None")
         return names
@@ -202,7 +208,7 @@ class RetentionStep(LayerStep):
 
 
 class RecomputeStep(LayerStep):
-    """A layer without a decode path (GatedFWA+NSA): the cache holds the layer's inputs and a step
+    """A layer without a decode path (GatedFWA+NSA, the FLA baselines): the cache holds the layer's inputs and a step
     runs the layer on all of them, returning the new positions' outputs."""
 
     def prefill(self, x):
@@ -238,12 +244,14 @@ def build_lm_mixer(name: str, config: LMConfig) -> nn.Module:
     if name == "lla":
         opts.setdefault("cg_iters", None)      # the exact solve; see LMConfig
         return LayerStep(with_rope_base(LLA(c.dim, c.heads, rope=True, **heads, **opts), c.rope_base))
+    if name in ("decay",) + BASELINES and c.kv_heads not in (None, c.heads):
+        raise ValueError(f"kv_heads: mixer {name!r} has no GQA; expected None or {c.heads}, got {c.kv_heads}")
+    if name in BASELINES:
+        return RecomputeStep(build_baseline(name, c.dim, c.heads, head_dim=c.head_dim, **opts))
     if name == "decay":
-        if c.kv_heads not in (None, c.heads):
-            raise ValueError(f"kv_heads: mixer 'decay' has no GQA; expected None or {c.heads}, got {c.kv_heads}")
         D = c.head_dim or c.dim // c.heads
         return RetentionStep(Retention(c.dim, c.heads, key_dim=D, head_dim=D, eps=c.norm_eps, **opts))
-    raise ValueError(f"mixer: expected one of {LM_MIXERS}, got {name!r}")
+    raise ValueError(f"mixer: expected one of {LM_MIXERS + BASELINES}, got {name!r}")
 
 
 # ---------------------------------------------------------------------------------------------- sampling

@@ -17,6 +17,9 @@ share: the q/k/v/o projections, a per-head RMSNorm of q and k, and RoPE.
 | mesanet  | MesaNet (lla eq. 2), L2-normalised q and k  | regattn.reference.mesanet            |
 | decay    | decaying linear attention (RetNet gammas)   | regattn.layers.Retention             |
 
+The baselines of :mod:`regattn.models.baselines` (``mamba2``, ``gdn``, ``gla``, ``deltanet``: FLA's own
+layers, the ``baselines`` extra) are built by name too; :data:`MIXER_NAMES` lists every name.
+
 ``window`` (swa, gatedfwa) defaults to half the sequence length, as gatedfwa Section 4.1 sets
 ``w = N / 2`` so that a two-layer model still sees the whole context. RoPE uses the base 10^4
 in every mixer that rotates (the layers' default; the Parallax layer is given the same).
@@ -31,6 +34,7 @@ import regattn
 from regattn import reference
 from regattn.layers import LLA, GatedFWA, Parallax, Retention, RotaryEmbedding
 from regattn.layers.norm import RMSNorm
+from regattn.models.baselines import BASELINES, build_baseline
 
 
 ROPE_BASE = 10000.0
@@ -150,16 +154,19 @@ MIXERS = {
     "decay": _decay,
 }
 WINDOWED = ("swa", "gatedfwa")
+MIXER_NAMES = tuple(sorted(MIXERS)) + BASELINES
 
 
 def build_mixer(name: str, dim: int, heads: int, *, seq_len: int | None = None, **options) -> nn.Module:
-    """The mixer ``name`` of :data:`MIXERS` at width ``dim`` with ``heads`` heads.
+    """The mixer ``name`` of :data:`MIXER_NAMES` at width ``dim`` with ``heads`` heads.
 
     ``options`` go to the mixer (``window``, ``lam``, ``blocks``, ``rope``, ...); the windowed mixers
-    default to ``window = max(1, seq_len // 2)``.
+    default to ``window = max(1, seq_len // 2)``. A baseline without its extra raises ImportError.
     """
+    if name in BASELINES:
+        return build_baseline(name, dim, heads, **options)
     if name not in MIXERS:
-        raise ValueError(f"mixer: expected one of {sorted(MIXERS)}, got {name!r}")
+        raise ValueError(f"mixer: expected one of {list(MIXER_NAMES)}, got {name!r}")
     if name in WINDOWED and options.get("window") is None:
         if seq_len is None:
             raise ValueError(f"seq_len: mixer {name!r} needs a window or seq_len to default it")

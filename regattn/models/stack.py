@@ -59,7 +59,7 @@ class MixerStack(nn.Module):
     """The task model.
 
     Args:
-        mixer: a name of :data:`regattn.models.mixers.MIXERS`.
+        mixer: a name of :data:`regattn.models.mixers.MIXER_NAMES`.
         kind: ``"tokens"``, ``"regression"`` or ``"autoencode"`` (see :class:`regattn.tasks.TaskData`).
         vocab_size: token tasks; dim_in, dim_out: regression.
         seq_len: the sequence length (for the windowed mixers' default and the decoder positions).

@@ -54,8 +54,11 @@ def task_settings(task: str, settings: dict, flag: str = "--set") -> None:
 
 
 def mixer_options(mixer: str, options: dict, *, dim: int, heads: int, flag: str = "--mixer-opt") -> None:
-    """Build the mixer once on the CPU: an unknown option or a bad value is reported with ``flag``."""
+    """Build the mixer once on the CPU: an unknown option or a bad value is reported with ``flag``; a
+    baseline without its extra, with the command to install it."""
     try:
         build_mixer(mixer, dim, heads, seq_len=2, **options)
+    except ImportError as e:
+        raise UsageError(str(e)) from None
     except (TypeError, ValueError) as e:
         raise UsageError(f"{flag}: mixer {mixer!r} with {options}: {e}") from None

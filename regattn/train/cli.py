@@ -12,12 +12,13 @@ import json
 import os
 import statistics
 
-from regattn.models.mixers import MIXERS
+from regattn.models.baselines import refusals
+from regattn.models.mixers import MIXER_NAMES
 from regattn.tasks import TASKS
 from regattn.train import checks
 from regattn.train.optim import OPTIMIZERS
 from regattn.train.schedules import SCHEDULES
-from regattn.train.trainer import TrainConfig, train
+from regattn.train.trainer import TrainConfig, resolve_device, train
 from regattn.usage import UsageError
 
 
@@ -113,6 +114,13 @@ def check_common(args, tasks: list[str], mixers: list[str]) -> None:
         checks.mixer_options(mixer, options, dim=args.dim, heads=args.heads)
 
 
+def refused_mixers(args, mixers: list[str]) -> dict[str, str]:
+    """``{mixer: reason}`` for the baselines among ``mixers`` that FLA will not run on ``--device`` at these
+    sizes (:func:`regattn.models.baselines.refusal`)."""
+    return refusals(mixers, dim=args.dim, heads=args.heads, device=resolve_device(args.device),
+                    options=parse_pairs(args.mixer_opt, "--mixer-opt"))
+
+
 def base_config(args, **overrides) -> TrainConfig:
     """A :class:`TrainConfig` from the shared options."""
     fields = dict(task=args.task, task_options=parse_pairs(args.set, "--set"),
@@ -150,7 +158,7 @@ def write_json(path: str, payload) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="regattn train", description=__doc__.split("\n")[0])
     add_common(p)
-    p.add_argument("--mixer", required=True, choices=sorted(MIXERS))
+    p.add_argument("--mixer", required=True, choices=MIXER_NAMES)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--checkpoint", default=None,
                    help="checkpoint path (one per seed: '{seed}' in the path is replaced); resumed when present")
@@ -164,6 +172,9 @@ def main(argv=None) -> int:
     checks.at_least("--checkpoint-every", args.checkpoint_every, 0)
     checks.at_least("--analyze-every", args.analyze_every, 0)
     check_common(args, [args.task], [args.mixer])
+    refused = refused_mixers(args, [args.mixer])
+    if refused:
+        raise UsageError(f"--mixer {args.mixer}: {refused[args.mixer]}")
     runs = []
     for seed in parse_list(args.seeds, int):
         ckpt = None if args.checkpoint is None else args.checkpoint.replace("{seed}", str(seed))

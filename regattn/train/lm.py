@@ -36,6 +36,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from regattn.data.text import ByteTokenizer, TextCorpus, stdlib_corpus
+from regattn.models.baselines import BASELINES
 from regattn.models.lm import LM_MIXERS, DecoderLM, LMArchitecture, LMConfig, build_lm_mixer
 from regattn.train import checks
 from regattn.train.checkpoints import load_folder
@@ -320,7 +321,7 @@ def parse_args(argv=None) -> tuple[LMTrainConfig, argparse.Namespace]:
     d = LMTrainConfig()
     p = argparse.ArgumentParser(prog="python -m regattn.train lm", description=__doc__.split("\n")[0])
     p.add_argument("--mixer", default=d.mixer,
-                   help=f"one of {', '.join(LM_MIXERS)}; or a comma-separated list, one per layer")
+                   help=f"one of {', '.join(LM_MIXERS + BASELINES)}; or a comma-separated list, one per layer")
     for name in ("dim", "layers", "heads", "seq_len", "batch_size", "steps", "eval_every", "log_every", "seed",
                  "checkpoint_every", "eval_tokens", "sample_tokens"):
         p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
@@ -396,7 +397,7 @@ def check_model(config: LMTrainConfig, mixer_flag: str) -> None:
             build_lm_mixer(name, lm_config)
     except TypeError as e:
         raise UsageError(f"--mixer-options: {e}") from None
-    except ValueError as e:
+    except (ValueError, ImportError) as e:
         raise UsageError(f"{mixer_flag}: {e}") from None
 
 

@@ -32,7 +32,7 @@ class TrainConfig:
     """Everything a run depends on.
 
     task / task_options: a name of :data:`regattn.tasks.TASKS` and its settings (sizes included);
-    mixer / mixer_options: a name of :data:`regattn.models.mixers.MIXERS` and its options;
+    mixer / mixer_options: a name of :data:`regattn.models.mixers.MIXER_NAMES` and its options;
     dim, layers, heads, mlp: the :class:`regattn.models.stack.MixerStack`;
     optimizer ("adamw" | "muon"), lr (peak), weight_decay, betas (AdamW), clip (gradient norm; 0 = off);
     schedule ("wsd" | "cosine" | "constant"), warmup and decay_start (fractions; None = the schedule's

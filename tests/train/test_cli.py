@@ -91,12 +91,12 @@ def test_sweep_grid_plot_averages_the_other_keys(tmp_path):
 
 
 def test_presets_parse_into_valid_sweeps():
-    from regattn.models.mixers import MIXERS
+    from regattn.models.mixers import MIXER_NAMES
     from regattn.tasks import TASKS
     for name in sweep.PRESETS:
         args = sweep.build_parser().parse_args(sweep.expand_preset(["--preset", name, "--seeds", "0"]))
         assert args.task in TASKS or args.task in sweep.SUITES, name
-        assert all(m in MIXERS for m in args.mixers.split(",")) and args.seeds == "0"
+        assert all(m in MIXER_NAMES for m in args.mixers.split(",")) and args.seeds == "0"
         assert sweep.sweep_points(args.task, sweep.parse_vary(args.vary or [])), name
     args = sweep.build_parser().parse_args(sweep.expand_preset(["--preset", "lla-mqar", "--vary", "length=64"]))
     vary = sweep.parse_vary(args.vary)

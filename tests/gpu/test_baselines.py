@@ -1,0 +1,125 @@
+"""The flash-linear-attention baselines on a GPU (``-m gpu``, the ``baselines`` extra).
+
+Each baseline in a tiny task model: forward and backward under bf16 autocast, and a few training steps
+whose loss falls; in a DecoderLM: a training step and generation. The chunked kernels the gla, deltanet
+and gdn layers train with, against FLA's own naive recurrences, forward and backward. A baseline FLA
+refuses on this machine is skipped with FLA's reason.
+"""
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from regattn.models import DecoderLM, LMConfig
+from regattn.models.baselines import BASELINES, refusal
+from regattn.models.stack import build_model
+from regattn.tasks import IGNORE, mad_task
+from regattn.train.trainer import TrainConfig, train
+from tests.gpu.rule import assert_within, leaves, outputs
+
+pytestmark = pytest.mark.gpu
+pytest.importorskip("fla.layers")
+DIM, HEADS = 64, 2                      # heads of 32: the kernel tests below use the same widths
+
+
+@functools.cache
+def refused(name):
+    return refusal(name, DIM, HEADS, "cuda")
+
+
+def skip_if_refused(name):
+    reason = refused(name)
+    if reason is not None:
+        pytest.skip(f"flash-linear-attention refuses {name} here: {reason}")
+
+
+@pytest.mark.parametrize("name", BASELINES)
+def test_forward_backward_in_bf16(name):
+    skip_if_refused(name)
+    task = mad_task("recall", num_train=8, num_test=1, seq_len=130, device="cuda")
+    model = build_model(task, name, dim=DIM, heads=HEADS).cuda()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        logits = model(task.train.inputs)
+    assert logits.shape == (*task.train.inputs.shape, task.vocab_size) and torch.isfinite(logits).all()
+    F.cross_entropy(logits.float().flatten(0, 1), task.train.targets.flatten(), ignore_index=IGNORE).backward()
+    for key, p in model.blocks.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all(), key
+    assert all(p.grad.abs().sum() > 0 for p in model.blocks[0].mixer.parameters())
+
+
+@pytest.mark.parametrize("name", BASELINES)
+def test_loss_falls(name):
+    skip_if_refused(name)
+    options = dict(vocab_size=32, seq_len=128, num_train=64, num_test=16)
+    r = train(TrainConfig(task="mad_memorization", task_options=options, mixer=name, dim=DIM, heads=HEADS,
+                          steps=40, lr=3e-3, batch_size=8, schedule="constant", device="cuda", progress=False))
+    losses = [row["loss"] for row in r["history"]["train"]]
+    assert not r["diverged"] and sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5, losses
+
+
+# ---------------------------------------------------------------------------------- FLA's kernels
+B, T, H, K = 2, 200, HEADS, DIM // HEADS          # T: not a multiple of the chunk (64)
+ARGUMENTS = {"gla": ("q", "k", "v", "g"), "deltanet": ("q", "k", "v", "beta"), "gdn": ("q", "k", "v", "beta", "g")}
+
+
+def gla_inputs():
+    q, k, v = (torch.randn(B, T, H, K, device="cuda") for _ in range(3))
+    return [q, k, v, F.logsigmoid(torch.randn(B, T, H, K, device="cuda")) / 16]
+
+
+def delta_inputs(gated: bool):
+    q, k, v = (torch.randn(B, T, H, K, device="cuda") for _ in range(3))
+    beta = torch.rand(B, T, H, device="cuda")
+    g = [F.logsigmoid(torch.randn(B, T, H, device="cuda") + 3)] if gated else []
+    return [q, k, v, beta, *g]
+
+
+def fla_ops(name):
+    """``(the chunked kernel, FLA's naive recurrence, inputs)`` of the baseline ``name``, both as ``f(*inputs)``."""
+    if name == "gla":
+        from fla.ops.gla import chunk_gla
+        from fla.ops.gla.naive import naive_recurrent_gla
+        return (lambda q, k, v, g: chunk_gla(q, k, v, g)[0],
+                lambda q, k, v, g: naive_recurrent_gla(q, k, v, g)[0], gla_inputs())
+    if name == "deltanet":
+        from fla.ops.delta_rule import chunk_delta_rule
+        from fla.ops.delta_rule.naive import delta_rule_recurrence
+
+        def naive(q, k, v, beta):
+            q, k, v, beta = (x.transpose(1, 2) for x in (F.normalize(q, dim=-1), F.normalize(k, dim=-1), v, beta))
+            return delta_rule_recurrence(q, k, v, beta)[0].transpose(1, 2)
+        return (lambda q, k, v, beta: chunk_delta_rule(q, k, v, beta, use_qk_l2norm_in_kernel=True)[0],
+                naive, delta_inputs(gated=False))
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    from fla.ops.gated_delta_rule.naive import naive_recurrent_gated_delta_rule
+    return (lambda q, k, v, beta, g: chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)[0],
+            lambda q, k, v, beta, g: naive_recurrent_gated_delta_rule(
+                F.normalize(q, dim=-1), F.normalize(k, dim=-1), v, beta, g)[0], delta_inputs(gated=True))
+
+
+@pytest.mark.parametrize("name", ["gla", "deltanet", "gdn"])
+def test_chunked_kernels_match_fla_naive_recurrence(name):
+    """bf16 inputs (as the layers see them under autocast); the recurrence runs in fp32 on the same values."""
+    skip_if_refused(name)
+    kernel, naive, inputs = fla_ops(name)
+    inputs = [x.bfloat16() for x in inputs]
+    do = torch.randn(B, T, H, K, device="cuda")
+    got = outputs(kernel, leaves(inputs), do.bfloat16())
+    exact = outputs(naive, leaves(inputs, torch.float32), do)
+    assert_within(["o"] + ["d" + x for x in ARGUMENTS[name]], [x.float() for x in got], exact, fixed=2e-2)
+
+
+@pytest.mark.parametrize("name", BASELINES)
+def test_decoder_lm_trains_and_generates(name):
+    """A DecoderLM layer: a bf16 training step, and greedy generation (each step reruns the layer) equal
+    to generation that reruns the whole model."""
+    skip_if_refused(name)
+    model = DecoderLM(LMConfig(mixer=["softmax", name], layers=2, dim=DIM, heads=HEADS)).cuda()
+    tokens = torch.randint(0, 256, (2, 80), device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = model(tokens[:, :-1], tokens[:, 1:])
+    loss.backward()
+    assert torch.isfinite(loss) and all(torch.isfinite(p.grad).all() for p in model.parameters())
+    prompt = tokens[:, :70]
+    assert torch.equal(model.generate(prompt, 4), model.generate(prompt, 4, use_cache=False))
