@@ -11,6 +11,11 @@ from __future__ import annotations
 import torch
 
 
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a reference accumulates in: float64 for float64 inputs, fp32 for fp32, fp16 and bf16."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def repeat_kv(x: torch.Tensor, num_query_heads: int) -> torch.Tensor:
     """``[B, S, H, D] -> [B, S, HQ, D]``: query head ``h`` reads key/value head ``h // (HQ // H)``."""
     groups = num_query_heads // x.shape[2]

@@ -30,10 +30,13 @@ def gatedfwa_gate(h: torch.Tensor, beta: torch.Tensor, *, eps: float = 1e-6) -> 
     return -torch.cumsum(alpha, dim=1)
 
 
-def gatedfwa(q, k, v, u, *, window, scale=None, cu_seqlens=None):
+def gatedfwa(q, k, v, u, *, window, scale=None, cu_seqlens=None, upcast=True):
     """GatedFWA attention (eq. 12): ``o_i = sum_{i-w < j <= i} softmax_j(scale q_i.k_j + u_i - u_j) v_j``.
 
     ``q: [B, T, HQ, D]``, ``k: [B, T, H, D]``, ``v: [B, T, H, Dv]``, ``u: [B, T, HQ]``;
-    ``window=None`` is full causal attention. Returns ``[B, T, HQ, Dv]`` in q's dtype.
+    ``window=None`` is full causal attention. Returns ``[B, T, HQ, Dv]`` in q's dtype; the scores, ``u`` and
+    the softmax are computed in fp32 (float64 for float64 inputs), or with ``upcast=False`` in the inputs'
+    dtype (the low-precision baseline; see :func:`regattn.reference.softmax_attention`).
     """
-    return softmax_attention(q, k, v, causal=True, window=window, gate=u, scale=scale, cu_seqlens=cu_seqlens)
+    return softmax_attention(q, k, v, causal=True, window=window, gate=u, scale=scale, cu_seqlens=cu_seqlens,
+                             upcast=upcast)

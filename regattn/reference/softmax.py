@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from regattn.reference.common import contained_matmul, contained_scores, per_sequence, repeat_kv, visible
+from regattn.reference.common import accumulation_dtype, contained_matmul, contained_scores, per_sequence, repeat_kv, visible
 
 
 def attention_logits(q, k, *, causal=True, window=None, gate=None, scale):
@@ -38,19 +38,28 @@ def mix_values(p, v, *, causal=True, window=None):
 
 
 def _softmax_attention(q, k, v, *, causal, window, gate, scale):
+    """In the inputs' dtype (``gate`` cast to it)."""
     p = softmax_weights(attention_logits(q, k, causal=causal, window=window, gate=gate, scale=scale))
     return mix_values(p, v, causal=causal, window=window)
 
 
-def softmax_attention(q, k, v, *, causal=True, window=None, gate=None, scale=None, cu_seqlens=None):
+def _upcast_attention(q, k, v, gate, **kw):
+    """:func:`_softmax_attention` with the scores, ``u`` and the softmax in :func:`accumulation_dtype`."""
+    acc = accumulation_dtype(q.dtype)
+    gate = None if gate is None else gate.to(acc)
+    return _softmax_attention(q.to(acc), k.to(acc), v.to(acc), gate=gate, **kw).to(q.dtype)
+
+
+def softmax_attention(q, k, v, *, causal=True, window=None, gate=None, scale=None, cu_seqlens=None, upcast=True):
     """``o_i = sum_j softmax_j(scale q_i.k_j + u_i - u_j) v_j`` over the visible keys; ``[B, T, HQ, Dv]``.
 
-    Computed in the inputs' dtype (pass float64 for the exact spec).
+    The scores, the gate ``u`` and the softmax are computed in fp32 (float64 for float64 inputs) and the
+    output returned in q's dtype. ``upcast=False`` computes everything in the inputs' dtype, ``u`` cast to
+    it: the plain low-precision computation, the baseline of the low-precision accuracy rule.
     """
     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    attend = _upcast_attention if upcast else _softmax_attention
     if gate is None:
-        return per_sequence(_softmax_attention, cu_seqlens, q, q, k, v, causal=causal, window=window,
-                            gate=None, scale=scale)
-    return per_sequence(lambda q, k, v, g: _softmax_attention(q, k, v, causal=causal, window=window, gate=g,
-                                                              scale=scale),
+        return per_sequence(attend, cu_seqlens, q, q, k, v, causal=causal, window=window, gate=None, scale=scale)
+    return per_sequence(lambda q, k, v, g: attend(q, k, v, causal=causal, window=window, gate=g, scale=scale),
                         cu_seqlens, q, q, k, v, gate)

@@ -3,11 +3,12 @@ import pytest
 import torch
 
 import regattn
+from regattn import reference
 from tests.helpers import randn, rel_err
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-# The torch reference in fp16/bf16 casts the gate u to that dtype and can be far off, so the
-# flash-attn rule (2 x its error) is also capped by a fixed bound per dtype.
+# The reference run in fp16/bf16 without upcasting casts the gate u to that dtype and can be far off, so
+# the flash-attn rule (2 x its error) is also capped by a fixed bound per dtype.
 CAP = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 
 
@@ -30,14 +31,16 @@ def _outputs(fn, q, k, v, u, do):
 
 
 def _compare(q, k, v, u, do, bound, **kw):
-    """Kernel vs float64 reference, and the torch path in the inputs' precision for the low-precision rule."""
+    """Kernel vs float64 reference, and the reference computed in the inputs' precision (``upcast=False``) for
+    the low-precision rule."""
     def run(backend):
         return lambda q, k, v, *u: regattn.softmax_attention(q, k, v, gate=u[0] if u else None, backend=backend,
                                                              **kw)
     got = _outputs(run("triton"), q, k, v, u, do)
     exact = _outputs(run("torch"), *(x.detach().double().requires_grad_(True) if x is not None else None
                                      for x in (q, k, v, u)), do.double())
-    same = _outputs(run("torch"), q, k, v, u, do) if q.dtype != torch.float32 else None
+    plain = lambda q, k, v, *u: reference.softmax_attention(q, k, v, gate=u[0] if u else None, upcast=False, **kw)
+    same = _outputs(plain, q, k, v, u, do) if q.dtype != torch.float32 else None
     for i, (a, b) in enumerate(zip(got, exact)):
         limit = bound if same is None else min(2 * rel_err(same[i], b) + bound, CAP[q.dtype])
         assert rel_err(a, b) <= limit, (i, rel_err(a, b), limit)

@@ -144,3 +144,23 @@ def test_non_causal_softmax_is_plain_softmax():
     out = softmax_attention(q, k, v, causal=False)
     ref = torch.softmax(torch.einsum("bthd,bshd->bhts", q, k) * 8 ** -0.5, -1)
     assert rel_err(out, torch.einsum("bhts,bshd->bthd", ref, v)) < 1e-14
+
+
+
+@pytest.mark.parametrize("T", [256, 2048])
+def test_bf16_inputs_keep_the_gate_and_scores_in_fp32(T):
+    """bf16 inputs cost about their own rounding (2^-9), forward and backward; the plain bf16 computation
+    (``upcast=False``) rounds ``u`` and the scores to bf16 and is far off."""
+    x = [randn(1, T, 2, 16, requires_grad=True) for _ in range(3)]
+    h, beta = randn(1, T, 2), 1 + F.elu(randn(1, T, 2))
+    x.append(gatedfwa_gate(h, beta).requires_grad_(True))
+    exact = gatedfwa(*x, window=None)
+    do = randn(*exact.shape)
+    exact_grads = torch.autograd.grad(exact, x, do)
+    low = [t.detach().to(dt).requires_grad_(True) for t, dt in zip(x, [torch.bfloat16] * 3 + [torch.float32])]
+    out = gatedfwa(*low, window=None)
+    assert out.dtype == torch.bfloat16
+    grads = torch.autograd.grad(out, low, do.bfloat16())
+    for a, b in zip([out, *grads], [exact, *exact_grads]):
+        assert rel_err(a, b) < 6e-3
+    assert rel_err(gatedfwa(*low, window=None, upcast=False), exact) > 0.1
