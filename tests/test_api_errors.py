@@ -232,3 +232,22 @@ def test_mixed_devices(op):
     b, c, v = rand(1, 4, 2, 3), rand(1, 4, 2, 3), rand(1, 4, 2, 5)
     expect_error(regattn.decay_linear_attention, [b, c, v.to("meta")], {}, "v")
     expect_error(regattn.decay_linear_attention, [b, c, v, torch.full((2,), 0.9, device="meta")], {}, "gamma")
+
+
+@pytest.mark.parametrize("bad", [math.inf, -math.inf, math.nan])
+@pytest.mark.parametrize("name", ["h", "beta"])
+def test_gatedfwa_gate_refuses_non_finite(name, bad):
+    x = {"h": rand(1, 6, 2), "beta": torch.rand(1, 6, 2, dtype=torch.float64) + 0.5}
+    x[name][0, 3, 1] = bad
+    with pytest.raises(ValueError, match=rf"^{name}: expected finite values"):
+        regattn.gatedfwa_gate(x["h"], x["beta"], backend="torch")
+
+
+def test_gatedfwa_names_u():
+    args, kwargs, _ = attention_call("gatedfwa", 1, 5, 2, 1, 4)
+    u = args[3]
+    for wrong, error in [(u[:, :4], ValueError), (u[..., :1], ValueError), (u[0], ValueError),
+                         (u.to(torch.int32), TypeError), (u.to("meta"), ValueError)]:
+        args[3] = wrong
+        with pytest.raises(error, match=r"^u: "):
+            regattn.gatedfwa(*args, **kwargs)

@@ -1,13 +1,15 @@
 """GatedFWA: the gate preprocessing (Algorithm 1) and windowed gated attention (eq. 12)."""
 from __future__ import annotations
 
+import torch
+
 from regattn import reference
 from regattn.ops._common.checks import (
     check_choice, check_positive, check_same, check_shape, check_tensor, check_window, host_checks_allowed,
     resolve_backend,
 )
 from regattn.ops.gatedfwa.gate import SCANS, gate_scan
-from regattn.ops.softmax.api import softmax_attention
+from regattn.ops.softmax.api import gated_attention
 
 HAS_TRITON = True
 
@@ -18,9 +20,13 @@ def gatedfwa_gate(h, beta, *, eps=1e-6, scan="one_pass", backend="auto"):
     ``alpha = softplus(beta * h) / (beta + eps)`` with the numerically safe softplus, and
     ``u = -cumsum(alpha)`` over time, accumulated in fp32.
 
+    ``h`` and ``beta`` are checked finite and ``beta > 0`` by one read on the host (one device sync on a
+    GPU) in eager code; compiled and captured calls skip that check, as do the layers, which call
+    :func:`gate_dispatch`.
+
     Args:
-        h: ``[B, T, H]`` gate pre-activations.
-        beta: ``[B, T, H]`` positive amplitudes (every entry > 0, checked outside compilation and capture).
+        h: ``[B, T, H]`` gate pre-activations, finite.
+        beta: ``[B, T, H]`` positive finite amplitudes.
         eps: positive constant in the denominator.
         scan: ``"one_pass"`` (Algorithm 1, the default) or ``"scan_then_propagate"``
             (Appendix E.1, Algorithm 3); both give the same numbers up to rounding.
@@ -37,9 +43,22 @@ def gatedfwa_gate(h, beta, *, eps=1e-6, scan="one_pass", backend="auto"):
     check_choice("scan", scan, SCANS)
     if h.shape[1] < 1:
         raise ValueError(f"h: expected at least one token, got shape {tuple(h.shape)}")
-    if h.numel() and host_checks_allowed() and not bool((beta > 0).all()):
-        raise ValueError(f"beta: expected every amplitude > 0, got a minimum of {beta.min().item():g}")
+    if h.numel() and host_checks_allowed():
+        check_gate_values(h, beta)
     return gate_dispatch(h, beta, eps=eps, scan=scan, backend=backend)
+
+
+def check_gate_values(h, beta):
+    """``h`` finite, ``beta`` finite and > 0: one read of three flags (one device sync on a GPU)."""
+    h_finite, beta_finite, beta_positive = torch.stack(
+        [torch.isfinite(h).all(), torch.isfinite(beta).all(), (beta > 0).all()]).tolist()
+    for name, x, ok in (("h", h, h_finite), ("beta", beta, beta_finite)):
+        if not ok:
+            bad = ~torch.isfinite(x)
+            raise ValueError(f"{name}: expected finite values, got {int(bad.sum())} non-finite "
+                             f"(first {x[bad][0].item()})")
+    if not beta_positive:
+        raise ValueError(f"beta: expected every amplitude > 0, got a minimum of {beta.min().item():g}")
 
 
 def gate_dispatch(h, beta, *, eps, scan="one_pass", backend="auto"):
@@ -71,5 +90,5 @@ def gatedfwa(q, k, v, u, *, window, scale=None, cu_seqlens=None, backend="auto")
     """
     if u is None:
         raise TypeError("u: expected a [B, T, HQ] tensor, got None")
-    return softmax_attention(q, k, v, causal=True, window=check_window(window), gate=u, scale=scale,
-                             cu_seqlens=cu_seqlens, backend=backend)
+    return gated_attention(q, k, v, causal=True, window=check_window(window), gate=u, scale=scale,
+                           cu_seqlens=cu_seqlens, backend=backend, gate_name="u")

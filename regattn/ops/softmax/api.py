@@ -42,14 +42,20 @@ def softmax_attention(q, k, v, *, causal=True, window=None, gate=None, scale=Non
     Returns:
         ``o: [B, T, HQ, Dv]`` in q's dtype.
     """
+    return gated_attention(q, k, v, causal=causal, window=window, gate=gate, scale=scale, cu_seqlens=cu_seqlens,
+                           backend=backend)
+
+
+def gated_attention(q, k, v, *, causal, window, gate, scale, cu_seqlens, backend, gate_name="gate"):
+    """:func:`softmax_attention` whose errors about the gate name it ``gate_name``."""
     B, T, S, HQ, H, D, Dv = check_attention_inputs(q, k, v)
     window = check_window(window)
     if window is not None and not causal:
         raise ValueError("window: a sliding window needs causal=True")
     scale = check_scale(scale, D)
-    gate = check_gate(gate, B, T, HQ, q)
+    gate = check_gate(gate, B, T, HQ, q, gate_name)
     if gate is not None and S != T:
-        raise ValueError(f"gate: needs as many keys as queries, got T = {T} queries and S = {S} keys")
+        raise ValueError(f"{gate_name}: needs as many keys as queries, got T = {T} queries and S = {S} keys")
     check_seqlens_device("cu_seqlens", cu_seqlens, q)
     check_cu_seqlens(cu_seqlens, B, T)
     if cu_seqlens is not None and S != T:
