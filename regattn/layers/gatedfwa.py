@@ -27,6 +27,7 @@ from regattn.layers.norm import RMSNorm
 from regattn.layers.padding import attend_left_padded, trimmed_start
 from regattn.ops._common.checks import check_int, check_window
 from regattn.ops.gatedfwa.api import gate_dispatch, gatedfwa
+from regattn.ops.nsa import nsa_attention
 from regattn.layers.rope import RotaryEmbedding
 
 
@@ -157,6 +158,12 @@ class GatedFWA(nn.Module):
             raise ValueError(f"x: expected one token [B, 1, d_model], got shape {tuple(x.shape)}")
         if cache is None:
             return self.prefill(x)
+        o, new, _ = self._local_step(x, cache)
+        return self._output(x, o), new
+
+    def _local_step(self, x, cache: GatedFWACache):
+        """``(o, new cache, (q, k, v))`` of one checked token: the attention output ``o: [B, 1, HQ, D]`` over
+        the cached window, and the token's rotated query, key and value."""
         q, k, v = self._qkv(x)
         q, k = self._rotate(q, k, cache.pos)
         h, beta = self.gate_inputs(x)
@@ -170,7 +177,7 @@ class GatedFWA(nn.Module):
         start = trimmed_start(cache.start, n, keys.shape[1])
         o = self._attend_one(q, keys, values, gates, u_t, start)
         new = GatedFWACache(k=keys, v=values, u=gates, u_last=u_t[:, 0], pos=cache.pos + 1, start=start)
-        return self._output(x, o), new
+        return o, new, (q, k, v)
 
     def _attend_one(self, q, keys, values, gates, u_t, start=None):
         """Softmax over the cached window for one query: ``q: [B, 1, HQ, D]`` -> ``[B, 1, HQ, D]``;
@@ -188,6 +195,18 @@ class GatedFWA(nn.Module):
         return torch.einsum("bhqs,bshd->bqhd", p, values.to(acc)).to(q.dtype)
 
 
+@dataclass
+class GatedFWANSACache:
+    """Generation state of :class:`GatedFWANSA`: the local branch's :class:`GatedFWACache`, every key and
+    value so far (the selection may pick any block; ``k, v: [B, pos, H, D]``) and the compressed blocks
+    completed so far (``kc, vc: [B, n, H, D]``)."""
+    local: GatedFWACache
+    k: torch.Tensor
+    v: torch.Tensor
+    kc: torch.Tensor
+    vc: torch.Tensor
+
+
 class GatedFWANSA(GatedFWA):
     """GatedFWA with NSA's compression and selection branches (gatedfwa.md Appendix B, eq. 15-26).
 
@@ -202,8 +221,10 @@ class GatedFWANSA(GatedFWA):
       block holding ``t`` always among them; plain causal softmax attention over their tokens.
     * local: the GatedFWA kernel over the last ``window`` tokens.
 
-    The compression and selection branches are the torch reference (their masks are ``[T, T]``-sized);
-    the local branch runs the fused kernel. Generation (:meth:`step`) is not provided for this layer.
+    Compression and selection run :func:`regattn.ops.nsa.nsa_attention` (linear memory, no ``[T, T]``
+    mask; spec :mod:`regattn.reference.nsa`); the local branch runs the fused kernel. Generation
+    (:meth:`prefill`, :meth:`step`) keeps a :class:`GatedFWANSACache`: a step attends its one query over the
+    compressed blocks and its selected blocks, ``O(T / stride_cmp + topk block_slc + w)`` work.
 
     Args: as :class:`GatedFWA`, plus ``block_cmp``, ``stride_cmp`` (``<= block_cmp``), ``block_slc``, ``topk``.
     """
@@ -224,78 +245,72 @@ class GatedFWANSA(GatedFWA):
         self.branch_gate = nn.Linear(d_model, 3 * num_heads)
 
     def compress(self, x: torch.Tensor, phi: nn.Module) -> torch.Tensor:
-        """``[B, T, H, D] -> [B, n_cmp, H, D]``: ``phi`` of every block of ``block_cmp`` tokens.
+        """``[B, T, H, D] -> [B, n_cmp, H, D]``: ``phi`` of every block of ``block_cmp`` tokens (none when
+        ``T < block_cmp``).
 
         Blocks start every ``stride_cmp`` tokens; ``cmp_pos`` is added as an intra-block position embedding.
         """
+        B, T, H, D = x.shape
+        if T < self.block_cmp:
+            return x.new_zeros(B, 0, H, D)
         blocks = x.unfold(1, self.block_cmp, self.stride_cmp)               # [B, n, H, D, b]
         blocks = blocks.permute(0, 1, 2, 4, 3) + self.cmp_pos.to(x.dtype)   # [B, n, H, b, D]
         return phi(blocks.flatten(3))
 
-    def _cmp_visible(self, T: int, n: int, device) -> torch.Tensor:
-        """``[T, n]``: block ``i`` (tokens ``i s .. i s + b - 1``) is complete at query ``t``."""
-        ends = torch.arange(n, device=device) * self.stride_cmp + self.block_cmp - 1
-        return ends[None, :] <= torch.arange(T, device=device)[:, None]
+    def _sparse(self, q, k, v, kc, vc, offset: int = 0):
+        """``(o_cmp, o_slc)`` of the queries at ``offset ..`` over the keys ``k, v`` and blocks ``kc, vc``."""
+        return nsa_attention(q, k, v, kc, vc, block_cmp=self.block_cmp, stride_cmp=self.stride_cmp,
+                             block_slc=self.block_slc, topk=self.topk, scale=self.head_dim ** -0.5, offset=offset)
 
-    def _selection_mask(self, p_cmp: torch.Tensor, T: int) -> torch.Tensor:
-        """``[B, H, T, T]`` token mask of the selected blocks from ``p_cmp: [B, HQ, T, n_cmp]``."""
-        device, b_s = p_cmp.device, self.block_slc
-        n_slc = -(-T // b_s)
-        starts = torch.arange(p_cmp.shape[-1], device=device) * self.stride_cmp
-        cmp_lo, cmp_hi = starts, starts + self.block_cmp                     # token range [lo, hi)
-        slc_lo = torch.arange(n_slc, device=device) * b_s
-        overlap = (cmp_lo[:, None] < slc_lo[None, :] + b_s) & (cmp_hi[:, None] > slc_lo[None, :])
-        score = p_cmp @ overlap.to(p_cmp.dtype)                               # [B, HQ, T, n_slc]
-        B, HQ = score.shape[:2]
-        score = score.view(B, self.num_kv_heads, HQ // self.num_kv_heads, T, n_slc).sum(2)
-        t = torch.arange(T, device=device)
-        own = (t // b_s)[:, None] == torch.arange(n_slc, device=device)[None, :]
-        started = slc_lo[None, :] <= t[:, None]
-        score = score.masked_fill(~started, float("-inf")).masked_fill(own, float("inf"))
-        k = min(self.topk, n_slc)
-        top = score.topk(k, dim=-1)
-        chosen = torch.zeros_like(score, dtype=torch.bool).scatter_(-1, top.indices, top.values > float("-inf"))
-        token_block = torch.arange(T, device=device) // b_s
-        return chosen[..., token_block] & (t[None, :] <= t[:, None])          # [B, H, T, T]
-
-    def branches(self, x: torch.Tensor):
-        """``(o_cmp, o_slc, o_loc)``, each ``[B, T, HQ, D]``, for ``x: [B, T, d_model]``."""
+    def _branches(self, x):
+        """The three branch outputs and ``(k, v, u, kc, vc)``."""
         check_layer_input(x, self.q_proj)
-        B, T, _ = x.shape
         q, k, v = self._qkv(x)
         q, k = self._rotate(q, k, 0)
         h, beta = self.gate_inputs(x)
         u = gate_dispatch(h, beta, eps=self.eps, backend=self.backend)
         o_loc = gatedfwa(q, k, v, u, window=self.window, backend=self.backend)
-        G = self.num_heads // self.num_kv_heads
-        scale = self.head_dim ** -0.5
-        qh = q.transpose(1, 2)                                                   # [B, HQ, T, D]
-        if T >= self.block_cmp:
-            kc, vc = self.compress(k, self.phi_k), self.compress(v, self.phi_v)  # [B, n, H, D]
-            logits = torch.einsum("bhtd,bnhd->bhtn", qh, kc.repeat_interleave(G, 2)) * scale
-            logits = logits.masked_fill(~self._cmp_visible(T, kc.shape[1], x.device), float("-inf"))
-            p_cmp = torch.nan_to_num(torch.softmax(logits, -1), nan=0.0)
-            o_cmp = torch.einsum("bhtn,bnhd->bthd", p_cmp, vc.repeat_interleave(G, 2))
-        else:
-            p_cmp = q.new_zeros(B, self.num_heads, T, 0)
-            o_cmp = torch.zeros_like(q)
-        mask = self._selection_mask(p_cmp.detach(), T).repeat_interleave(G, 1)   # [B, HQ, T, T]
-        logits = torch.einsum("bhtd,bshd->bhts", qh, k.repeat_interleave(G, 2)) * scale
-        p_slc = torch.softmax(logits.masked_fill(~mask, float("-inf")), -1)
-        o_slc = torch.einsum("bhts,bshd->bthd", p_slc, v.repeat_interleave(G, 2))
-        return o_cmp, o_slc, o_loc
+        kc, vc = self.compress(k, self.phi_k), self.compress(v, self.phi_v)   # [B, n, H, D]
+        o_cmp, o_slc = self._sparse(q, k, v, kc, vc)
+        return (o_cmp, o_slc, o_loc), (k, v, u, kc, vc)
+
+    def branches(self, x: torch.Tensor):
+        """``(o_cmp, o_slc, o_loc)``, each ``[B, T, HQ, D]``, for ``x: [B, T, d_model]``."""
+        return self._branches(x)[0]
+
+    def _mix(self, x, o_cmp, o_slc, o_loc):
+        g = torch.sigmoid(self.branch_gate(x)).view(*x.shape[:2], 3, self.num_heads, 1).to(o_loc.dtype)
+        return self._output(x, g[:, :, 0] * o_cmp + g[:, :, 1] * o_slc + g[:, :, 2] * o_loc)
 
     def forward(self, x: torch.Tensor, *, cu_seqlens=None) -> torch.Tensor:
         """``x: [B, T, d_model] -> [B, T, d_model]`` (no packed sequences)."""
         if cu_seqlens is not None:
             raise ValueError("cu_seqlens: GatedFWANSA takes padded batches, got packed sequences")
-        o_cmp, o_slc, o_loc = self.branches(x)
-        g = torch.sigmoid(self.branch_gate(x)).view(*x.shape[:2], 3, self.num_heads, 1).to(o_loc.dtype)
-        o = g[:, :, 0] * o_cmp + g[:, :, 1] * o_slc + g[:, :, 2] * o_loc
-        return self._output(x, o)
+        return self._mix(x, *self.branches(x))
 
-    def prefill(self, x):
-        raise NotImplementedError("GatedFWANSA: generation with a cache is provided by GatedFWA only")
+    def prefill(self, x: torch.Tensor, start: torch.Tensor | None = None) -> tuple[torch.Tensor, GatedFWANSACache]:
+        """Run the prompt ``x: [B, T, d_model]``; returns the output and the cache for :meth:`step`
+        (no left padding: ``start`` must be None)."""
+        if start is not None:
+            raise ValueError("start: GatedFWANSA takes no left-padded batches, expected None")
+        branches, (k, v, u, kc, vc) = self._branches(x)
+        cache = GatedFWANSACache(local=self._keep(k, v, u, x.shape[1]), k=k, v=v, kc=kc, vc=vc)
+        return self._mix(x, *branches), cache
 
-    def step(self, x, cache):
-        raise NotImplementedError("GatedFWANSA: generation with a cache is provided by GatedFWA only")
+    def step(self, x: torch.Tensor, cache: GatedFWANSACache | None) -> tuple[torch.Tensor, GatedFWANSACache]:
+        """One token ``x: [B, 1, d_model]`` after ``cache`` (None: the first token)."""
+        check_layer_input(x, self.q_proj)
+        if x.shape[1] != 1:
+            raise ValueError(f"x: expected one token [B, 1, d_model], got shape {tuple(x.shape)}")
+        if cache is None:
+            return self.prefill(x)
+        t = cache.local.pos                                                   # the new token's position
+        o_loc, local, (q, k, v) = self._local_step(x, cache.local)
+        keys, values = torch.cat([cache.k, k], 1), torch.cat([cache.v, v], 1)
+        kc, vc = cache.kc, cache.vc
+        if t + 1 >= self.block_cmp and (t + 1 - self.block_cmp) % self.stride_cmp == 0:   # a block ends at t
+            last = slice(t + 1 - self.block_cmp, t + 1)
+            kc = torch.cat([kc, self.compress(keys[:, last], self.phi_k)], 1)
+            vc = torch.cat([vc, self.compress(values[:, last], self.phi_v)], 1)
+        o_cmp, o_slc = self._sparse(q, keys, values, kc, vc, offset=t)
+        return self._mix(x, o_cmp, o_slc, o_loc), GatedFWANSACache(local=local, k=keys, v=values, kc=kc, vc=vc)

@@ -23,7 +23,7 @@ with triton >= 3.4 and < 3.7.1, where it gives wrong results. :func:`refusal` sa
 baseline runs on a device; ``regattn sweep`` skips, with that reason, a baseline that does not.
 
 Decoding: the baselines have no generation cache here. In :meth:`DecoderLM.generate` a step reruns
-the layer on every token so far (``RecomputeStep``, as ``gatedfwa_nsa``), which gives the uncached
+the layer on every token so far (``RecomputeStep``), which gives the uncached
 result; FLA's own recurrent cache is not used.
 """
 from __future__ import annotations

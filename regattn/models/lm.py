@@ -15,7 +15,7 @@ RMSNorm on q and k, RoPE with base 10^6 (given to every mixer that rotates), no 
 | elsa         | exact softmax as a scan (regattn.scan_attention) | keys and values                                   |
 | parallax     | regattn.layers.Parallax (RMSNorm, RoPE on rho)   | keys and values (the last ``window``)             |
 | gatedfwa     | regattn.layers.GatedFWA                          | last ``window`` keys, values, gates; running gate |
-| gatedfwa_nsa | regattn.layers.GatedFWANSA                       | its inputs (no decode path: a step reruns it)     |
+| gatedfwa_nsa | regattn.layers.GatedFWANSA                       | keys, values, compressed blocks; gatedfwa's cache |
 | lla          | regattn.layers.LLA (learned ridge)               | keys and values                                   |
 | decay        | regattn.layers.Retention (RetNet decays)         | the recurrent state ``[B, H, R, D]``              |
 | mamba2       | fla.layers.Mamba2 (regattn.models.baselines)     | its inputs (no decode cache: a step reruns it)    |
@@ -208,7 +208,7 @@ class RetentionStep(LayerStep):
 
 
 class RecomputeStep(LayerStep):
-    """A layer without a decode path (GatedFWA+NSA, the FLA baselines): the cache holds the layer's inputs and a step
+    """A layer without a decode path (the FLA baselines): the cache holds the layer's inputs and a step
     runs the layer on all of them, returning the new positions' outputs."""
 
     def prefill(self, x):
@@ -240,7 +240,7 @@ def build_lm_mixer(name: str, config: LMConfig) -> nn.Module:
         return LayerStep(with_rope_base(GatedFWA(c.dim, c.heads, c.window, rope=True, **heads, **opts), c.rope_base))
     if name == "gatedfwa_nsa":
         nsa = GatedFWANSA(c.dim, c.heads, c.window, rope=True, **heads, **opts)
-        return RecomputeStep(with_rope_base(nsa, c.rope_base))
+        return LayerStep(with_rope_base(nsa, c.rope_base))
     if name == "lla":
         opts.setdefault("cg_iters", None)      # the exact solve; see LMConfig
         return LayerStep(with_rope_base(LLA(c.dim, c.heads, rope=True, **heads, **opts), c.rope_base))

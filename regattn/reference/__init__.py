@@ -5,6 +5,7 @@ Float64-capable and differentiable by autograd; every fast path is tested agains
 from regattn.reference.common import repeat_kv, visible
 from regattn.reference.softmax import attention_logits, softmax_attention
 from regattn.reference.gatedfwa import gatedfwa, gatedfwa_gate
+from regattn.reference.nsa import nsa_attention
 from regattn.reference.elsa import scan_attention
 from regattn.reference.parallax import parallax, parallax_scores
 from regattn.reference.lla import lla

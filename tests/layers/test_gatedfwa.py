@@ -140,3 +140,27 @@ def test_nsa_bad_input():
         GatedFWANSA(32, 4, window=4, block_cmp=4, stride_cmp=8)
     with pytest.raises(ValueError, match="topk"):
         GatedFWANSA(32, 4, window=4, topk=0)
+
+
+@pytest.mark.parametrize("prompt", [0, 1, 6, 13])
+def test_nsa_prefill_then_steps_equal_the_full_forward(prompt):
+    """Compressed blocks completing during decoding (block 4, stride 2), the window of 4 and the selection
+    blocks passed; ``prompt = 0`` starts from ``step(x, None)``."""
+    layer = _nsa(rope=True)
+    x = randn(2, 19, 32)
+    full = layer(x)
+    if prompt:
+        y, cache = layer.prefill(x[:, :prompt])
+        outs = [y]
+    else:
+        cache, outs = None, []
+    for t in range(prompt, 19):
+        y, cache = layer.step(x[:, t:t + 1], cache)
+        outs.append(y)
+    assert rel_err(torch.cat(outs, 1), full) < 1e-12
+    assert cache.k.shape[1] == 19 and cache.kc.shape[1] == (19 - 4) // 2 + 1 and cache.local.k.shape[1] == 4
+
+
+def test_nsa_refuses_left_padding():
+    with pytest.raises(ValueError, match="start"):
+        _nsa().prefill(randn(2, 5, 32), start=torch.tensor([0, 2]))

@@ -51,6 +51,20 @@ def test_greedy_generation_with_cache_equals_without(mixer):
     assert torch.equal(cached, uncached)
 
 
+def test_nsa_generation_steps_one_token_at_a_time(monkeypatch):
+    """The NSA layers run the prompt once, then each step sees only its new token (their cache)."""
+    from regattn.layers import GatedFWANSA
+    seen = []
+    for name in ("prefill", "step"):
+        original = getattr(GatedFWANSA, name)
+        monkeypatch.setattr(GatedFWANSA, name, lambda self, x, *a, _f=original, _n=name, **k:
+                            seen.append((_n, x.shape[1])) or _f(self, x, *a, **k))
+    model = tiny("gatedfwa_nsa")
+    prompt = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(4))
+    model.generate(prompt, 4)
+    assert seen == [("prefill", 5)] * 2 + [("step", 1)] * 6
+
+
 def test_lla_generation_at_head_dim_16():
     """LLA's default exact solve at a head dim where 8 CG iterations would not be exact."""
     model = tiny("lla", dim=64)

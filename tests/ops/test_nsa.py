@@ -1,0 +1,126 @@
+"""NSA compression and selection in linear memory (regattn.ops.nsa) against the dense float64 spec."""
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from regattn import reference
+from regattn.ops.nsa import nsa_attention
+from regattn.ops.nsa.api import block_importance
+from tests.helpers import randn, rel_err
+
+
+def _inputs(B, T, HQ, H, D, Dv, block_cmp, stride_cmp, dtype=torch.float64):
+    n = max(0, (T - block_cmp) // stride_cmp + 1)
+    shapes = [(B, T, HQ, D), (B, T, H, D), (B, T, H, Dv), (B, n, H, D), (B, n, H, Dv)]
+    return [randn(*s, dtype=dtype, requires_grad=True) for s in shapes]
+
+
+def _outputs(fn, x, do):
+    o = fn(*x)
+    return [*o, *torch.autograd.grad(o, x, do)]
+
+
+CASES = [
+    # B, T, HQ, H, D, Dv, block_cmp, stride_cmp, block_slc, topk, chunk
+    (2, 37, 4, 2, 8, 6, 5, 3, 4, 3, 10),     # GQA, Dv != D, T and the chunk not multiples of the blocks
+    (1, 50, 2, 2, 16, 16, 4, 4, 8, 2, 7),    # stride = block, selection blocks larger than compressed ones
+    (1, 23, 3, 1, 8, 8, 8, 2, 3, 100, 64),   # topk above the number of blocks; one chunk
+    (2, 9, 2, 1, 4, 4, 16, 8, 4, 1, 3),      # T < block_cmp: no compressed block, o_cmp = 0
+    (1, 1, 2, 2, 4, 4, 1, 1, 1, 1, 1),       # one token
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+def test_matches_reference_forward_backward(case):
+    B, T, HQ, H, D, Dv, bc, sc, bs, topk, chunk = case
+    x = _inputs(B, T, HQ, H, D, Dv, bc, sc)
+    kw = dict(block_cmp=bc, stride_cmp=sc, block_slc=bs, topk=topk)
+    do = [randn(B, T, HQ, Dv), randn(B, T, HQ, Dv)]
+    got = _outputs(lambda *a: nsa_attention(*a, **kw, chunk=chunk), x, do)
+    want = _outputs(lambda *a: reference.nsa_attention(*a, **kw), x, do)
+    for name, a, b in zip(["o_cmp", "o_slc", "dq", "dk", "dv", "dkc", "dvc"], got, want):
+        assert a.shape == b.shape and a.dtype == torch.float64
+        assert rel_err(a, b) < 1e-12, name
+    if x[3].shape[1] == 0:
+        assert got[0].abs().max() == 0
+
+
+def test_fp32_against_float64():
+    x = _inputs(1, 30, 2, 1, 16, 16, 4, 2)
+    kw = dict(block_cmp=4, stride_cmp=2, block_slc=4, topk=2)
+    do = [randn(1, 30, 2, 16), randn(1, 30, 2, 16)]
+    got = _outputs(lambda *a: nsa_attention(*a, **kw, chunk=8), [t.detach().float().requires_grad_(True)
+                                                                  for t in x], do)
+    want = _outputs(lambda *a: reference.nsa_attention(*a, **kw), x, do)
+    for a, b in zip(got, want):
+        assert a.dtype == torch.float32 and rel_err(a, b) < 1e-5
+
+
+def test_queries_at_an_offset_are_the_full_rows():
+    """Decoding: queries at positions a..b-1 over all the keys (later keys unseen) give the full forward's rows."""
+    x = _inputs(2, 41, 4, 2, 8, 8, 6, 2)
+    kw = dict(block_cmp=6, stride_cmp=2, block_slc=5, topk=3)
+    full = nsa_attention(*x, **kw)
+    q, k, v, kc, vc = x
+    for a, b in [(17, 18), (30, 41), (0, 5)]:
+        part = nsa_attention(q[:, a:b], k, v, kc, vc, **kw, offset=a)
+        for o, f in zip(part, full):
+            assert rel_err(o, f[:, a:b]) < 1e-14
+
+
+def test_block_importance_is_the_overlap_sum():
+    for bc, sc, bs in [(5, 3, 4), (4, 4, 8), (8, 2, 3), (1, 1, 1), (7, 5, 2)]:
+        S = 29
+        n, n_slc = (S - bc) // sc + 1, -(-S // bs)
+        p = torch.rand(3, n, dtype=torch.float64)
+        lo, slc = torch.arange(n) * sc, torch.arange(n_slc) * bs
+        overlap = (lo[:, None] < slc[None, :] + bs) & (lo[:, None] + bc > slc[None, :])
+        got = block_importance(p, block_cmp=bc, stride_cmp=sc, block_slc=bs, n_slc=n_slc)
+        assert rel_err(got, p @ overlap.double()) < 1e-15
+
+
+class LargestTensor(TorchDispatchMode):
+    """The most elements of any tensor an op produces while the mode is on."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+def _largest(T):
+    x = _inputs(1, T, 1, 1, 4, 4, 8, 8)
+    with LargestTensor() as mode:
+        o = nsa_attention(*x, block_cmp=8, stride_cmp=8, block_slc=8, topk=2, chunk=16)
+        torch.autograd.grad(o, x, [torch.ones_like(o[0])] * 2)
+    return mode.largest
+
+
+def test_no_tensor_grows_faster_than_T():
+    """Forward and backward: no [T, T] tensor, and the largest one grows linearly in T."""
+    small, large = _largest(256), _largest(1024)
+    assert large < 1024 * 1024 / 8
+    assert large <= 4.5 * small
+
+
+def test_bad_inputs_name_the_argument():
+    q, k, v, kc, vc = (t.detach() for t in _inputs(1, 12, 2, 1, 4, 4, 4, 2))
+    kw = dict(block_cmp=4, stride_cmp=2, block_slc=4, topk=2)
+    for args, extra, name in [
+        ((q, k, v, kc[..., :3], vc), {}, "kc"),
+        ((q, k, v, kc, vc.float()), {}, "vc"),
+        ((q, k, v, torch.cat([kc, kc], 1), torch.cat([vc, vc], 1)), {}, "kc"),
+        ((q, k, v, kc, vc), dict(offset=1), "k"),
+        ((q, k, v, kc, vc), dict(offset=-1), "offset"),
+        ((q, k, v, kc, vc), dict(chunk=0), "chunk"),
+        ((q, k, v, kc, vc), dict(block_cmp=1), "stride_cmp"),
+        ((q, k[:, :, :, :3], v, kc, vc), {}, "k"),
+    ]:
+        with pytest.raises((ValueError, TypeError), match=f"^{name}: "):
+            nsa_attention(*args, **{**kw, **extra})
