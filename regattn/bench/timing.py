@@ -6,7 +6,8 @@ small KV cache stays in L2 for every op alike) for decode-sized work, where the 
 what an eager caller pays and a graph removes; a call that cannot be captured (a host sync inside
 it) gets the status ``not capturable``. Peak memory is ``torch.cuda.max_memory_allocated`` during
 one call, above what was allocated before it. A call slower than the timing window itself is timed
-by the median of three event-timed calls (do_bench would run it about ten times). On CPU (the smoke
+by the median of three event-timed calls, the peak-memory call among them (do_bench would run it
+about ten times). On CPU (the smoke
 mode) the ``perf_counter`` calls made within the timing window give a median and no peak memory is
 read.
 """
@@ -72,28 +73,30 @@ def cuda_ms(fn, *, graph: bool = False, rep_ms: int = 100) -> float:
 SLOW_REPS = 3
 
 
-def slow_ms(fn) -> float:
-    """Median of :data:`SLOW_REPS` calls timed with CUDA events, for calls longer than the timing window."""
-    times = []
-    for _ in range(SLOW_REPS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+def event_ms(fn) -> tuple[float, object]:
+    """Milliseconds of one call timed with CUDA events, and what it returned."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    out = fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end), out
 
 
-def peak_mb(fn) -> float:
-    """MiB allocated at the peak of one call, above what was allocated before it."""
+def slow_ms(fn, first: float) -> float:
+    """Median of :data:`SLOW_REPS` event-timed calls, ``first`` (the peak-memory call's time) among them,
+    for calls longer than the timing window."""
+    return statistics.median([first] + [event_ms(fn)[0] for _ in range(SLOW_REPS - 1)])
+
+
+def peak_mb(fn) -> tuple[float, float]:
+    """MiB allocated at the peak of one call, above what was allocated before it, and that call's milliseconds."""
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    out = fn()
-    torch.cuda.synchronize()
+    ms, out = event_ms(fn)
     del out
-    return (torch.cuda.max_memory_allocated() - base) / 2**20
+    return (torch.cuda.max_memory_allocated() - base) / 2**20, ms
 
 
 def describe(err: BaseException) -> str:
@@ -116,10 +119,10 @@ def measure(fn, *, cuda: bool, graph: bool = False, rep_ms: int = 100) -> Measur
             fn()
             return Measurement("ok", ms=cpu_ms(fn, rep_ms))
         fn()  # compiles, autotunes
-        start = time.perf_counter()
-        mem = peak_mb(fn)
-        slow = (time.perf_counter() - start) * 1e3 > rep_ms and not graph
-        return Measurement("ok", ms=slow_ms(fn) if slow else cuda_ms(fn, graph=graph, rep_ms=rep_ms), peak_mb=mem)
+        mem, first = peak_mb(fn)
+        slow = first > rep_ms and not graph
+        return Measurement("ok", ms=slow_ms(fn, first) if slow else cuda_ms(fn, graph=graph, rep_ms=rep_ms),
+                           peak_mb=mem)
     except Exception as err:  # a failing case is a result, never the end of a suite
         return Measurement(describe(err))
     finally:

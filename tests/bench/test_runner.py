@@ -105,7 +105,20 @@ def fake_cuda(monkeypatch):
     """The CUDA calls of the timing module, replaced by counters, to exercise its GPU control flow on CPU."""
     import triton.testing
 
-    state = {"allocated": 1024 * 2**20, "peak": 1536 * 2**20, "graph_fails": False, "calls": []}
+    state = {"allocated": 1024 * 2**20, "peak": 1536 * 2**20, "graph_fails": False, "calls": [], "event_ms": [1.0]}
+
+    class Event:  # elapsed_time gives the next of state["event_ms"] (the last one repeats)
+        def __init__(self, enable_timing=False):
+            pass
+
+        def record(self):
+            pass
+
+        def elapsed_time(self, end):
+            times = state["event_ms"]
+            return times.pop(0) if len(times) > 1 else times[0]
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a: None)
@@ -134,14 +147,12 @@ def test_measure_on_cuda_takes_the_median_and_the_peak_above_the_inputs(fake_cud
     assert fake_cuda["calls"] == [("do_bench", "median")]
 
 
-def test_measure_times_a_call_slower_than_the_window_by_a_few_calls(fake_cuda, monkeypatch):
-    import time
-
-    from regattn.bench import timing
-
-    monkeypatch.setattr(timing, "slow_ms", lambda fn: 7.0)
-    m = measure(lambda: time.sleep(0.02), cuda=True, rep_ms=10)
-    assert (m.status, m.ms) == ("ok", 7.0) and fake_cuda["calls"] == []
+def test_measure_times_a_call_slower_than_the_window_by_three_calls_the_peak_call_among_them(fake_cuda):
+    calls = []
+    fake_cuda["event_ms"] = [40.0, 20.0, 30.0]  # the peak-memory call, then two more
+    m = measure(lambda: calls.append(1), cuda=True, rep_ms=10)
+    assert (m.status, m.ms, m.peak_mb) == ("ok", 30.0, 512.0)
+    assert len(calls) == 4 and fake_cuda["calls"] == []  # warm-up, peak, two more; no do_bench
 
 
 def test_measure_replays_a_cuda_graph_and_says_when_capture_fails(fake_cuda):
