@@ -180,7 +180,12 @@ def execute(configs: list[TrainConfig], jobs: int):
                                                 initargs=(jobs,)) as pool:
         futures = {pool.submit(run_config, config): i for i, config in enumerate(configs)}
         for future in concurrent.futures.as_completed(futures):
-            yield dict(future.result(), index=futures[future])
+            i = futures[future]
+            try:
+                run = future.result()
+            except Exception as e:                           # noqa: BLE001 (a worker that died: recorded as failed)
+                run = failed(configs[i], e, 0.0)
+            yield dict(run, index=i)
 
 
 def share_cores(jobs: int) -> None:
@@ -207,8 +212,13 @@ def run_config(config: TrainConfig) -> dict:
     try:
         return record(train(config, data=task_data(config)))
     except Exception as e:                                   # noqa: BLE001 (recorded, and retried on --resume)
-        return dict(config=dataclasses.asdict(config), error=f"{type(e).__name__}: {e}", best=None,
-                    seconds=time.time() - started)
+        return failed(config, e, time.time() - started)
+
+
+def failed(config: TrainConfig, error: BaseException, seconds: float) -> dict:
+    """The record of a run that raised ``error``."""
+    return dict(config=dataclasses.asdict(config), error=f"{type(error).__name__}: {error}", best=None,
+                seconds=seconds)
 
 
 def print_run(run: dict) -> None:
