@@ -9,7 +9,7 @@ from regattn.tasks import make_task
 from regattn.train import trainer
 from regattn.train.batches import EpochBatches, static_examples
 from regattn.train.optim import build_optimizer
-from regattn.train.step import TrainStep, forward_loss
+from regattn.train.step import TrainStep
 from regattn.train.trainer import TrainConfig, train
 
 pytestmark = pytest.mark.gpu
@@ -45,27 +45,13 @@ def test_training_steps_read_nothing_back(task, mixer):
 
 
 @pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
-def test_compiled_loss_matches_eager(mode):
-    data = make_task("mad_recall", seed=0, num_train=64, num_test=8, vocab_size=16, seq_len=64).to("cuda")
-    torch.manual_seed(0)
-    model = build_model(data, "softmax", dim=64, heads=2).cuda()
-    batch = EpochBatches(static_examples(data.train, data.kind), 32, 0, torch.device("cuda"))(0)
-    args = list(batch.tensors().values())
-    eager = forward_loss(model, data.kind, True, *args)
-    compiled = torch.compile(lambda *a: forward_loss(model, data.kind, True, *a), mode=mode, dynamic=False)
-    for _ in range(3):                                 # recorded, then replayed under reduce-overhead
-        torch.compiler.cudagraph_mark_step_begin()
-        got = compiled(*args)
-        got[0].backward()
-    assert torch.allclose(got[0], eager[0], rtol=2e-2) and int(got[2]) == int(eager[2])
-    assert abs(int(got[1]) - int(eager[1])) <= 0.02 * int(eager[2])
-
-
-@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
 def test_compiled_run_matches_eager(mode):
+    # the losses of the first log window (the same parameters but for the first updates) and of the rest
     eager, compiled = train(tiny()), train(tiny(compile=mode))
+    assert len(compiled["history"]["train"]) == len(eager["history"]["train"]) == 4
     for a, b in zip(eager["history"]["train"], compiled["history"]["train"]):
         assert b["loss"] == pytest.approx(a["loss"], rel=5e-2, abs=5e-2)
+        assert b["accuracy"] == pytest.approx(a["accuracy"], abs=5e-2)
     assert compiled["skipped_steps"] == 0 and compiled["steps_per_second"] > 0
 
 
