@@ -101,12 +101,15 @@ class MixerStack(nn.Module):
         return out
 
     def forward(self, inputs: torch.Tensor, select: torch.Tensor | None = None) -> torch.Tensor:
-        """``[B, T, out]``, or ``[n, out]`` at the positions where ``select [B, T]`` (bool) is true."""
+        """``[B, T, out]``, or ``[B, K, out]`` at the positions ``select [B, K]`` (int64 indices into ``T``):
+        the readout runs at those positions only, and the shapes do not depend on the data."""
         h = self.features(inputs)[-1]
         if self.kind == "autoencode":
-            h = self.decoder(h[:, -1:] + self.positions[: inputs.shape[1]].to(h.dtype))
-        h = self.norm(h)
-        return self.head(h if select is None else h[select])
+            positions = self.positions[: inputs.shape[1]] if select is None else self.positions[select]
+            h = self.decoder(h[:, -1:] + positions.to(h.dtype))
+        elif select is not None:
+            h = h.gather(1, select[..., None].expand(-1, -1, h.shape[-1]))
+        return self.head(self.norm(h))
 
 
 def build_model(task, mixer: str, **options) -> MixerStack:

@@ -18,6 +18,7 @@ from regattn.tasks import TASKS
 from regattn.train import checks
 from regattn.train.optim import OPTIMIZERS
 from regattn.train.schedules import SCHEDULES
+from regattn.train.step import COMPILE_MODES
 from regattn.train.trainer import TrainConfig, resolve_device, train
 from regattn.usage import UsageError
 
@@ -86,6 +87,10 @@ def add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-amp", action="store_true", help="no bf16 autocast on CUDA")
     p.add_argument("--out", default="out/train", help="folder for JSON results and plots")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--log-every", type=int, default=100,
+                   help="read the training loss and accuracy back every N steps (default 100)")
+    p.add_argument("--compile", choices=COMPILE_MODES, default="none",
+                   help="torch.compile the model and the loss with this mode (default none)")
 
 
 def check_common(args, tasks: list[str], mixers: list[str]) -> None:
@@ -97,6 +102,7 @@ def check_common(args, tasks: list[str], mixers: list[str]) -> None:
     for flag in ("batch_size", "eval_batch_size", "dim", "layers", "heads"):
         checks.at_least("--" + flag.replace("_", "-"), getattr(args, flag), 1)
     checks.at_least("--eval-every", args.eval_every, 0)
+    checks.at_least("--log-every", args.log_every, 1)
     for flag in ("weight_decay", "wda_gamma", "clip"):
         checks.non_negative("--" + flag.replace("_", "-"), getattr(args, flag))
     checks.fraction("--warmup", args.warmup)
@@ -130,7 +136,7 @@ def base_config(args, **overrides) -> TrainConfig:
                   clip=args.clip, schedule=args.schedule, warmup=args.warmup, decay_start=args.decay_start,
                   wda_gamma=args.wda_gamma, steps=args.steps, epochs=args.epochs, batch_size=args.batch_size, eval_every=args.eval_every,
                   eval_batch_size=args.eval_batch_size, device=args.device, amp=not args.no_amp,
-                  progress=not args.quiet)
+                  progress=not args.quiet, log_every=args.log_every, compile=args.compile)
     fields.update(overrides)
     return TrainConfig(**fields)
 
@@ -142,6 +148,12 @@ def record(result: dict, max_points: int = 500) -> dict:
     stride = -(-len(rows) // max_points) if rows else 1
     out["history"] = dict(out["history"], train=rows[stride - 1::stride])
     return out
+
+
+def rate(result: dict) -> str:
+    """``"N steps/s"`` of a run's result (its ``steps_per_second``), or ``"- steps/s"`` when not measured."""
+    sps = result.get("steps_per_second")
+    return f"{sps:.0f} steps/s" if sps is not None else "- steps/s"
 
 
 def seed_mean(results: list[dict], which: str) -> float | None:
@@ -184,7 +196,7 @@ def main(argv=None) -> int:
         r = runs[-1]
         final, best = (float("nan") if e is None else e[r["metric"]] for e in (r["final"], r["best"]))
         print(f"{args.task} {args.mixer} seed {seed}: final {r['metric']} {final:.4f}, best {best:.4f}"
-              f"{' (diverged)' if r['diverged'] else ''} ({r['seconds']:.0f} s)")
+              f"{' (diverged)' if r['diverged'] else ''} ({r['seconds']:.0f} s, {rate(r)})")
     summary = dict(task=args.task, mixer=args.mixer, lr=args.lr, metric=runs[0]["metric"],
                    final_mean=seed_mean(runs, "final"), best_mean=seed_mean(runs, "best"))
     stem = os.path.join(args.out, f"{args.task}-{args.mixer}")

@@ -12,8 +12,17 @@ none on ``scalar``. ``muon``: ``torch.optim.Muon`` (five Newton-Schulz steps, Ke
 shape scaling) on ``hidden`` and ``torch.optim.Adam``-style updates, betas (0.8, 0.95), eps 1e-7,
 on ``embed`` (learning rate x0.3) and ``scalar`` (x0.015). Every group remembers its ``base_lr`` and
 ``base_wd`` so a schedule can set ``lr`` and ``weight_decay`` each step.
+
+``fused=True`` (one device, plain tensors: the task trainer) takes the fast forms of the same updates:
+``torch.optim.AdamW(fused=True)`` and :class:`BatchedMuon` (the matrices of one shape orthogonalised
+together). Both skip a step on the device when ``Optimizers.step(found_inf=...)`` is given a non-zero
+flag, with no host read. The learning rates stay Python floats: neither optimizer is compiled, so a
+schedule change recompiles nothing, and a tensor rate would cost ``torch.optim.Muon`` a host read per
+matrix (its ``add_(..., alpha=lr)``).
 """
 from __future__ import annotations
+
+from collections import defaultdict
 
 import torch
 from torch import nn
@@ -53,8 +62,12 @@ class Optimizers:
     def param_groups(self) -> list[dict]:
         return [g for opt in self.optimizers for g in opt.param_groups]
 
-    def step(self):
+    def step(self, found_inf: torch.Tensor | None = None):
+        """One step of each optimizer; with ``found_inf`` (a float tensor on the parameters' device, as
+        ``torch.amp.GradScaler`` gives it), a non-zero value skips it on the device (fused optimizers only)."""
         for opt in self.optimizers:
+            if found_inf is not None:
+                opt.grad_scale, opt.found_inf = None, found_inf
             opt.step()
 
     def zero_grad(self, set_to_none: bool = True):
@@ -75,22 +88,100 @@ def _groups(spec: list[tuple[list, float, float]]) -> list[dict]:
 
 
 def build_optimizer(model: nn.Module, name: str = "adamw", *, lr: float = 1e-3, weight_decay: float = 0.1,
-                    betas: tuple[float, float] = (0.9, 0.999), momentum: float = 0.95) -> Optimizers:
-    """AdamW or Muon (+ Adam fallback) for ``model``; ``lr`` is the peak rate of the main group."""
+                    betas: tuple[float, float] = (0.9, 0.999), momentum: float = 0.95,
+                    fused: bool = False) -> Optimizers:
+    """AdamW or Muon (+ Adam fallback) for ``model``; ``lr`` is the peak rate of the main group.
+
+    fused: the single-device forms (fused AdamW, :class:`BatchedMuon`), which can skip a step on the device.
+    """
     if name not in OPTIMIZERS:
         raise ValueError(f"optimizer: expected one of {OPTIMIZERS}, got {name!r}")
     roles = parameter_roles(model)
+    adamw = dict(fused=True) if fused else {}
     if name == "adamw":
         groups = _groups([(roles["hidden"] + roles["embed"], lr, weight_decay), (roles["scalar"], lr, 0.0)])
-        return Optimizers([torch.optim.AdamW(groups, lr=lr, betas=betas, eps=1e-8)])
+        return Optimizers([torch.optim.AdamW(groups, lr=lr, betas=betas, eps=1e-8, **adamw)])
     opts = []
     if roles["hidden"]:
-        opts.append(torch.optim.Muon(_groups([(roles["hidden"], lr, weight_decay)]), lr=lr, weight_decay=weight_decay,
-                                     momentum=momentum, ns_steps=5, adjust_lr_fn="original"))
+        hidden = _groups([(roles["hidden"], lr, weight_decay)])
+        opts.append(BatchedMuon(hidden, lr=lr, weight_decay=weight_decay, momentum=momentum) if fused else
+                    torch.optim.Muon(hidden, lr=lr, weight_decay=weight_decay, momentum=momentum, ns_steps=5,
+                                     adjust_lr_fn="original"))
     rest = _groups([(roles["embed"], lr * EMBED_LR, weight_decay), (roles["scalar"], lr * SCALAR_LR, 0.0)])
     if rest:
-        opts.append(torch.optim.AdamW(rest, lr=lr, betas=(0.8, 0.95), eps=1e-7))
+        opts.append(torch.optim.AdamW(rest, lr=lr, betas=(0.8, 0.95), eps=1e-7, **adamw))
     return Optimizers(opts)
+
+
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)        # torch.optim.Muon's (Keller Jordan's quintic)
+
+
+def newton_schulz(g: torch.Tensor, steps: int = 5, eps: float = 1e-7) -> torch.Tensor:
+    """The orthogonalisation of each matrix of ``g [n, A, B]`` as ``torch.optim.Muon`` computes it (bf16,
+    the Frobenius norm scaled to 1, ``steps`` quintic iterations on the wide orientation), batched."""
+    a, b, c = NS_COEFFICIENTS
+    x = g.bfloat16()
+    tall = g.shape[-2] > g.shape[-1]
+    if tall:
+        x = x.mT
+    x = x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)
+    for _ in range(steps):
+        gram = x @ x.mT
+        x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.mT if tall else x
+
+
+class BatchedMuon(torch.optim.Optimizer):
+    """``torch.optim.Muon``'s update (Nesterov momentum, :func:`newton_schulz`, the step scaled by
+    ``sqrt(max(1, A / B))``, decoupled weight decay ``lr * weight_decay``), with the matrices of one shape
+    stacked so that each Newton-Schulz product runs once for all of them.
+
+    The state is ``torch.optim.Muon``'s (a ``momentum_buffer`` per matrix). A ``found_inf`` attribute (set by
+    :meth:`Optimizers.step`) that is non-zero leaves the parameters and the momenta as they were.
+    """
+
+    def __init__(self, params, *, lr: float = 1e-3, weight_decay: float = 0.1, momentum: float = 0.95,
+                 ns_steps: int = 5, eps: float = 1e-7):
+        super().__init__(params, dict(lr=lr, weight_decay=weight_decay, momentum=momentum, ns_steps=ns_steps, eps=eps))
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.ndim != 2:
+                    raise ValueError(f"params: BatchedMuon takes matrices, got a parameter of shape {tuple(p.shape)}")
+        self.found_inf = None
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            by_shape = defaultdict(list)
+            for p in group["params"]:
+                if p.grad is not None:
+                    by_shape[p.shape].append(p)
+            for params in by_shape.values():
+                self._update(params, group)
+        return loss
+
+    def _update(self, params: list[torch.Tensor], group: dict) -> None:
+        lr, momentum = group["lr"], group["momentum"]
+        bufs = []
+        for p in params:
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(p)
+            bufs.append(state["momentum_buffer"])
+        grad, old_buf, old = torch.stack([p.grad for p in params]), torch.stack(bufs), torch.stack(params)
+        buf = old_buf.lerp(grad, 1 - momentum)
+        update = newton_schulz(grad.lerp(buf, momentum), group["ns_steps"], group["eps"])
+        rows, cols = params[0].shape
+        new = old.mul(1 - lr * group["weight_decay"]).add_(update, alpha=-lr * max(1.0, rows / cols) ** 0.5)
+        if self.found_inf is not None:
+            skip = self.found_inf != 0
+            new, buf = torch.where(skip, old, new), torch.where(skip, old_buf, buf)
+        torch._foreach_copy_(params, list(new.unbind(0)))
+        torch._foreach_copy_(bufs, list(buf.unbind(0)))
 
 
 def apply_schedule(optimizer: Optimizers, lr_scale: float, wd_scale: float = 1.0) -> None:

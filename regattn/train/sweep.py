@@ -12,22 +12,29 @@ at each mixer's best learning rate.
 grid; a key ``cfg.NAME`` varies a training setting instead of a task setting (``--vary cfg.dim=64,128``,
 the model widths of gatedfwa Figure 8). A preset (:data:`PRESETS`) writes a paper's protocol as arguments; arguments after it
 override it (a ``--vary`` of the same key replaces the preset's).
+
+``--jobs N`` runs N runs at a time, each in its own process (spawned; the small task models leave room
+for several on one GPU). A run that raises is recorded with its ``error`` (and no score) and is run
+again by ``--resume``.
 """
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import dataclasses
 import itertools
 import json
+import multiprocessing
 import os
 import statistics
 import sys
+import time
 
 from regattn.models.mixers import MIXER_NAMES
 from regattn.tasks import MAD_TASKS, TASKS, mad_benchmark_settings, mad_hard_settings, make_task
 from regattn.train import checks
-from regattn.train.cli import (add_common, base_config, check_common, parse_list, parse_value, record, refused_mixers,
-                               write_json)
+from regattn.train.cli import (add_common, base_config, check_common, parse_list, parse_value, rate, record,
+                               refused_mixers, write_json)
 from regattn.train.plots import plot_curves, plot_sweep
 from regattn.train.trainer import TrainConfig, score, train
 from regattn.usage import UsageError
@@ -128,41 +135,109 @@ def run_key(mixer: str, x, lr: float, seed: int) -> tuple:
 
 
 def run_sweep(base: TrainConfig, *, mixers: list[str], lrs: list[float], seeds: list[int],
-              points: list[tuple[str, dict, object]], done: list[dict] | None = None, on_run=None) -> list[dict]:
-    """Every run of the grid; each record carries ``mixer, x, lr, seed``. Data is built once per point and seed.
+              points: list[tuple[str, dict, object]], done: list[dict] | None = None, on_run=None,
+              jobs: int = 1) -> list[dict]:
+    """Every run of the grid; each record carries ``mixer, x, setting, lr, seed``, in the grid's order.
 
-    done: records of an earlier, interrupted sweep; their runs are kept, not repeated.
-    on_run: called with the list of records after each run (to save partial results).
+    done: records of an earlier, interrupted sweep; their runs are kept, not repeated (a failed one, with an
+    ``error``, is run again). on_run: called with the list of records after each run (to save partial
+    results). jobs: runs at a time, each in its own process; with 1, in this process, the task data built
+    once per point and seed.
     """
-    runs = list(done or [])
+    runs = [r for r in done or [] if not r.get("error")]
     finished = {run_key(r["mixer"], r["x"], r["lr"], r["seed"]) for r in runs}
+    grid, pending = [], []
     for task, setting, x in points:
         model = {k[len(CONFIG_PREFIX):]: v for k, v in setting.items() if k.startswith(CONFIG_PREFIX)}
         options = {**base.task_options, **{k: v for k, v in setting.items() if not k.startswith(CONFIG_PREFIX)}}
         for seed in seeds:
-            pending = [(m, lr) for m in mixers for lr in lrs if run_key(m, x, lr, seed) not in finished]
-            if not pending:
-                continue
-            data = make_task(task, seed=seed, **options)
-            for mixer, lr in pending:
-                config = dataclasses.replace(base, task=task, task_options=options, mixer=mixer, lr=lr, seed=seed,
-                                             **model)
-                run = record(train(config, data=data))
-                run.update(mixer=mixer, x=x, setting=setting, lr=lr, seed=seed)
-                runs.append(run)
-                best = run["best"][run["metric"]] if run["best"] else float("nan")
-                print(f"{task} {label(setting)} {mixer} lr {lr:g} seed {seed}: best {run['metric']} {best:.4f}"
-                      f"{' (diverged)' if run['diverged'] else ''} ({run['seconds']:.0f} s)")
-                if on_run is not None:
-                    on_run(runs)
+            for mixer, lr in itertools.product(mixers, lrs):
+                key = run_key(mixer, x, lr, seed)
+                grid.append(key)
+                if key not in finished:
+                    config = dataclasses.replace(base, task=task, task_options=options, mixer=mixer, lr=lr, seed=seed,
+                                                 **model)
+                    pending.append((config, dict(mixer=mixer, x=x, setting=setting, lr=lr, seed=seed)))
+    order = {key: i for i, key in enumerate(grid)}
+    for run in execute([config for config, _ in pending], jobs):
+        run.update(pending[run.pop("index")][1])
+        runs.append(run)
+        runs.sort(key=lambda r: order.get(run_key(r["mixer"], r["x"], r["lr"], r["seed"]), len(order)))
+        print_run(run)
+        if on_run is not None:
+            on_run(runs)
     return runs
+
+
+def execute(configs: list[TrainConfig], jobs: int):
+    """The record of each run (:func:`run_config`, with its ``index`` in ``configs``) as it finishes."""
+    if jobs == 1:
+        for i, config in enumerate(configs):
+            yield dict(run_config(config), index=i)
+        return
+    context = multiprocessing.get_context("spawn")           # CUDA does not survive a fork
+    with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=context, initializer=share_cores,
+                                                initargs=(jobs,)) as pool:
+        futures = {pool.submit(run_config, config): i for i, config in enumerate(configs)}
+        for future in concurrent.futures.as_completed(futures):
+            i = futures[future]
+            try:
+                run = future.result()
+            except Exception as e:                           # noqa: BLE001 (a worker that died: recorded as failed)
+                run = failed(configs[i], e, 0.0)
+            yield dict(run, index=i)
+
+
+def share_cores(jobs: int) -> None:
+    """A worker's share of the CPU threads."""
+    import torch
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // jobs))
+
+
+_DATA: dict = {}
+
+
+def task_data(config: TrainConfig):
+    """The task data of ``config``, built once per task, settings and seed in this process (the last one kept)."""
+    key = (config.task, config.seed, json.dumps(config.task_options, sort_keys=True))
+    if key not in _DATA:
+        _DATA.clear()
+        _DATA[key] = make_task(config.task, seed=config.seed, **config.task_options)
+    return _DATA[key]
+
+
+def run_config(config: TrainConfig) -> dict:
+    """One run's record (:func:`regattn.train.cli.record`); a run that raises gives ``{config, error}``."""
+    started = time.time()
+    try:
+        return record(train(config, data=task_data(config)))
+    except Exception as e:                                   # noqa: BLE001 (recorded, and retried on --resume)
+        return failed(config, e, time.time() - started)
+
+
+def failed(config: TrainConfig, error: BaseException, seconds: float) -> dict:
+    """The record of a run that raised ``error``."""
+    return dict(config=dataclasses.asdict(config), error=f"{type(error).__name__}: {error}", best=None,
+                seconds=seconds)
+
+
+def print_run(run: dict) -> None:
+    head = f"{run['config']['task']} {label(run['setting'])} {run['mixer']} lr {run['lr']:g} seed {run['seed']}"
+    if run.get("error"):
+        print(f"{head}: failed: {run['error']}")
+        return
+    best = run["best"][run["metric"]] if run["best"] else float("nan")
+    print(f"{head}: best {run['metric']} {best:.4f}{' (diverged)' if run['diverged'] else ''} "
+          f"({run['seconds']:.0f} s, {rate(run)})")
 
 
 def summarize_sweep(runs: list[dict]) -> dict:
     """``{mixer: {str(x): {x, best_lr, mean, std, per_lr: {lr: mean}}}}`` over the seeds' best scores
-    (a diverged or failed run scores the worst; a mean with one is NaN and never the best)."""
+    (a diverged run scores the worst; a mean with one is NaN and never the best; a run that raised is left out)."""
     out: dict = {}
     for r in runs:
+        if r.get("error"):
+            continue
         cell = out.setdefault(r["mixer"], {}).setdefault(str(r["x"]), {"x": r["x"], "scores": {}, "metric": r["metric"]})
         value = r["best"][r["metric"]] if r["best"] else float("nan")
         cell["scores"].setdefault(r["lr"], []).append(value)
@@ -211,6 +286,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true",
                    help="keep the runs already in the output JSON (written after every run) and do the rest")
     p.add_argument("--preset", choices=sorted(PRESETS), help="a paper's protocol (see PRESETS); give no TASK")
+    p.add_argument("--jobs", type=int, default=1, help="runs at a time, each in its own process (default 1)")
     return p
 
 
@@ -228,6 +304,7 @@ def main(argv=None) -> int:
     for lr in parse_list(args.lrs, flag="--lrs"):
         checks.positive("--lrs", lr)
     check_common(args, sorted({task for task, _, _ in points}), mixers)
+    checks.at_least("--jobs", args.jobs, 1)
     check_points(points)
     skipped = refused_mixers(args, mixers)
     for mixer, reason in skipped.items():
@@ -251,11 +328,22 @@ def main(argv=None) -> int:
         write_json(stem + ".json", payload)
         return payload
 
+    started = time.time()
     runs = run_sweep(base, mixers=mixers, lrs=head["lrs"], seeds=head["seeds"], points=points, done=done,
-                     on_run=save)
+                     on_run=save, jobs=args.jobs)
+    wall = time.time() - started
     payload = save(runs)
     summary = payload["summary"]
-    metric = runs[0]["metric"]
+    done_runs = [r for r in runs if not r.get("error")]
+    failed = len(runs) - len(done_runs)
+    earlier = {id(r) for r in done}
+    fresh = [r for r in done_runs if id(r) not in earlier]
+    steps = sum(r["steps"] for r in fresh)
+    print(f"{len(fresh)} runs, {steps} steps in {wall:.0f} s: {steps / max(wall, 1e-9):.0f} steps/s over all runs "
+          f"({args.jobs} at a time){f'; {failed} failed (run again with --resume)' if failed else ''}")
+    if not done_runs:
+        return 1
+    metric = done_runs[0]["metric"]
     first = vary[0][0].split(":")[0] if vary else None
     single = len(vary) == 1 and ":" not in vary[0][0]
     shown = summary if single or not vary else by_first_key(summary, runs, first)
@@ -263,8 +351,8 @@ def main(argv=None) -> int:
     xlabel = "task" if not vary else first + (f" (mean over {', '.join(others)})" if others else "")
     plot_sweep(shown, stem + ".png", xlabel=xlabel, metric=metric, title=args.task)
     for i, (_, _, x) in enumerate(points):
-        best = {m: [r for r in runs if r["mixer"] == m and str(r["x"]) == str(x)
-                    and r["lr"] == summary[m][str(x)]["best_lr"]] for m in mixers}
+        best = {m: [r for r in done_runs if r["mixer"] == m and str(r["x"]) == str(x)
+                    and r["lr"] == summary[m][str(x)]["best_lr"]] for m in mixers if str(x) in summary.get(m, {})}
         plot_curves(best, f"{stem}-curves-{i}.png", title=f"{args.task} {x}")
     print(json.dumps({m: {k: round(c["mean"], 4) for k, c in pts.items()} for m, pts in summary.items()}))
     if "average" in payload:

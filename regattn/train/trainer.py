@@ -7,9 +7,15 @@ The batch of step ``s`` is a function of ``(seed, s)`` alone: the training split
 epoch by a generator seeded from the seed and the epoch. So a run stopped after a checkpoint and
 resumed from it takes the same batches, and (on the same device) ends at the same parameters, as
 one that was never stopped.
+
+A step reads nothing back to the host (:class:`regattn.train.step.TrainStep`): batches have static
+shapes and are gathered on the device an epoch at a time (:mod:`regattn.train.batches`), loss and
+accuracy are summed on the device and read every ``log_every`` steps, a step whose loss or gradient
+norm is not finite is skipped on the device and counted, and ``compile`` compiles model and loss.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -17,14 +23,15 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from regattn.models.stack import build_model
-from regattn.tasks import IGNORE, Split, TaskData, make_task
+from regattn.tasks import Split, TaskData, make_task
+from regattn.train.batches import EpochBatches, static_examples
 from regattn.train.checkpoints import load_data
 from regattn.train.optim import apply_schedule, build_optimizer
 from regattn.train.progress import Progress
 from regattn.train.schedules import lr_factor, wd_factor
+from regattn.train.step import COMPILE_MODES, TrainStep, autocast, batch_loss
 
 
 @dataclass
@@ -42,7 +49,10 @@ class TrainConfig:
     seed (data and initialisation), device ("auto": CUDA when present), amp (bf16 autocast on CUDA);
     checkpoint (a path, written every checkpoint_every steps and at the end; resumed from when it exists);
     analyze_every: record the :mod:`regattn.analysis` diagnostics per layer on the first analyze_examples
-    test examples every that many steps, in ``history["analysis"]`` (COR during training, parallax Figure 4a).
+    test examples every that many steps, in ``history["analysis"]`` (COR during training, parallax Figure 4a);
+    log_every: read the training loss and accuracy back every that many steps (a row of ``history["train"]``:
+    the means over those steps); compile: "none", or a ``torch.compile`` mode ("default", "reduce-overhead")
+    for the model and the loss.
     """
     task: str = "mqar"
     task_options: dict = field(default_factory=dict)
@@ -74,6 +84,8 @@ class TrainConfig:
     analyze_every: int = 0
     analyze_examples: int = 4
     progress: bool = True
+    log_every: int = 100
+    compile: str = "none"
 
 
 def resolve_device(device: str) -> torch.device:
@@ -82,58 +94,18 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-class BatchOrder:
-    """The examples of each step: epoch ``e = step // (n // batch_size)`` is a permutation of the split
-    seeded by ``(seed, e)``; the permutation of the current epoch is kept. Indices are on the CPU."""
-
-    def __init__(self, n: int, batch_size: int, seed: int):
-        self.n, self.batch_size, self.seed = n, batch_size, seed
-        self.per_epoch = max(1, n // batch_size)
-        self.epoch, self.perm = None, None
-
-    def __call__(self, step: int) -> torch.Tensor:
-        epoch, i = divmod(step, self.per_epoch)
-        if epoch != self.epoch:
-            g = torch.Generator().manual_seed(self.seed * 1_000_003 + 7919 * epoch + 1)
-            self.epoch, self.perm = epoch, torch.randperm(self.n, generator=g)
-        return self.perm[i * self.batch_size: (i + 1) * self.batch_size]
-
-
-def loss_and_counts(model, kind: str, batch: Split) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Run ``model`` on a batch: ``(mean loss, correct or squared-error sum, count)``.
-
-    Token tasks: cross-entropy and accuracy over the labelled positions, whose logits alone are
-    computed (MQAR labels a few positions of a long sequence over an 8192-token vocabulary).
-    Regression: MSE (mean over the masked positions and output dims).
-    """
-    if kind == "regression":
-        err = ((model(batch.inputs).float() - batch.targets.float()) ** 2).mean(-1)[batch.mask]
-        return err.mean(), err.sum().detach(), torch.tensor(err.numel(), device=err.device)
-    labelled = batch.targets != IGNORE
-    logits = model(batch.inputs, select=labelled).float()
-    targets = batch.targets[labelled]
-    n = labelled.sum()
-    loss = F.cross_entropy(logits, targets, reduction="sum") / n.clamp_min(1)
-    correct = (logits.argmax(-1) == targets).sum()
-    return loss, correct.detach(), n
-
-
-def autocast(device: torch.device, amp: bool):
-    return torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp and device.type == "cuda")
-
-
 @torch.no_grad()
 def evaluate(model, data: TaskData, split: Split, *, batch_size: int = 256, amp: bool = True) -> dict:
     """Loss and accuracy (token tasks) or MSE (regression) over a whole split."""
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
+    examples = static_examples(split, data.kind)
     sums = torch.zeros(3, dtype=torch.float64, device=device)          # loss * count, metric, count
     for start in range(0, len(split), batch_size):
-        batch = split.batch(torch.arange(start, min(start + batch_size, len(split)),
-                                         device=split.inputs.device)).to(device)
+        batch = examples[start:start + batch_size].map(lambda x: x.to(device))
         with autocast(device, amp):
-            loss, metric, n = loss_and_counts(model, data.kind, batch)
+            loss, metric, n = batch_loss(model, data.kind, *batch.tensors().values())
         sums += torch.stack([loss.double() * n, metric.double(), n.double()])
     model.train(was_training)
     loss_sum, metric_sum, count = sums.tolist()
@@ -159,7 +131,7 @@ def build(config: TrainConfig, data: TaskData | None = None):
     model = build_model(data, config.mixer, dim=config.dim, layers=config.layers, heads=config.heads,
                         mlp=config.mlp, mixer_options=dict(config.mixer_options)).to(device)
     opt = build_optimizer(model, config.optimizer, lr=config.lr, weight_decay=config.weight_decay,
-                          betas=tuple(config.betas))
+                          betas=tuple(config.betas), fused=True)
     return data, model, opt
 
 
@@ -183,13 +155,19 @@ def config_from_checkpoint(state: dict) -> TrainConfig:
 
 
 def train(config: TrainConfig, *, data: TaskData | None = None, stop_at: int | None = None) -> dict:
-    """Run (or resume) training; returns the result: config, final and best evaluation, history.
+    """Run (or resume) training; returns the result: config, final and best evaluation, history, and
+    ``steps_per_second`` (optimizer steps per second from the first log point to the end, evaluations
+    left out: the first steps, which compile, are not counted; None with a single log point).
 
     stop_at: leave after that many steps in total (for a checkpoint to be resumed later).
-    A run whose training loss or gradient norm is not finite at some step stops at the next log point
-    (``result["diverged"]``); that step's update is dropped (:func:`drop_nonfinite_update`), so the steps up
-    to the log point run on finite parameters.
+    A step whose training loss or gradient norm is not finite makes no update (``result["skipped_steps"]``
+    counts them); a run whose steps since the last log point were all skipped stops there
+    (``result["diverged"]``).
     """
+    if config.compile not in COMPILE_MODES:
+        raise ValueError(f"compile: expected one of {COMPILE_MODES}, got {config.compile!r}")
+    if config.log_every < 1:
+        raise ValueError(f"log_every: expected a value >= 1, got {config.log_every}")
     data, model, opt = build(config, data)
     device = next(model.parameters()).device
     history = {"train": [], "eval": []}
@@ -202,57 +180,68 @@ def train(config: TrainConfig, *, data: TaskData | None = None, stop_at: int | N
     total = total_steps(config, len(data.train))
     end = total if stop_at is None else min(stop_at, total)
     sched = dict(warmup=config.warmup, decay_start=config.decay_start)
-    order = BatchOrder(len(data.train), config.batch_size, config.seed)
+    batches = EpochBatches(static_examples(data.train, data.kind), config.batch_size, config.seed, device)
+    train_step = TrainStep(model, data.kind, opt, clip=config.clip, amp=config.amp, compile=config.compile)
     log = TrainLog(history, "mse" if data.kind == "regression" else "accuracy",
                    Progress(total, start=step, enabled=config.progress, label=f"{config.task}/{config.mixer}"))
-    started = time.time()
+    started, clock = time.time(), Throughput()
     diverged = False
     model.train()
     while step < end:
-        apply_schedule(opt, lr_factor(config.schedule, step, total, **sched),
-                       wd_factor(config.schedule, step, total, gamma=config.wda_gamma, **sched))
-        batch = data.train.batch(order(step).to(data.train.inputs.device)).to(device)
-        with autocast(device, config.amp):
-            loss, metric, n = loss_and_counts(model, data.kind, batch)
-        opt.zero_grad()
-        loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.clip if config.clip > 0 else math.inf)
-        drop_nonfinite_update(model, grad_norm)
-        opt.step()
+        lr_scale = lr_factor(config.schedule, step, total, **sched)
+        apply_schedule(opt, lr_scale, wd_factor(config.schedule, step, total, gamma=config.wda_gamma, **sched))
+        train_step(batches(step))
         step += 1
-        log.add(step, opt.param_groups[0]["lr"], loss.detach(), metric / n.clamp_min(1), grad_norm)
-        if (config.eval_every and step % config.eval_every == 0) or step == total:
-            log.evaluation(step, evaluate(model, data, data.test, batch_size=config.eval_batch_size, amp=config.amp))
-        if config.analyze_every and (step % config.analyze_every == 0 or step == total):
-            history.setdefault("analysis", []).append(diagnose(model, data, config.analyze_examples, step))
         checkpoint_now = config.checkpoint and ((config.checkpoint_every and step % config.checkpoint_every == 0)
                                                 or step == end)
-        if checkpoint_now or step % LOG_EVERY == 0 or step == end:
-            if not log.flush():
+        if checkpoint_now or step % config.log_every == 0 or step == end:
+            stats = train_step.read()
+            clock.mark(step)
+            if not log.add(step, config.lr * lr_scale, stats):
                 diverged = True
                 break
-        if checkpoint_now:
-            save_checkpoint(config.checkpoint, config=config, model=model, optimizer=opt, step=step, history=history)
+        with clock.paused():
+            if (config.eval_every and step % config.eval_every == 0) or step == total:
+                log.evaluation(step, evaluate(model, data, data.test, batch_size=config.eval_batch_size, amp=config.amp))
+            if config.analyze_every and (step % config.analyze_every == 0 or step == total):
+                history.setdefault("analysis", []).append(diagnose(model, data, config.analyze_examples, step))
+            if checkpoint_now:
+                save_checkpoint(config.checkpoint, config=config, model=model, optimizer=opt, step=step,
+                                history=history)
     log.close()
     result = summarize(config, data, model, history, step, time.time() - started)
-    result["diverged"] = diverged
+    result.update(diverged=diverged, steps_per_second=clock.rate(),
+                  skipped_steps=sum(row.get("skipped", 0) for row in history["train"]))
     return result
 
 
-LOG_EVERY = 25
+class Throughput:
+    """Steps per second between the first and the last log point (each right after a host read, so the
+    device has caught up), less the time of evaluations and checkpoints in between."""
 
+    def __init__(self):
+        self.first = self.last = None                    # (step, time)
+        self.excluded = 0.0
 
-def drop_nonfinite_update(model, grad_norm: torch.Tensor) -> None:
-    """Zero every gradient when their norm is not finite (an overflowed backward), without a host sync.
+    def mark(self, step: int) -> None:
+        now = time.perf_counter()
+        if self.first is None:
+            self.first, self.excluded = (step, now), 0.0
+        self.last = (step, now)
 
-    The optimizer then steps on zeros, which leaves the parameters finite; the step's non-finite norm, read
-    back at the next log point, marks the run diverged. Without this, NaN parameters would reach the next
-    forward, where a mechanism that validates its inputs (LLA's ridge) raises before the log point.
-    """
-    bad = ~torch.isfinite(grad_norm)
-    for p in model.parameters():
-        if p.grad is not None:
-            p.grad.masked_fill_(bad, 0.0)
+    @contextlib.contextmanager
+    def paused(self):
+        began = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.first is not None:
+                self.excluded += time.perf_counter() - began
+
+    def rate(self) -> float | None:
+        if self.first is None or self.last[0] == self.first[0]:
+            return None
+        return (self.last[0] - self.first[0]) / max(1e-9, self.last[1] - self.first[1] - self.excluded)
 
 
 def diagnose(model, data: TaskData, examples: int, step: int) -> dict:
@@ -272,33 +261,27 @@ def total_steps(config: TrainConfig, num_train: int) -> int:
 
 
 class TrainLog:
-    """Per-step training rows kept as device tensors and read back every ``LOG_EVERY`` steps (one sync),
-    then appended to ``history["train"]`` and shown on the progress bar."""
+    """The rows of ``history["train"]``, one per log point (the means over the steps since the last one, the
+    learning rate at the log point, and the steps skipped), shown on the progress bar."""
 
     def __init__(self, history: dict, key: str, bar: Progress):
-        self.history, self.key, self.bar, self.pending = history, key, bar, []
+        self.history, self.key, self.bar = history, key, bar
 
-    def add(self, step: int, lr: float, loss, metric, grad_norm) -> None:
-        self.pending.append((step, lr, torch.stack([loss.float(), metric.float(), grad_norm.float()])))
+    def add(self, step: int, lr: float, stats: dict) -> bool:
+        """Append a row of :meth:`regattn.train.step.TrainStep.read`'s ``stats``; False when every step since
+        the last row was skipped."""
+        row = {"step": step, "loss": stats["loss"], self.key: stats["metric"], "grad_norm": stats["grad_norm"],
+               "lr": lr, "skipped": stats["skipped"]}
+        self.history["train"].append(row)
+        evals = self.history["eval"]
+        extra = {f"test_{self.key}": evals[-1][self.key]} if evals else {}
+        self.bar.update(step, loss=row["loss"], **{self.key: row[self.key]}, **extra)
+        return stats["skipped"] < stats["steps"]
 
     def evaluation(self, step: int, result: dict) -> None:
         self.history["eval"].append({"step": step, **result})
 
-    def flush(self) -> bool:
-        """Append the pending rows; False when one of them has a non-finite loss or gradient norm."""
-        if not self.pending:
-            return True
-        values = torch.stack([v for _, _, v in self.pending]).tolist()
-        for (step, lr, _), (loss, metric, grad_norm) in zip(self.pending, values):
-            self.history["train"].append({"step": step, "loss": loss, self.key: metric, "grad_norm": grad_norm, "lr": lr})
-        self.pending = []
-        row, evals = self.history["train"][-1], self.history["eval"]
-        extra = {f"test_{self.key}": evals[-1][self.key]} if evals else {}
-        self.bar.update(row["step"], loss=row["loss"], **{self.key: row[self.key]}, **extra)
-        return all(math.isfinite(loss) and math.isfinite(grad_norm) for loss, _, grad_norm in values)
-
     def close(self) -> None:
-        self.flush()
         self.bar.close()
 
 

@@ -85,12 +85,17 @@ def test_mixer_norms_keep_the_input_dtype(monkeypatch):
     assert RMSNorm(4)(x).dtype == torch.bfloat16
 
 
-def test_select_positions():
-    t = mqar(length=16, pairs=2, vocab_size=30, num_train=2, num_test=1)
+@pytest.mark.parametrize("task", ["mqar", "compression"])
+def test_select_positions(task):
+    t = mqar(length=16, pairs=2, vocab_size=30, num_train=2, num_test=1) if task == "mqar" else \
+        mad_task("compression", vocab_size=12, seq_len=8, num_train=2, num_test=1)
     model = build_model(t, "softmax", dim=16, heads=2)
-    select = t.train.targets != -100
+    T = t.train.inputs.shape[1]
+    select = torch.stack([torch.randperm(T)[:5] for _ in range(2)])           # any positions, in any order
     full = model(t.train.inputs)
-    assert torch.allclose(model(t.train.inputs, select=select), full[select], atol=1e-6)
+    picked = model(t.train.inputs, select=select)
+    assert picked.shape == (2, 5, full.shape[-1])
+    assert torch.allclose(picked, full.gather(1, select[..., None].expand(-1, -1, full.shape[-1])), atol=1e-6)
 
 
 def test_lla_mixer_solves_to_convergence():

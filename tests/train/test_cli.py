@@ -114,3 +114,52 @@ def test_sweep_varies_a_training_setting(tmp_path):
     runs = json.loads((out / "sweep-mqar.json").read_text())["runs"]
     assert [r["config"]["dim"] for r in runs] == [8, 16] and [r["x"] for r in runs] == [8, 16]
     assert runs[0]["parameters"] < runs[1]["parameters"]
+
+
+def test_compile_and_log_every_flags_reach_the_config():
+    parser = sweep.build_parser()
+    for mode in ("none", "default", "reduce-overhead"):
+        parsed = parser.parse_args(["mqar", "--mixers", "softmax", "--compile", mode, "--log-every", "7"])
+        config = cli.base_config(parsed)
+        assert config.compile == mode and config.log_every == 7
+    defaults = cli.base_config(parser.parse_args(["mqar", "--mixers", "softmax"]))
+    assert defaults.compile == "none" and defaults.log_every == 100
+
+
+def test_sweep_jobs_run_in_processes_like_one_at_a_time(tmp_path, capsys):
+    # a tiny version of a preset: the six MAD tasks, two processes
+    tiny = ["--preset", "parallax-mad", "--mixers", "softmax", "--lrs", "1e-2", "--epochs", "1",
+            "--batch-size", "8", "--set", "num_train=16", "--set", "num_test=8", "--dim", "16", "--quiet"]
+    assert sweep.main(tiny + ["--out", str(tmp_path / "one")]) == 0
+    assert sweep.main(tiny + ["--out", str(tmp_path / "two"), "--jobs", "2"]) == 0
+    assert "6 runs" in capsys.readouterr().out
+    one, two = (json.loads((tmp_path / d / "sweep-mad.json").read_text())["runs"] for d in ("one", "two"))
+    key = (lambda r: (r["x"], r["lr"]))
+    assert [key(r) for r in two] == [key(r) for r in one] and len(two) == 6           # the grid's order
+    for a, b in zip(one, two):
+        assert not b.get("error") and b["steps"] == a["steps"] == 2
+        assert abs(a["best"]["accuracy"] - b["best"]["accuracy"]) < 1e-3
+        assert abs(a["history"]["train"][-1]["loss"] - b["history"]["train"][-1]["loss"]) < 1e-3
+
+
+def test_failed_run_is_recorded_and_retried_on_resume(tmp_path, monkeypatch):
+    out = tmp_path / "f"
+    args = ["mqar", "--mixers", "softmax", "--lrs", "1e-3,1e-2", "--out", str(out)] + TINY
+    train = sweep.train
+
+    def fails_at_high_lr(config, **kw):
+        if config.lr == 1e-2:
+            raise RuntimeError("out of memory")
+        return train(config, **kw)
+
+    monkeypatch.setattr(sweep, "train", fails_at_high_lr)
+    assert sweep.main(args) == 0
+    payload = json.loads((out / "sweep-mqar.json").read_text())
+    failed = [r for r in payload["runs"] if r.get("error")]
+    assert len(failed) == 1 and failed[0]["lr"] == 1e-2 and "RuntimeError: out of memory" in failed[0]["error"]
+    assert payload["summary"]["softmax"]["default"]["per_lr"] == {"0.001": payload["runs"][0]["best"]["accuracy"]}
+    monkeypatch.setattr(sweep, "train", train)
+    assert sweep.main(args + ["--resume"]) == 0
+    runs = json.loads((out / "sweep-mqar.json").read_text())["runs"]
+    assert [r["lr"] for r in runs] == [1e-3, 1e-2] and not any(r.get("error") for r in runs)
+    assert runs[0] == payload["runs"][0]                                     # the finished run is kept

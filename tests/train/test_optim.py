@@ -2,7 +2,7 @@ import torch
 
 from regattn.models.stack import build_model
 from regattn.tasks import mqar
-from regattn.train.optim import apply_schedule, build_optimizer, parameter_roles
+from regattn.train.optim import BatchedMuon, apply_schedule, build_optimizer, parameter_roles
 
 
 def model():
@@ -67,3 +67,43 @@ def test_embeddings_anywhere_are_not_hidden():
     roles = {k: {id(p) for p in v} for k, v in parameter_roles(m).items()}
     assert roles["embed"] == {id(m.tokens.weight), id(m.lm_head.weight)}
     assert roles["hidden"] == {id(m.body.weight)} and roles["scalar"] == {id(m.body.bias)}
+
+
+def test_batched_muon_is_torch_muon():
+    shapes = [(16, 16), (24, 16), (16, 24), (16, 16), (24, 16)]
+    start = [torch.randn(s) for s in shapes]
+    ours = [p.clone().requires_grad_() for p in start]
+    theirs = [p.clone().requires_grad_() for p in start]
+    a = BatchedMuon(ours, lr=0.02, weight_decay=0.1)
+    b = torch.optim.Muon(theirs, lr=0.02, weight_decay=0.1, adjust_lr_fn="original")
+    for _ in range(3):
+        for p, q in zip(ours, theirs):
+            p.grad = torch.randn(p.shape)
+            q.grad = p.grad.clone()
+        a.step()
+        b.step()
+    for p, q, p0 in zip(ours, theirs, start):
+        assert (p - q).norm() <= 1e-2 * (q - p0).norm()
+        assert torch.allclose(a.state[p]["momentum_buffer"], b.state[q]["momentum_buffer"], rtol=1e-6, atol=1e-7)
+    loaded = BatchedMuon([p.clone().requires_grad_() for p in start], lr=0.02)
+    loaded.load_state_dict(b.state_dict())                       # torch.optim.Muon's state is its state
+    assert torch.equal(next(iter(loaded.state.values()))["momentum_buffer"], b.state[theirs[0]]["momentum_buffer"])
+
+
+def test_fused_optimizers_skip_on_found_inf():
+    m = model()
+    for name in ("adamw", "muon"):
+        opt = build_optimizer(m, name, lr=0.02, fused=True)
+        step(m, opt)
+        before = [p.detach().clone() for p in m.parameters()]
+        states = [{k: v.clone() for k, v in s.items()} for o in opt.optimizers for s in o.state.values()]
+        for p in m.parameters():
+            p.grad = torch.full_like(p, float("nan"))
+        opt.step(found_inf=torch.ones(()))
+        assert all(torch.equal(a, p) for a, p in zip(before, m.parameters())), name
+        after = [s for o in opt.optimizers for s in o.state.values()]
+        assert all(torch.equal(s[k], t[k]) for s, t in zip(states, after) for k in s), name
+        for p in m.parameters():
+            p.grad = torch.randn_like(p)
+        opt.step(found_inf=torch.zeros(()))
+        assert all(not torch.equal(a, p) for a, p in zip(before, m.parameters())), name

@@ -5,7 +5,7 @@ import torch
 
 from regattn.models.mixers import MIXERS
 from regattn.tasks import TASKS
-from regattn.train.trainer import BatchOrder, TrainConfig, train
+from regattn.train.trainer import TrainConfig, train
 
 TINY = {
     "icr": dict(length=8, segment=4, dim_x=4, dim_y=4, queries=2),
@@ -23,7 +23,7 @@ TINY = {
 def tiny(task="mqar", **kw):
     options = dict(TINY[task], num_train=16, num_test=4)
     base = dict(task=task, task_options=options, mixer="softmax", dim=16, heads=2, steps=2, batch_size=4,
-                progress=False, eval_batch_size=4)
+                progress=False, eval_batch_size=4, log_every=1)
     return TrainConfig(**{**base, **kw})
 
 
@@ -55,16 +55,6 @@ def test_learns_something():
     assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5
 
 
-def test_batches_are_a_function_of_seed_and_step():
-    a = BatchOrder(20, 6, 0)(4)
-    assert torch.equal(a, BatchOrder(20, 6, 0)(4)) and len(a) == 6
-    order = BatchOrder(20, 5, 1)
-    epoch = torch.cat([order(s) for s in range(4)])
-    assert sorted(epoch.tolist()) == list(range(20))              # one epoch visits every example once
-    assert not torch.equal(order(0), order(4))                     # the next epoch is another permutation
-    assert torch.equal(BatchOrder(20, 5, 1)(5), order(5))
-
-
 def test_fixed_seed_gives_identical_runs():
     a, b = train(tiny(steps=3)), train(tiny(steps=3))
     for p, q in zip(a["model"].parameters(), b["model"].parameters()):
@@ -75,7 +65,7 @@ def test_fixed_seed_gives_identical_runs():
 
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
 def test_resume_matches_uninterrupted(tmp_path, optimizer):
-    kw = dict(steps=6, optimizer=optimizer, wda_gamma=1.0, eval_every=2, mixer="parallax")
+    kw = dict(steps=6, optimizer=optimizer, wda_gamma=1.0, eval_every=2, mixer="parallax", log_every=3)
     whole = train(tiny(**kw))
     path = str(tmp_path / "ckpt.pt")
     first = train(tiny(checkpoint=path, **kw), stop_at=3)
@@ -109,29 +99,51 @@ def test_diagnostics_during_training():
     assert all(math.isfinite(layer["cor"]) for a in rows for layer in a["layers"])
 
 
-def test_divergence_stops_the_run(monkeypatch):
-    from regattn.train import trainer
-    monkeypatch.setattr(trainer, "LOG_EVERY", 4)
-    r = train(tiny(steps=60, lr=1e12, clip=0.0))
-    assert r["diverged"] and r["steps"] == 4 and r["final"] is None
+def test_divergence_stops_the_run():
+    # every step after the first overflows: its update is skipped, and the first log window with no update ends it
+    r = train(tiny(steps=60, lr=1e12, clip=0.0, log_every=4))
+    assert r["diverged"] and r["steps"] < 60 and r["final"] is None
+    last = r["history"]["train"][-1]
+    assert last["skipped"] == 4 and math.isnan(last["loss"]) and r["skipped_steps"] >= 4
+    assert all(bool(torch.isfinite(p).all()) for p in r["model"].parameters())
     assert not train(tiny())["diverged"]
 
 
-def test_nonfinite_gradient_marks_divergence_and_keeps_parameters_finite(monkeypatch):
-    # a backward that overflows at step 2: its update must not reach the parameters, or the next forward of a
-    # mechanism that validates its inputs (LLA's ridge must be finite and > 0) fails before the log point
-    from regattn.train import trainer
-    monkeypatch.setattr(trainer, "LOG_EVERY", 4)
+def test_nonfinite_step_is_skipped_and_counted(monkeypatch):
+    # a forward that overflows at step 2: its update must not reach the parameters (or the next forward of a
+    # mechanism that validates its inputs, LLA's ridge, fails); the run goes on and counts the skipped step
+    from regattn.train import step as step_module
     calls = []
 
-    def overflow_at_step_2(model, kind, batch):
-        loss, metric, n = loss_and_counts(model, kind, batch)
+    def overflow_at_step_2(*args):
+        loss, metric, n = batch_loss(*args)
         calls.append(1)
         return (loss * float("nan") if len(calls) == 2 else loss), metric, n
 
-    loss_and_counts = trainer.loss_and_counts
-    monkeypatch.setattr(trainer, "loss_and_counts", overflow_at_step_2)
-    r = train(tiny(mixer="lla", steps=8))
-    assert r["diverged"] and r["steps"] == 4 and r["final"] is None
-    assert not math.isfinite(r["history"]["train"][1]["grad_norm"])
+    batch_loss = step_module.batch_loss
+    monkeypatch.setattr(step_module, "batch_loss", overflow_at_step_2)
+    r = train(tiny(mixer="lla", steps=8, log_every=4, eval_batch_size=16))
+    assert not r["diverged"] and r["steps"] == 8 and r["skipped_steps"] == 1
+    assert [row["skipped"] for row in r["history"]["train"]] == [1, 0]
+    assert all(math.isfinite(row["loss"]) for row in r["history"]["train"])
     assert all(bool(torch.isfinite(p).all()) for p in r["model"].parameters())
+
+
+def test_log_every_sets_the_rows():
+    r = train(tiny(steps=10, log_every=4))
+    rows = r["history"]["train"]
+    assert [row["step"] for row in rows] == [4, 8, 10]
+    every = train(tiny(steps=10, log_every=1))["history"]["train"]
+    assert len(every) == 10
+    # a row holds the means over its window, the learning rate at its step
+    assert rows[0]["loss"] == pytest.approx(sum(row["loss"] for row in every[:4]) / 4, rel=1e-5)
+    assert rows[1]["accuracy"] == pytest.approx(sum(row["accuracy"] for row in every[4:8]) / 4, rel=1e-5)
+    assert rows[2]["lr"] == every[9]["lr"]
+    assert r["steps_per_second"] > 0 and train(tiny(steps=3, log_every=4))["steps_per_second"] is None
+
+
+def test_bad_trainer_options():
+    with pytest.raises(ValueError, match="compile"):
+        train(tiny(compile="max"))
+    with pytest.raises(ValueError, match="log_every"):
+        train(tiny(log_every=0))

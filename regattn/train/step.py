@@ -1,0 +1,96 @@
+"""One training step on the device, with no host read: loss and metric, backward, clipping, a guard that
+skips a non-finite update, and running sums that the trainer reads every ``log_every`` steps.
+
+    step = TrainStep(model, "tokens", optimizer, clip=1.0, amp=True, compile="default")
+    step(batch)                 # kernels only
+    stats = step.read()         # one host read: means since the last read, and the skipped steps
+
+The loss of a batch (:func:`batch_loss`) is computed at the batch's ``K`` selected positions
+(:mod:`regattn.train.batches`), so its shapes are static and ``compile`` ("default" or "reduce-overhead",
+``torch.compile``'s modes) compiles the model and the loss once for the run. The optimizer steps
+eagerly; the guard hands it ``found_inf`` (:meth:`regattn.train.optim.Optimizers.step`), which skips the
+update on the device when the loss or the gradient norm is not finite.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import torch.nn.functional as F
+
+from regattn.tasks import IGNORE
+from regattn.train.batches import Examples
+
+COMPILE_MODES = ("none", "default", "reduce-overhead")
+
+
+def autocast(device: torch.device, amp: bool):
+    return torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp and device.type == "cuda")
+
+
+def batch_loss(model, kind: str, inputs, select, targets, valid) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(mean loss, metric sum, count)`` over the valid selected positions of a batch.
+
+    Token tasks: cross-entropy, and the number of correct argmax predictions. Regression: MSE (mean over
+    positions and output dims), and the sum of the per-position squared errors.
+    """
+    out = model(inputs, select=select).float()
+    n = valid.sum()
+    if kind == "regression":
+        err = torch.where(valid, ((out - targets.float()) ** 2).mean(-1), 0.0).sum()
+        return err / n.clamp_min(1), err.detach(), n
+    loss = F.cross_entropy(out.flatten(0, -2), targets.flatten(), ignore_index=IGNORE, reduction="sum")
+    correct = ((out.argmax(-1) == targets) & valid).sum()
+    return loss / n.clamp_min(1), correct, n
+
+
+def forward_loss(model, kind: str, amp: bool, inputs, select, targets, valid):
+    with autocast(inputs.device, amp):
+        return batch_loss(model, kind, inputs, select, targets, valid)
+
+
+class TrainStep:
+    """``step(batch)`` runs one optimizer step on :class:`Examples` ``batch``; ``read()`` returns the means of
+    the loss, metric (accuracy, or MSE) and gradient norm over the finite steps since the last read, the
+    number of those steps, and of the skipped ones (non-finite loss or gradient norm: no update)."""
+
+    def __init__(self, model, kind: str, optimizer, *, clip: float, amp: bool = True, compile: str = "none"):
+        if compile not in COMPILE_MODES:
+            raise ValueError(f"compile: expected one of {COMPILE_MODES}, got {compile!r}")
+        self.optimizer, self.kind = optimizer, kind
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.max_norm = clip if clip > 0 else math.inf
+        loss = functools.partial(forward_loss, model, kind, amp)
+        self.graphs = compile == "reduce-overhead" and self.params[0].is_cuda
+        self.loss = loss if compile == "none" else torch.compile(
+            loss, mode=None if compile == "default" else compile, dynamic=False)
+        device = self.params[0].device
+        self.totals = torch.zeros(3, device=device)     # loss, metric, grad norm summed over the finite steps
+        self.skipped = torch.zeros((), device=device)
+        self.steps = 0
+
+    def __call__(self, batch: Examples) -> None:
+        if self.graphs:
+            torch.compiler.cudagraph_mark_step_begin()
+        loss, metric, n = self.loss(batch.inputs, batch.select, batch.targets, batch.valid)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_norm, foreach=True)
+        bad = ~(torch.isfinite(loss) & torch.isfinite(norm))
+        self.optimizer.step(found_inf=bad.float())
+        values = torch.stack([loss.detach(), metric / n.clamp_min(1), norm]).float()
+        self.totals += torch.where(bad, 0.0, values)
+        self.skipped += bad
+        self.steps += 1
+
+    def read(self) -> dict:
+        """The sums since the last read as means (one host read), and zero them."""
+        loss, metric, norm, skipped = torch.cat([self.totals, self.skipped[None]]).tolist()
+        steps, skipped = self.steps, int(skipped)
+        self.totals.zero_()
+        self.skipped.zero_()
+        self.steps = 0
+        finite = steps - skipped
+        mean = (lambda total: total / finite if finite else math.nan)
+        return dict(loss=mean(loss), metric=mean(metric), grad_norm=mean(norm), steps=steps, skipped=skipped)
