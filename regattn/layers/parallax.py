@@ -111,11 +111,15 @@ class Parallax(nn.Module):
         return self.o_proj(o.reshape(B, T, self.num_heads * self.head_dim))
 
     # ------------------------------------------------------------------------------------------ forward
-    def forward(self, x: torch.Tensor, *, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
-        """``x: [B, T, d_model]`` (``B == 1`` with packed ``cu_seqlens``) -> ``[B, T, d_model]``."""
+    def forward(self, x: torch.Tensor, *, cu_seqlens: torch.Tensor | None = None,
+                max_seqlen: int | None = None) -> torch.Tensor:
+        """``x: [B, T, d_model]`` (``B == 1`` with packed ``cu_seqlens``) -> ``[B, T, d_model]``.
+
+        ``max_seqlen``: the longest packed sequence, if known (then no offset is read on the host)."""
         check_layer_input(x, self.q_proj)
         q, rho, k, v = self.projections(x, 0, cu_seqlens)
-        o = parallax(q, rho, k, v, window=self.window, cu_seqlens=cu_seqlens, backend=self.backend)
+        o = parallax(q, rho, k, v, window=self.window, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+                     backend=self.backend)
         return self._output(o)
 
     # ------------------------------------------------------------------------------------------ generation
@@ -144,7 +148,8 @@ class Parallax(nn.Module):
         keys, values = torch.cat([cache.k, k], 1), torch.cat([cache.v, v], 1)
         if cache.start is None:
             o = parallax_decode(q, rho, keys, values, window=self.window, backend=self.backend)
-        else:
+        else:  # every row's length is at most the cache's: no length is read on the host
             real_k, real_v, lengths = ragged_cache(keys, values, cache.start)
-            o = parallax_decode(q, rho, real_k, real_v, cache_seqlens=lengths, window=self.window, backend=self.backend)
+            o = parallax_decode(q, rho, real_k, real_v, cache_seqlens=lengths, max_seqlen=real_k.shape[1],
+                                window=self.window, backend=self.backend)
         return self._output(o), self._keep(keys, values, cache.pos + x.shape[1], cache.start)

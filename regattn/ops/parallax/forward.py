@@ -12,7 +12,8 @@ import triton
 import triton.language as tl
 
 from regattn.ops.parallax.tiles import (
-    LOG2E, dot_precision, group_pad, head_block, interpreting, key_range, packed_rows, program_tile, visible,
+    LOG2E, dot_precision, group_pad, head_block, interpreting, key_range, packed_rows, program_tile, tile_config,
+    visible,
 )
 
 
@@ -110,9 +111,8 @@ def fwd_config(D: int, Dv: int, groups: int, dtype) -> dict:
     gp = group_pad(groups)
     if interpreting():
         return dict(BLOCK_M=max(16, gp), BLOCK_N=16, num_warps=4, num_stages=1)
-    big = max(D, Dv) > 128 or dtype == torch.float32
-    return dict(BLOCK_M=max(64 if big else 128, gp), BLOCK_N=32 if big else 64,
-                num_warps=4 if big else 8, num_stages=2 if big else 3)
+    cfg = tile_config(max(D, Dv), "fwd", dtype)
+    return dict(cfg, BLOCK_M=max(cfg["BLOCK_M"], gp))
 
 
 def parallax_fwd(q, r, k, v, *, causal: bool, window, scale: float, cu_seqlens=None, max_seqlen=None,
