@@ -86,10 +86,6 @@ class Parallax(nn.Module):
             nn.init.zeros_(self.r_norm.weight)
 
     # ------------------------------------------------------------------------------------------ pieces
-    def _rotate(self, x, offset: int, cu_seqlens=None):
-        """RoPE on ``x: [B, T, heads, D]`` from position ``offset`` (restarting at every packed sequence)."""
-        return self.rotary(x, offset, cu_seqlens=cu_seqlens)
-
     def projections(self, x, offset: int = 0, cu_seqlens=None):
         """``q, rho: [B, T, HQ, D]`` and ``k, v: [B, T, H, D]`` for tokens starting at position ``offset``."""
         B, T, _ = x.shape
@@ -98,10 +94,10 @@ class Parallax(nn.Module):
         k = self.k_norm(self.k_proj(x).view(B, T, H, D))
         v = self.v_proj(x).view(B, T, H, D)
         rho = self.r_norm(self.r_proj(x).view(B, T, HQ, D))
-        if self.rotary is not None:
-            q, k = self._rotate(q, offset, cu_seqlens), self._rotate(k, offset, cu_seqlens)
-            if self.rope_probe:
-                rho = self._rotate(rho, offset, cu_seqlens)
+        if self.rope_probe:  # one rotation of q, k and rho: cos and sin computed once
+            q, k, rho = self.rotary.rotate(q, k, rho, offset=offset, cu_seqlens=cu_seqlens)
+        elif self.rotary is not None:
+            q, k = self.rotary.rotate(q, k, offset=offset, cu_seqlens=cu_seqlens)
         if self.gate_proj is not None:
             rho = rho * torch.sigmoid(self.gate_proj(x))[..., None].to(rho.dtype)
         return q, rho, k, v

@@ -124,8 +124,8 @@ def parallax_fwd(q, r, k, v, *, causal: bool, window, scale: float, cu_seqlens=N
         cu_seqlens: int offsets ``[N + 1]`` with ``B == 1`` and ``S == T``; max_seqlen its largest length.
 
     Returns:
-        ``o, vbar: [B, T, HQ, Dv]`` (q's dtype) and the fp32 row statistics ``tbar``, ``m`` (running
-        maximum, base 2) and ``l`` (row sum ``d1``), each ``[B, HQ, T]``.
+        ``o, vbar: [B, T, HQ, Dv]`` (q's dtype) and ``stats: [3, B, HQ, T]`` (fp32), the row statistics
+        ``tbar``, ``m`` (running maximum, base 2) and ``l`` (row sum ``d1``) in one tensor.
     """
     B, T, HQ, D = q.shape
     S, H, Dv = k.shape[1], k.shape[2], v.shape[3]
@@ -152,4 +152,4 @@ def parallax_fwd(q, r, k, v, *, causal: bool, window, scale: float, cu_seqlens=N
         CAUSAL=causal, HAS_WINDOW=window is not None, VARLEN=cu_seqlens is not None,
         PRECISION=dot_precision(q.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
-    return o, vbar, tbar, m, l
+    return o, vbar, stats
