@@ -48,6 +48,9 @@ def check_decode(B, Tn, S, HQ, H, D, lens, *, window=None, dtype=BF16, device="c
     pytest.param(1, 1500, 8, 2, 128, FP16, None, None, id="causal-D128-GQA4-fp16"),
     pytest.param(1, 1024, 8, 8, 64, FP32, None, None, id="causal-D64-fp32"),
     pytest.param(1, 3000, 8, 2, 128, BF16, None, [0, 1000, 1001, 1001, 3000], id="varlen-D128-GQA4-bf16"),
+    pytest.param(2, 1500, 8, 4, 32, BF16, None, None, id="causal-D32-GQA2-bf16"),
+    pytest.param(1, 1200, 8, 2, 256, BF16, None, None, id="causal-D256-GQA4-bf16"),
+    pytest.param(1, 1000, 4, 4, 256, FP16, 300, None, id="window300-D256-fp16"),
 ])
 def test_prefill(B, T, HQ, H, D, dtype, window, cu_seqlens):
     check_prefill(B, T, HQ, H, D, dtype, window=window, cu_seqlens=cu_seqlens)
@@ -56,6 +59,9 @@ def test_prefill(B, T, HQ, H, D, dtype, window, cu_seqlens):
 @pytest.mark.parametrize("B,Tn,S,HQ,H,D,lens,window", [
     pytest.param(4, 1, 8192, 32, 8, 128, [8192, 1, 5000, 777], None, id="ragged-GQA-32-8"),
     pytest.param(2, 16, 4096, 32, 8, 128, [4096, 100], 1000, id="chunk16-window1000"),
+    pytest.param(3, 1, 3000, 16, 4, 32, [3000, 7, 1500], None, id="ragged-D32"),
+    pytest.param(2, 1, 3000, 16, 4, 64, [3000, 2999], None, id="ragged-D64"),
+    pytest.param(2, 4, 3000, 16, 4, 256, [3000, 1000], None, id="chunk4-D256"),
 ])
 def test_decode(B, Tn, S, HQ, H, D, lens, window):
     check_decode(B, Tn, S, HQ, H, D, lens, window=window)

@@ -64,6 +64,13 @@ def test_forward_backward_fp32(interpret, B, T, S, HQ, H, D, Dv, causal, window)
     _check(q, r, k, v, causal=causal, window=window)
 
 
+@pytest.mark.parametrize("D,Dv,window", [(32, 32, None), (64, 48, 9), (128, 128, None), (256, 256, 6)])
+def test_head_dims(interpret, D, Dv, window):
+    """Every head dim of the tile table, GQA and T not a tile multiple, forward and backward."""
+    q, r, k, v = _inputs(1, 19, 19, 4, 2, D, Dv, torch.float32)
+    _check(q, r, k, v, window=window)
+
+
 def test_forward_backward_fp16(interpret):
     q, r, k, v = _inputs(1, 33, 33, 4, 2, 16, 16, torch.float16)
     _check(q, r, k, v, window=12)

@@ -16,28 +16,27 @@ from regattn.ops._common.attention_tiles import (  # noqa: F401
 )
 
 
+def _row(fwd, dq, dk, decode, decode_chunk) -> dict[str, dict]:
+    """One head dim's settings from ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` (decode: no BLOCK_M)."""
+    names = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
+    row = {kind: dict(zip(names, cfg)) for kind, cfg in (("fwd", fwd), ("dq", dq), ("dk", dk))}
+    row.update({kind: dict(zip(names[1:], cfg)) for kind, cfg in (("decode", decode), ("decode_chunk", decode_chunk))})
+    return row
+
+
 # Launch settings of every Parallax kernel on a GPU, keyed by the padded head dim (the larger of D and Dv,
 # a power of two, 32 at least) and then by kernel: "fwd" (prefill forward), "dq" (the backward's row-tile
 # pass), "dk" (its column-tile pass), "decode" (one new token per query head) and "decode_chunk" (more rows).
 # BLOCK_M counts packed query rows and BLOCK_N keys; the decode's BLOCK_M comes from the new tokens. fp32
 # inputs take FP32_TILES. A benchmark may patch these dicts (see regattn.bench.suites.parallax).
 # Register use per entry on sm_90: `python -m regattn.bench.registers parallax`.
-_SMALL = dict(fwd=dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
-              dq=dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
-              dk=dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
-              decode=dict(BLOCK_N=128, num_warps=4, num_stages=3),
-              decode_chunk=dict(BLOCK_N=64, num_warps=4, num_stages=2))
 TILES: dict[int, dict[str, dict]] = {
-    32: _SMALL,
-    64: _SMALL,
+    32: _row(fwd=(128, 64, 8, 3), dq=(64, 64, 4, 2), dk=(64, 64, 4, 2), decode=(128, 4, 3), decode_chunk=(64, 4, 2)),
+    64: _row(fwd=(128, 64, 8, 3), dq=(64, 64, 4, 2), dk=(64, 64, 4, 2), decode=(128, 4, 3), decode_chunk=(64, 4, 2)),
     # H100, bf16, B=4 H=16 T=8192 D=128 causal: 64 x 64 with 4 warps was the fastest backward measured for
     # both passes (benchmarks/results/h100/parallax_check.json)
-    128: _SMALL,
-    256: dict(fwd=dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2),
-              dq=dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=2),
-              dk=dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=2),
-              decode=dict(BLOCK_N=64, num_warps=4, num_stages=2),
-              decode_chunk=dict(BLOCK_N=64, num_warps=4, num_stages=2)),
+    128: _row(fwd=(128, 64, 8, 3), dq=(64, 64, 4, 2), dk=(64, 64, 4, 2), decode=(128, 4, 3), decode_chunk=(64, 4, 2)),
+    256: _row(fwd=(64, 32, 4, 2), dq=(32, 32, 4, 2), dk=(32, 32, 4, 2), decode=(64, 4, 2), decode_chunk=(64, 4, 2)),
 }
 FP32_TILES: dict[str, dict] = dict(fwd=dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2),
                                    dq=dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=2),
