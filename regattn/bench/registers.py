@@ -5,8 +5,8 @@
 prints, for each kernel configuration of an op at its goal shape, what ``cuobjdump --dump-resource-usage``
 reports for the cubin compiled for sm_90: ``REG`` (registers per thread, 255 at most), ``STACK`` (bytes of
 stack frame per thread: spilled registers), ``LOCAL`` (local memory) and ``SHARED`` (bytes of shared
-memory the launch needs). A configuration with ``STACK > 0`` spills. ``--candidates`` screens the tile
-candidates of :data:`CANDIDATES` as well as the table's entry.
+memory the launch needs; an H100 has 227 KiB a block). A configuration with ``STACK > 0`` spills.
+``--candidates`` screens the tile candidates of :data:`CANDIDATES` as well as the table's entry.
 
 The launches are the ops' own: the op's Python wrapper runs on ``meta`` tensors with the launch of each
 kernel captured instead of run, then compiled with Triton's own specialisation of those arguments.
@@ -31,11 +31,15 @@ from triton.runtime.jit import JITFunction, create_function_from_signature
 SM90 = GPUTarget("cuda", 90, 32)
 KINDS = ("fwd", "dq", "dk", "decode")
 HEAD_DIMS = (32, 64, 128, 256)
-# Tile candidates screened with --candidates: (BLOCK_M, BLOCK_N, num_warps) x num_stages
-CANDIDATES = [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s)
-              for (m, n, w), s in itertools.product(
-                  [(32, 32, 4), (32, 64, 4), (64, 32, 4), (64, 64, 4), (64, 64, 8), (64, 128, 8), (128, 32, 8),
-                   (128, 64, 8), (128, 128, 8)], (1, 2, 3))]
+# Tile candidates screened with --candidates: (rows of a program, streamed tile, num_warps) x num_stages. A
+# program of fwd and dq holds BLOCK_M query rows and streams BLOCK_N keys; one of dk holds BLOCK_N keys and
+# streams BLOCK_M query rows.
+TILE_SHAPES = [(32, 32, 4), (32, 64, 4), (64, 16, 4), (64, 32, 4), (64, 64, 4), (64, 16, 8), (64, 32, 8),
+               (64, 64, 8), (128, 16, 8), (128, 32, 8), (128, 64, 8), (128, 128, 8)]
+CANDIDATES = {kind: [dict(zip(("BLOCK_N", "BLOCK_M") if kind == "dk" else ("BLOCK_M", "BLOCK_N"), (rows, streamed)),
+                          num_warps=w, num_stages=s)
+                     for (rows, streamed, w), s in itertools.product(TILE_SHAPES, (1, 2, 3))]
+              for kind in ("fwd", "dq", "dk")}
 DECODE_CANDIDATES = [dict(BLOCK_N=n, num_warps=w, num_stages=s)
                      for n, w, s in itertools.product((32, 64, 128), (4, 8), (2, 3))]
 
@@ -120,7 +124,7 @@ def parallax_rows(head_dims=HEAD_DIMS, kinds=KINDS, candidates=False):
     for D, kind in itertools.product(head_dims, kinds):
         configs = [None]
         if candidates:
-            configs += DECODE_CANDIDATES if kind == "decode" else CANDIDATES
+            configs += DECODE_CANDIDATES if kind == "decode" else CANDIDATES[kind]
         for config in configs:
             kernel, args, kwargs = parallax_launch(kind, D, config)
             try:

@@ -100,9 +100,27 @@ def decode_cases(shape, setup):
                                   graph=graph, **n)
 
 
-# Tile variants of the prefill kernels at D=128 for time_tile_variants: the table's entry first, then the
-# candidates that compile without spilling on sm_90 (python -m regattn.bench.registers parallax --candidates).
-TILE_VARIANTS = [{}]
+# Tile variants of the prefill kernels at D=128 for time_tile_variants: the table's entry first (all three
+# kernels spill on sm_90: fwd 88 bytes of stack, dq 872, dk 2008), then one kernel at a time changed to a
+# candidate that compiles without spilling (python -m regattn.bench.registers parallax --head-dims 128
+# --candidates), or to the least-spilling one where none is free (dk 32 x 32: 24 bytes), then together.
+_FWD = dict(BLOCK_M=128, BLOCK_N=32, num_warps=8, num_stages=3)   # REG 246, no stack
+_DQ = dict(BLOCK_M=128, BLOCK_N=32, num_warps=8, num_stages=2)    # REG 254, no stack
+_DK = dict(BLOCK_M=16, BLOCK_N=64, num_warps=8, num_stages=3)     # REG 255, no stack
+_DK_SMALL = dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=3)  # REG 255, 24 bytes of stack
+TILE_VARIANTS = [
+    {},
+    {"fwd": _FWD},
+    {"fwd": dict(_FWD, num_stages=2)},                             # REG 243
+    {"fwd": dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)},  # REG 254
+    {"dq": _DQ},
+    {"dq": dict(_DQ, num_stages=1)},                               # REG 250
+    {"dq": dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=2)},   # REG 228
+    {"dk": _DK},
+    {"dk": _DK_SMALL},
+    {"fwd": _FWD, "dq": _DQ, "dk": _DK},
+    {"fwd": _FWD, "dq": _DQ, "dk": _DK_SMALL},
+]
 
 
 def time_tile_variants(variants=None, *, shape=None, dtype=torch.bfloat16, device="cuda", rep_ms=100) -> list[dict]:
