@@ -41,11 +41,13 @@ class RotaryEmbedding(nn.Module):
         cos, sin = angles.cos(), angles.sin()
         return torch.cat((cos, cos), -1)[None, :, None, :], torch.cat((-sin, sin), -1)[None, :, None, :]
 
-    def rotate(self, *xs: torch.Tensor, offset: int = 0, cu_seqlens: torch.Tensor | None = None):
+    def rotate(self, *xs: torch.Tensor, offset: int = 0, cu_seqlens: torch.Tensor | None = None,
+               dtype: torch.dtype | None = None):
         """Rotate each of ``xs: [B, T, heads, D]`` (heads may differ; B and T shared) with one ``cos, sin``;
-        returns a tuple. Computed in fp32 (the promotion of ``x * cos``), returned in each ``x``'s dtype."""
+        returns a tuple. Computed in fp32 (the promotion of ``x * cos``), returned in ``dtype`` (default: each
+        ``x``'s own)."""
         cos, sin = self.cos_sin(xs[0].shape[1], offset, xs[0].device, cu_seqlens)
-        return tuple(_rotate(x, cos, sin) for x in xs)
+        return tuple(_rotate(x, cos, sin).to(dtype or x.dtype) for x in xs)
 
     def forward(self, x: torch.Tensor, offset: int = 0, *, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
         """Rotate ``x: [B, T, H, D]`` whose first token sits at position ``offset``; with packed sequences
@@ -55,4 +57,4 @@ class RotaryEmbedding(nn.Module):
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
-    return (x * cos + torch.cat((x2, x1), dim=-1) * sin).to(x.dtype)
+    return x * cos + torch.cat((x2, x1), dim=-1) * sin

@@ -96,3 +96,20 @@ def test_step_and_packed_forward_read_nothing_on_the_host(interpret):
         y = layer(packed, cu_seqlens=cu, max_seqlen=9)
     layer.backend = "torch"
     assert rel_err(y, layer(packed, cu_seqlens=cu)) < 1e-5
+
+
+@pytest.mark.parametrize("rope_probe", [True, False])
+def test_projections_under_autocast(rope_probe):
+    """Under bf16 autocast q, rho, k, v reach the op in one dtype, the projections', rounded once from the
+    fp32 norm and rotation."""
+    torch.manual_seed(0)
+    layer = Parallax(32, 4, num_kv_heads=2, head_dim=16, probe_gate=True, rope_probe=rope_probe)
+    x = torch.randn(2, 9, 32)
+    exact = layer.double().projections(x.double(), 3)
+    layer.float()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = layer.projections(x, 3)
+        y = layer(x)
+    assert all(t.dtype == torch.bfloat16 for t in got) and y.dtype == torch.bfloat16
+    for a, b in zip(got, exact):
+        assert rel_err(a, b) < 2e-2
