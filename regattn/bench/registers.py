@@ -29,6 +29,7 @@ from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import JITFunction, create_function_from_signature
 
 SM90 = GPUTarget("cuda", 90, 32)
+SM90_SHARED = 232448  # bytes of shared memory a block may use on an H100 (227 KiB)
 KINDS = ("fwd", "dq", "dk", "decode")
 HEAD_DIMS = (32, 64, 128, 256)
 # Tile candidates screened with --candidates: (rows of a program, streamed tile, num_warps) x num_stages. A
@@ -82,11 +83,13 @@ def resource_usage(compiled) -> dict:
     return usage
 
 
-def parallax_launch(kind: str, head_dim: int, config: dict | None = None, *, B=4, T=8192, HQ=16, H=16,
+def parallax_launch(kind: str, head_dim: int, config: dict | None = None, *, B=4, T=8192, HQ=None, H=None,
                     dtype=torch.bfloat16):
-    """The captured launch of the Parallax kernel ``kind`` (``fwd``, ``dq``, ``dk``, ``decode``) at a shape
-    (the goal shape by default; decode: one new token over a cache of T keys), with ``config`` overriding the
-    tile table's entry."""
+    """The captured launch of the Parallax kernel ``kind`` (``fwd``, ``dq``, ``dk``, ``decode``) at a shape,
+    with ``config`` overriding the tile table's entry. By default the goal shapes: prefill B=4 T=8192 with 16
+    heads; decode one new token of 32 query heads over 8 key/value heads and a cache of T keys."""
+    HQ = HQ or (32 if kind == "decode" else 16)
+    H = H or (8 if kind == "decode" else 16)
     from regattn.ops.parallax.backward import parallax_bwd
     from regattn.ops.parallax.decode import parallax_decode_fwd
     from regattn.ops.parallax.forward import parallax_fwd
@@ -150,7 +153,9 @@ def main(argv=None) -> int:
     print(" ".join(f"{c:>10}" for c in columns), " table")
     for row in OPS[args.op](args.head_dims, args.kinds, args.candidates):
         cells = [f"{row.get(c, '-'):>10}" for c in columns]
-        note = " *" if row["table"] else ""
+        note = " *" if row["table"] else "  "
+        if row.get("SHARED", 0) > SM90_SHARED:
+            note += " shared memory over 227 KiB: cannot launch on an H100"
         print(" ".join(cells), note, row.get("error", ""), flush=True)
     return 0
 
