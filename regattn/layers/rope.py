@@ -44,7 +44,7 @@ class RotaryEmbedding(nn.Module):
     def rotate(self, *xs: torch.Tensor, offset: int = 0, cu_seqlens: torch.Tensor | None = None,
                dtype: torch.dtype | None = None):
         """Rotate each of ``xs: [B, T, heads, D]`` (heads may differ; B and T shared) with one ``cos, sin``;
-        returns a tuple. Computed in fp32 (the promotion of ``x * cos``), returned in ``dtype`` (default: each
+        returns a tuple. Computed in fp32 at least (the promotion of ``x * cos``), returned in ``dtype`` (default: each
         ``x``'s own)."""
         cos, sin = self.cos_sin(xs[0].shape[1], offset, xs[0].device, cu_seqlens)
         return tuple(_rotate(x, cos, sin).to(dtype or x.dtype) for x in xs)

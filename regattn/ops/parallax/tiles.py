@@ -28,7 +28,8 @@ def _row(fwd, dq, dk, decode, decode_chunk) -> dict[str, dict]:
 # a power of two, 32 at least) and then by kernel: "fwd" (prefill forward), "dq" (the backward's row-tile
 # pass), "dk" (its column-tile pass), "decode" (one new token per query head) and "decode_chunk" (more rows).
 # BLOCK_M counts packed query rows and BLOCK_N keys; the decode's BLOCK_M comes from the new tokens. fp32
-# inputs take FP32_TILES. A benchmark may patch these dicts (see regattn.bench.suites.parallax).
+# inputs take FP32_TILES. A benchmark may patch these dicts (see regattn.bench.suites.parallax); the decode
+# settings are cached per shape, so a patch of them needs decode.decode_launch.cache_clear().
 # Register use per entry on sm_90: `python -m regattn.bench.registers parallax`.
 TILES: dict[int, dict[str, dict]] = {
     32: _row(fwd=(128, 64, 8, 3), dq=(64, 64, 4, 2), dk=(64, 64, 4, 2), decode=(128, 4, 3), decode_chunk=(64, 4, 2)),
