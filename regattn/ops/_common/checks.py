@@ -155,8 +155,9 @@ def check_cu_seqlens(cu_seqlens, batch: int, total: int, max_seqlen=None) -> tor
     """Packed variable length: ``cu_seqlens`` int32/int64, starts at 0, non-decreasing, ends at T, and B == 1.
 
     ``max_seqlen`` (as in flash-attn): the caller's bound on the longest sequence, an int in ``[1, T]``.
-    With it no value of ``cu_seqlens`` is read on the host (the caller vouches for the offsets, and the
-    kernels clamp them to ``[0, T]``); without it the offsets are checked where :func:`host_checks_allowed`.
+    With it no value of ``cu_seqlens`` is read on the host: the caller vouches for the offsets, as in
+    flash-attn (the Parallax kernels clamp them to ``[0, T]``). Without it the offsets are checked where
+    :func:`host_checks_allowed`.
     """
     if cu_seqlens is None:
         if max_seqlen is not None:
