@@ -191,3 +191,10 @@ def test_varlen_max_seqlen_reads_nothing_on_the_host(interpret):
         assert rel_err(a, b) < FP32_TOL
     with pytest.raises(ValueError, match="^max_seqlen: "):
         regattn.scan_attention(q, k, v, cu_seqlens=cu, max_seqlen=31, backend="triton")
+
+
+def test_unchecked_offsets_past_t_are_clamped(interpret):
+    q, k, v = _inputs(1, 20, 20, 2, 1, 16, 16)
+    bad, good = torch.tensor([0, 7, 45], dtype=torch.int32), torch.tensor([0, 7, 20], dtype=torch.int32)
+    o = regattn.scan_attention(q, k, v, causal=True, cu_seqlens=bad, max_seqlen=20, backend="triton")
+    assert torch.equal(o, regattn.scan_attention(q, k, v, causal=True, cu_seqlens=good, backend="triton"))

@@ -126,3 +126,11 @@ def test_varlen_max_seqlen_reads_nothing_on_the_host(interpret):
     want = _outputs(lambda *x: regattn.gatedfwa(*x, window=5, cu_seqlens=cu, backend="triton"), q, k, v, u, do)
     for a, b in zip(got, want):
         assert torch.equal(a, b)
+
+
+def test_unchecked_offsets_past_t_are_clamped(interpret):
+    q, k, v, _ = _inputs(1, 20, 20, 2, 1, 16, 16, torch.float32, False)
+    bad = torch.tensor([0, 7, 45], device=DEV, dtype=torch.int32)
+    good = torch.tensor([0, 7, 20], device=DEV, dtype=torch.int32)
+    o = regattn.softmax_attention(q, k, v, cu_seqlens=bad, max_seqlen=20, backend="triton")
+    assert torch.equal(o, regattn.softmax_attention(q, k, v, cu_seqlens=good, backend="triton"))

@@ -156,7 +156,7 @@ def check_cu_seqlens(cu_seqlens, batch: int, total: int, max_seqlen=None) -> tor
 
     ``max_seqlen`` (as in flash-attn): the caller's bound on the longest sequence, an int in ``[1, T]``.
     With it no value of ``cu_seqlens`` is read on the host: the caller vouches for the offsets, as in
-    flash-attn (the Parallax kernels clamp them to ``[0, T]``). Without it the offsets are checked where
+    flash-attn (the kernels clamp them to ``[0, T]``, so none reads outside the tensors). Without it the offsets are checked where
     :func:`host_checks_allowed`.
     """
     if cu_seqlens is None:

@@ -44,8 +44,8 @@ def _sequence(CU, b, T, S, VARLEN: tl.constexpr):
     Sb = S + b * 0
     if VARLEN:
         bat = b * 0
-        row0 = tl.load(CU + b).to(tl.int32)
-        Tb = tl.load(CU + b + 1).to(tl.int32) - row0
+        row0 = tl.minimum(tl.maximum(tl.load(CU + b).to(tl.int32), 0), T)  # unchecked offsets clamped to [0, T]
+        Tb = tl.minimum(tl.maximum(tl.load(CU + b + 1).to(tl.int32), row0), T) - row0
         Sb = Tb
     return bat, row0, Tb, Sb
 

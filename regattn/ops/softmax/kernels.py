@@ -28,9 +28,9 @@ from regattn.ops._common.checks import longest_sequence
 @triton.jit
 def _sequence(CU, n, T, S, VARLEN: tl.constexpr):
     """``(batch, first token, Tq, Sk)`` of sequence ``n``: a batch row, or a packed slice of row 0."""
-    if VARLEN:
-        bos = tl.load(CU + n).to(tl.int32)
-        eos = tl.load(CU + n + 1).to(tl.int32)
+    if VARLEN:  # offsets clamped to [0, T]: unchecked offsets read nothing outside the tensors
+        bos = tl.minimum(tl.maximum(tl.load(CU + n).to(tl.int32), 0), T)
+        eos = tl.minimum(tl.maximum(tl.load(CU + n + 1).to(tl.int32), bos), T)
         return 0, bos, eos - bos, eos - bos
     return n, 0, T, S
 
