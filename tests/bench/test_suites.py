@@ -67,3 +67,16 @@ def test_parallax_tile_variants_tiny(interpret):
         assert set(row["err"]) == {"o", "dq", "dr", "dk", "dv"} and max(row["err"].values()) < 1e-4
     with pytest.raises(ValueError, match="^variants: "):
         time_tile_variants([{"bwd": {}}], device="cpu")
+
+
+def test_parallax_tile_variants_are_table_entries():
+    """Every listed variant overrides fwd, dq or dk with launch settings a kernel takes."""
+    from regattn.bench.suites.parallax import TILE_VARIANTS
+    from regattn.ops.parallax.tiles import TILES
+    for head_dim, variants in TILE_VARIANTS.items():
+        assert head_dim in TILES and variants[0] == {}
+        for variant in variants[1:]:
+            assert variant and set(variant) <= {"fwd", "dq", "dk"}
+            for cfg in variant.values():
+                assert set(cfg) == {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"}
+                assert all(cfg[b] >= 16 and cfg[b] & (cfg[b] - 1) == 0 for b in ("BLOCK_M", "BLOCK_N"))

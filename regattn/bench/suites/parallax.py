@@ -100,27 +100,49 @@ def decode_cases(shape, setup):
                                   graph=graph, **n)
 
 
-# Tile variants of the prefill kernels at D=128 for time_tile_variants: the table's entry first (all three
-# kernels spill on sm_90: fwd 88 bytes of stack, dq 872, dk 2008), then one kernel at a time changed to a
-# candidate that compiles without spilling (python -m regattn.bench.registers parallax --head-dims 128
-# --candidates), or to the least-spilling one where none is free (dk 32 x 32: 24 bytes), then together.
-_FWD = dict(BLOCK_M=128, BLOCK_N=32, num_warps=8, num_stages=3)   # REG 246, no stack
-_DQ = dict(BLOCK_M=128, BLOCK_N=32, num_warps=8, num_stages=2)    # REG 254, no stack
-_DK = dict(BLOCK_M=16, BLOCK_N=64, num_warps=8, num_stages=3)     # REG 255, no stack
-_DK_SMALL = dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=3)  # REG 255, 24 bytes of stack
-TILE_VARIANTS = [
-    {},
-    {"fwd": _FWD},
-    {"fwd": dict(_FWD, num_stages=2)},                             # REG 243
-    {"fwd": dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)},  # REG 254
-    {"dq": _DQ},
-    {"dq": dict(_DQ, num_stages=1)},                               # REG 250
-    {"dq": dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=2)},   # REG 228
-    {"dk": _DK},
-    {"dk": _DK_SMALL},
-    {"fwd": _FWD, "dq": _DQ, "dk": _DK},
-    {"fwd": _FWD, "dq": _DQ, "dk": _DK_SMALL},
-]
+# Tile variants of the prefill kernels for time_tile_variants, per head dim: the table's entry first, then one
+# kernel at a time changed to a candidate that compiles without spilling on sm_90, or to the one that spills
+# least where none is free, then together. Registers per candidate: benchmarks/results/sm90-registers/parallax.txt
+# (python -m regattn.bench.registers parallax --head-dims D --candidates).
+def _tiles(m, n, warps, stages):
+    return dict(BLOCK_M=m, BLOCK_N=n, num_warps=warps, num_stages=stages)
+
+
+TILE_VARIANTS = {
+    # today's table spills in all three kernels (stack bytes: fwd 88, dq 872, dk 2008)
+    128: [
+        {},
+        {"fwd": _tiles(128, 32, 8, 3)},   # REG 246
+        {"fwd": _tiles(128, 32, 8, 2)},   # REG 243
+        {"fwd": _tiles(64, 64, 8, 1)},    # REG 255
+        {"dq": _tiles(128, 32, 8, 2)},    # REG 254
+        {"dq": _tiles(64, 32, 8, 3)},     # REG 250
+        {"dq": _tiles(32, 32, 4, 2)},     # REG 228
+        {"dk": _tiles(16, 64, 8, 3)},     # REG 255: 64 keys a program, 16 query rows a step; the only one free
+        {"dk": _tiles(32, 32, 4, 3)},     # 24 bytes of stack, the least of the others
+        {"fwd": _tiles(128, 32, 8, 3), "dq": _tiles(128, 32, 8, 2), "dk": _tiles(16, 64, 8, 3)},
+        {"fwd": _tiles(128, 32, 8, 3), "dq": _tiles(128, 32, 8, 2), "dk": _tiles(32, 32, 4, 3)},
+    ],
+    # today's dq spills 40 bytes, dk 584; fwd fits (REG 237)
+    64: [
+        {},
+        {"dq": _tiles(64, 64, 8, 2)},     # REG 238
+        {"dq": _tiles(128, 32, 8, 2)},    # REG 183
+        {"dk": _tiles(32, 64, 8, 2)},     # REG 240
+        {"dk": _tiles(32, 128, 8, 2)},    # REG 254
+        {"dk": _tiles(16, 64, 8, 3)},     # REG 173
+        {"dq": _tiles(64, 64, 8, 2), "dk": _tiles(32, 64, 8, 2)},
+        {"dq": _tiles(128, 32, 8, 2), "dk": _tiles(32, 128, 8, 2)},
+    ],
+    # every candidate spills in dq and dk (today's: fwd 1192, dq 200, dk 1016 bytes); fwd 32 x 32 fits
+    256: [
+        {},
+        {"fwd": _tiles(32, 32, 4, 1)},    # REG 253
+        {"dq": _tiles(64, 16, 8, 3)},     # 504 bytes
+        {"dk": _tiles(32, 32, 4, 3)},     # 992 bytes
+        {"fwd": _tiles(32, 32, 4, 1), "dk": _tiles(32, 32, 4, 3)},
+    ],
+}
 
 
 def time_tile_variants(variants=None, *, shape=None, dtype=torch.bfloat16, device="cuda", rep_ms=100) -> list[dict]:
@@ -132,7 +154,7 @@ def time_tile_variants(variants=None, *, shape=None, dtype=torch.bfloat16, devic
     each variant's output and gradients are checked against float64 on a slice, as the suite's rows are.
 
     Args:
-        variants: list of variants (default :data:`TILE_VARIANTS`).
+        variants: list of variants (default: :data:`TILE_VARIANTS` of the shape's head dim).
         shape: ``B, H, T, D`` and optionally ``HQ`` and ``window`` (default: the goal shape
             B=4 H=16 T=8192 D=128, causal).
 
@@ -141,17 +163,17 @@ def time_tile_variants(variants=None, *, shape=None, dtype=torch.bfloat16, devic
         (median ms), ``status`` (``"ok"`` or why a timing failed) and ``err`` (relative errors of o, dq, dr,
         dk and dv against float64).
 
-    On a GPU::
+    On a GPU (D=64 and D=256: ``time_tile_variants(shape=dict(D=64))``)::
 
         python -c "from regattn.bench.suites.parallax import time_tile_variants
         for row in time_tile_variants(): print(row)"
     """
-    variants = TILE_VARIANTS if variants is None else variants
+    shape = dict(PREFILL[0], **(shape or {}))
+    variants = TILE_VARIANTS.get(tiles.table_head_dim(shape["D"]), [{}]) if variants is None else variants
     for variant in variants:
         unknown = set(variant) - {"fwd", "dq", "dk"}
         if unknown:
             raise ValueError(f"variants: expected overrides of 'fwd', 'dq' or 'dk', got {sorted(unknown)}")
-    shape = dict(PREFILL[0], **(shape or {}))
     setup = Setup(dtype=dtype, device=device, backend="triton", rep_ms=rep_ms)
     B, H, T, D, w = shape["B"], shape["H"], shape["T"], shape["D"], shape.get("window")
     HQ = shape.get("HQ", H)
