@@ -1,4 +1,6 @@
 """Shared test helpers: relative error, fresh random inputs, the dtype-tied bounds."""
+import contextlib
+
 import torch
 
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 3e-2}
@@ -28,3 +30,31 @@ def randn(*shape, dtype=torch.float64, device="cpu", seed=None, scale=1.0, requi
         g.manual_seed(seed)
     x = (torch.randn(*shape, generator=g, dtype=torch.float64) * scale).to(device=device, dtype=dtype)
     return x.requires_grad_(requires_grad)
+
+
+_HOST_READS = ("item", "tolist", "numpy", "__int__", "__index__", "__float__", "__bool__")
+
+
+@contextlib.contextmanager
+def no_host_reads():
+    """Fails the test when code inside reads a tensor's value on the host (``.item()``, ``int(t)``,
+    ``bool(t)``, ``.tolist()``, ...), the reads that sync a GPU; on CUDA any synchronizing call is an
+    error as well (``torch.cuda.set_sync_debug_mode("error")``)."""
+    def refuse(name):
+        def read(self, *args, **kwargs):
+            raise AssertionError(f"a tensor was read on the host (Tensor.{name}) where no host read may happen")
+        return read
+
+    saved = {name: getattr(torch.Tensor, name) for name in _HOST_READS}
+    mode = torch.cuda.get_sync_debug_mode() if torch.cuda.is_available() else None
+    for name in _HOST_READS:
+        setattr(torch.Tensor, name, refuse(name))
+    if mode is not None:
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        for name, method in saved.items():
+            setattr(torch.Tensor, name, method)
+        if mode is not None:
+            torch.cuda.set_sync_debug_mode(mode)

@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from regattn.layers.checks import check_layer_input, check_options, head_layout
@@ -27,6 +28,11 @@ from regattn.layers.rope import RotaryEmbedding
 from regattn.layers.padding import attend_left_padded, ragged_cache, trimmed_start
 from regattn.ops._common.checks import check_window
 from regattn.ops.parallax.api import parallax, parallax_decode
+
+
+def _normalized(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+    """``norm(x)`` in its compute dtype (fp32 under autocast, x's otherwise), not cast back to x's."""
+    return F.rms_norm(x, norm.normalized_shape, norm.weight, norm.eps)
 
 
 @dataclass
@@ -86,24 +92,26 @@ class Parallax(nn.Module):
             nn.init.zeros_(self.r_norm.weight)
 
     # ------------------------------------------------------------------------------------------ pieces
-    def _rotate(self, x, offset: int, cu_seqlens=None):
-        """RoPE on ``x: [B, T, heads, D]`` from position ``offset`` (restarting at every packed sequence)."""
-        return self.rotary(x, offset, cu_seqlens=cu_seqlens)
-
     def projections(self, x, offset: int = 0, cu_seqlens=None):
-        """``q, rho: [B, T, HQ, D]`` and ``k, v: [B, T, H, D]`` for tokens starting at position ``offset``."""
+        """``q, rho: [B, T, HQ, D]`` and ``k, v: [B, T, H, D]`` for tokens starting at position ``offset``.
+
+        The norms stay in their compute dtype (fp32 under autocast) and the rotation rounds once to the
+        projections' dtype, so no tensor is cast down and up again on the way to the kernel."""
         B, T, _ = x.shape
         HQ, H, D = self.num_heads, self.num_kv_heads, self.head_dim
-        q = self.q_norm(self.q_proj(x).view(B, T, HQ, D))
-        k = self.k_norm(self.k_proj(x).view(B, T, H, D))
+        q = self.q_proj(x).view(B, T, HQ, D)
+        dtype = q.dtype
+        q = _normalized(self.q_norm, q)
+        k = _normalized(self.k_norm, self.k_proj(x).view(B, T, H, D))
         v = self.v_proj(x).view(B, T, H, D)
-        rho = self.r_norm(self.r_proj(x).view(B, T, HQ, D))
-        if self.rotary is not None:
-            q, k = self._rotate(q, offset, cu_seqlens), self._rotate(k, offset, cu_seqlens)
-            if self.rope_probe:
-                rho = self._rotate(rho, offset, cu_seqlens)
+        rho = _normalized(self.r_norm, self.r_proj(x).view(B, T, HQ, D))
+        if self.rope_probe:  # one rotation of q, k and rho: cos and sin computed once
+            q, k, rho = self.rotary.rotate(q, k, rho, offset=offset, cu_seqlens=cu_seqlens, dtype=dtype)
+        elif self.rotary is not None:
+            q, k = self.rotary.rotate(q, k, offset=offset, cu_seqlens=cu_seqlens, dtype=dtype)
+        q, k, rho = q.to(dtype), k.to(dtype), rho.to(dtype)  # no-ops after the rotation
         if self.gate_proj is not None:
-            rho = rho * torch.sigmoid(self.gate_proj(x))[..., None].to(rho.dtype)
+            rho = rho * torch.sigmoid(self.gate_proj(x))[..., None].to(dtype)
         return q, rho, k, v
 
     def _output(self, o):
@@ -111,11 +119,15 @@ class Parallax(nn.Module):
         return self.o_proj(o.reshape(B, T, self.num_heads * self.head_dim))
 
     # ------------------------------------------------------------------------------------------ forward
-    def forward(self, x: torch.Tensor, *, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
-        """``x: [B, T, d_model]`` (``B == 1`` with packed ``cu_seqlens``) -> ``[B, T, d_model]``."""
+    def forward(self, x: torch.Tensor, *, cu_seqlens: torch.Tensor | None = None,
+                max_seqlen: int | None = None) -> torch.Tensor:
+        """``x: [B, T, d_model]`` (``B == 1`` with packed ``cu_seqlens``) -> ``[B, T, d_model]``.
+
+        ``max_seqlen``: the longest packed sequence, if known (then no offset is read on the host)."""
         check_layer_input(x, self.q_proj)
         q, rho, k, v = self.projections(x, 0, cu_seqlens)
-        o = parallax(q, rho, k, v, window=self.window, cu_seqlens=cu_seqlens, backend=self.backend)
+        o = parallax(q, rho, k, v, window=self.window, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+                     backend=self.backend)
         return self._output(o)
 
     # ------------------------------------------------------------------------------------------ generation
@@ -144,7 +156,8 @@ class Parallax(nn.Module):
         keys, values = torch.cat([cache.k, k], 1), torch.cat([cache.v, v], 1)
         if cache.start is None:
             o = parallax_decode(q, rho, keys, values, window=self.window, backend=self.backend)
-        else:
+        else:  # every row's length is at most the cache's: no length is read on the host
             real_k, real_v, lengths = ragged_cache(keys, values, cache.start)
-            o = parallax_decode(q, rho, real_k, real_v, cache_seqlens=lengths, window=self.window, backend=self.backend)
+            o = parallax_decode(q, rho, real_k, real_v, cache_seqlens=lengths, max_seqlen=real_k.shape[1],
+                                window=self.window, backend=self.backend)
         return self._output(o), self._keep(keys, values, cache.pos + x.shape[1], cache.start)

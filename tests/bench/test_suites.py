@@ -5,6 +5,7 @@ import math
 import os
 
 import pytest
+import torch
 
 from regattn.bench import suites
 from regattn.cli import main
@@ -48,3 +49,34 @@ def test_suite_runs_tiny_on_cpu(name, tmp_path, capsys, interpret):
     assert all(len(r["err"]) > 1 for r in backward)  # the output and every gradient
     assert any(r["op"] == "reference" and r["status"] == "ok" for r in rows)
     assert plot.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_parallax_tile_variants_tiny(interpret):
+    """time_tile_variants: ms and errors per variant, the table restored afterwards (in the interpreter
+    the kernels take their small tiles, so this checks the plumbing, not the tiles)."""
+    from regattn.bench.suites.parallax import time_tile_variants
+    from regattn.ops.parallax.tiles import TILES
+    before = {key: {kind: dict(cfg) for kind, cfg in row.items()} for key, row in TILES.items()}
+    variants = [{}, {"dk": {"BLOCK_N": 32, "num_warps": 8}}]
+    rows = time_tile_variants(variants, shape=dict(B=1, H=2, T=40, D=16), dtype=torch.float32, device="cpu",
+                              rep_ms=1)
+    assert TILES == before
+    assert [row["tiles"]["dk"] for row in rows] == [before[32]["dk"], dict(before[32]["dk"], BLOCK_N=32, num_warps=8)]
+    for row in rows:
+        assert row["status"] == "ok" and row["fwd_ms"] > 0 and row["fwd+bwd_ms"] > 0
+        assert set(row["err"]) == {"o", "dq", "dr", "dk", "dv"} and max(row["err"].values()) < 1e-4
+    with pytest.raises(ValueError, match="^variants: "):
+        time_tile_variants([{"bwd": {}}], device="cpu")
+
+
+def test_parallax_tile_variants_are_table_entries():
+    """Every listed variant overrides fwd, dq or dk with launch settings a kernel takes."""
+    from regattn.bench.suites.parallax import TILE_VARIANTS
+    from regattn.ops.parallax.tiles import TILES
+    for head_dim, variants in TILE_VARIANTS.items():
+        assert head_dim in TILES and variants[0] == {}
+        for variant in variants[1:]:
+            assert variant and set(variant) <= {"fwd", "dq", "dk"}
+            for cfg in variant.values():
+                assert set(cfg) == {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"}
+                assert all(cfg[b] >= 16 and cfg[b] & (cfg[b] - 1) == 0 for b in ("BLOCK_M", "BLOCK_N"))

@@ -6,7 +6,7 @@ import torch
 import regattn
 from regattn.reference.parallax import parallax as parallax_ref
 from tests.gpu.rule import assert_within, leaves, outputs, segments
-from tests.helpers import randn
+from tests.helpers import randn, rel_err
 
 pytestmark = pytest.mark.gpu
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
@@ -48,6 +48,9 @@ def check_decode(B, Tn, S, HQ, H, D, lens, *, window=None, dtype=BF16, device="c
     pytest.param(1, 1500, 8, 2, 128, FP16, None, None, id="causal-D128-GQA4-fp16"),
     pytest.param(1, 1024, 8, 8, 64, FP32, None, None, id="causal-D64-fp32"),
     pytest.param(1, 3000, 8, 2, 128, BF16, None, [0, 1000, 1001, 1001, 3000], id="varlen-D128-GQA4-bf16"),
+    pytest.param(2, 1500, 8, 4, 32, BF16, None, None, id="causal-D32-GQA2-bf16"),
+    pytest.param(1, 1200, 8, 2, 256, BF16, None, None, id="causal-D256-GQA4-bf16"),
+    pytest.param(1, 1000, 4, 4, 256, FP16, 300, None, id="window300-D256-fp16"),
 ])
 def test_prefill(B, T, HQ, H, D, dtype, window, cu_seqlens):
     check_prefill(B, T, HQ, H, D, dtype, window=window, cu_seqlens=cu_seqlens)
@@ -56,6 +59,74 @@ def test_prefill(B, T, HQ, H, D, dtype, window, cu_seqlens):
 @pytest.mark.parametrize("B,Tn,S,HQ,H,D,lens,window", [
     pytest.param(4, 1, 8192, 32, 8, 128, [8192, 1, 5000, 777], None, id="ragged-GQA-32-8"),
     pytest.param(2, 16, 4096, 32, 8, 128, [4096, 100], 1000, id="chunk16-window1000"),
+    pytest.param(3, 1, 3000, 16, 4, 32, [3000, 7, 1500], None, id="ragged-D32"),
+    pytest.param(2, 1, 3000, 16, 4, 64, [3000, 2999], None, id="ragged-D64"),
+    pytest.param(2, 4, 3000, 16, 4, 256, [3000, 1000], None, id="chunk4-D256"),
 ])
 def test_decode(B, Tn, S, HQ, H, D, lens, window):
     check_decode(B, Tn, S, HQ, H, D, lens, window=window)
+
+
+def test_no_sync_with_max_seqlen():
+    """Packed forward+backward and a ragged decode given ``max_seqlen``: no device-to-host sync at all."""
+    from tests.helpers import no_host_reads
+    x = leaves(inputs(1, 3000, 3000, 16, 4, 128, BF16, "cuda"))
+    do = randn(1, 3000, 16, 128, dtype=BF16, device="cuda")
+    cu = torch.tensor([0, 1000, 1001, 3000], dtype=torch.int32, device="cuda")
+    q, r, k, v = inputs(4, 1, 8192, 32, 8, 128, BF16, "cuda")
+    lens = torch.tensor([8192, 1, 5000, 777], dtype=torch.int32, device="cuda")
+
+    def run():
+        o = regattn.parallax(*x, cu_seqlens=cu, max_seqlen=1999)
+        grads = torch.autograd.grad(o, x, do)
+        return [o, *grads], regattn.parallax_decode(q, r, k, v, cache_seqlens=lens, max_seqlen=8192)
+
+    eager = run()  # first calls compile the kernels
+    with no_host_reads():
+        got = run()
+    torch.cuda.synchronize()
+    for a, b in zip([*got[0], got[1]], [*eager[0], eager[1]]):
+        assert torch.equal(a, b)
+
+
+def test_decode_in_cuda_graph():
+    """Decode captured once in a CUDA graph and replayed on new tokens and lengths: the eager numbers."""
+    q, r, k, v = inputs(2, 1, 4096, 32, 8, 128, BF16, "cuda")
+    lens = torch.tensor([4096, 1234], dtype=torch.int32, device="cuda")
+    regattn.parallax_decode(q, r, k, v, cache_seqlens=lens, max_seqlen=4096)  # warm up: compile, buffers
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o = regattn.parallax_decode(q, r, k, v, cache_seqlens=lens, max_seqlen=4096)
+    for step in range(3):
+        q.copy_(randn(*q.shape, dtype=BF16, device="cuda"))
+        r.copy_(randn(*r.shape, dtype=BF16, device="cuda", scale=0.3))
+        lens.copy_(torch.tensor([4096 - step, 1 + 500 * step], dtype=torch.int32))
+        graph.replay()
+        assert torch.equal(o, regattn.parallax_decode(q, r, k, v, cache_seqlens=lens))
+
+
+def test_layer_compiles_fullgraph_forward_backward():
+    """torch.compile(fullgraph=True) of the layer's forward and backward: no graph break, no recompile
+    on new inputs of the same shape, the eager numbers."""
+    from torch._dynamo.utils import counters
+
+    from regattn.layers import Parallax
+    torch._dynamo.reset()
+    counters.clear()
+    layer = Parallax(512, 8, num_kv_heads=4, probe_gate=True).cuda().to(BF16)
+    compiled = torch.compile(layer, fullgraph=True)
+
+    def outputs(fn, x):
+        layer.zero_grad()
+        y = fn(x)
+        y.float().square().mean().backward()
+        return [y.detach()] + [p.grad.clone() for p in layer.parameters()]
+
+    for i in range(3):
+        x = randn(2, 1024, 512, dtype=BF16, device="cuda")
+        with torch._dynamo.config.patch(error_on_recompile=i > 0):
+            got = outputs(compiled, x)
+        for a, b in zip(got, outputs(layer, x)):
+            assert rel_err(a, b) < 2e-2
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    torch._dynamo.reset()

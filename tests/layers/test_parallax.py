@@ -4,7 +4,7 @@ import torch
 
 import regattn
 from regattn.layers import Parallax
-from tests.helpers import randn, rel_err
+from tests.helpers import no_host_reads, randn, rel_err
 
 
 def _layer(**kw):
@@ -75,3 +75,41 @@ def test_bad_arguments():
         Parallax(32, 4, window=0)
     with pytest.raises(ValueError, match="x"):
         _layer()(randn(2, 32, seed=5))
+
+
+def test_step_and_packed_forward_read_nothing_on_the_host(interpret):
+    """A decode step of a left-padded batch and a packed forward given ``max_seqlen``: no host read."""
+    torch.manual_seed(0)
+    layer = Parallax(32, 4, num_kv_heads=2, head_dim=16, backend="triton")
+    x = torch.randn(2, 7, 32)
+    start = torch.tensor([0, 3])
+    _, cache = layer.prefill(x[:, :6], start)
+    with no_host_reads():
+        y, _ = layer.step(x[:, 6:], cache)
+    layer.backend = "torch"
+    _, ref_cache = layer.prefill(x[:, :6], start)
+    assert rel_err(y, layer.step(x[:, 6:], ref_cache)[0]) < 1e-5
+    layer.backend = "triton"
+    cu = torch.tensor([0, 5, 14], dtype=torch.int32)
+    packed = x.reshape(1, 14, 32)
+    with no_host_reads():
+        y = layer(packed, cu_seqlens=cu, max_seqlen=9)
+    layer.backend = "torch"
+    assert rel_err(y, layer(packed, cu_seqlens=cu)) < 1e-5
+
+
+@pytest.mark.parametrize("rope_probe", [True, False])
+def test_projections_under_autocast(rope_probe):
+    """Under bf16 autocast q, rho, k, v reach the op in one dtype, the projections', rounded once from the
+    fp32 norm and rotation."""
+    torch.manual_seed(0)
+    layer = Parallax(32, 4, num_kv_heads=2, head_dim=16, probe_gate=True, rope_probe=rope_probe)
+    x = torch.randn(2, 9, 32)
+    exact = layer.double().projections(x.double(), 3)
+    layer.float()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = layer.projections(x, 3)
+        y = layer(x)
+    assert all(t.dtype == torch.bfloat16 for t in got) and y.dtype == torch.bfloat16
+    for a, b in zip(got, exact):
+        assert rel_err(a, b) < 2e-2

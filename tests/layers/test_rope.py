@@ -23,3 +23,27 @@ def test_bad_arguments():
         RotaryEmbedding(0)
     with pytest.raises(ValueError, match="^base: "):
         RotaryEmbedding(8, base=-1.0)
+
+
+def _rotated(x, positions, base):
+    """The rotation by hand in float64: pair ``(x_i, x_{i + D/2})`` turned by ``pos * base^(-2i/D)``."""
+    D = x.shape[-1]
+    angles = positions.double()[:, None] * base ** (-torch.arange(0, D, 2, dtype=torch.float64) / D)
+    c, s = angles.cos()[None, :, None], angles.sin()[None, :, None]
+    x1, x2 = x.double().chunk(2, -1)
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), -1)
+
+
+def test_rotate_several_tensors_at_once():
+    """One rotate call of tensors with different head counts and dtypes: each as rotated alone, in its dtype,
+    computed in fp32 (the error of the fp32 angles, then one rounding to the dtype)."""
+    rope = RotaryEmbedding(16, base=1e4)
+    a, b = randn(2, 9, 3, 16), randn(2, 9, 1, 16)
+    c = randn(2, 9, 3, 16, dtype=torch.bfloat16)
+    ra, rb, rc = rope.rotate(a, b, c, offset=5)
+    positions = torch.arange(5, 14)
+    for x, r in ((a, ra), (b, rb), (c, rc)):
+        assert r.dtype == x.dtype and r.shape == x.shape
+        assert torch.equal(r, rope(x, 5))
+        bound = 1e-6 if x.dtype == torch.float64 else 2 ** -8
+        assert rel_err(r, _rotated(x, positions, 1e4)) < bound

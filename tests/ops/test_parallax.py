@@ -8,7 +8,7 @@ import torch
 
 import regattn
 from regattn.reference.parallax import parallax as parallax_ref
-from tests.helpers import TOL, randn, rel_err
+from tests.helpers import TOL, no_host_reads, randn, rel_err
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -62,6 +62,13 @@ CASES = [  # B, T, S, HQ, H, D, Dv, causal, window
 def test_forward_backward_fp32(interpret, B, T, S, HQ, H, D, Dv, causal, window):
     q, r, k, v = _inputs(B, T, S, HQ, H, D, Dv, torch.float32)
     _check(q, r, k, v, causal=causal, window=window)
+
+
+@pytest.mark.parametrize("D,Dv,window", [(32, 32, None), (64, 48, 9), (128, 128, None), (256, 256, 6)])
+def test_head_dims(interpret, D, Dv, window):
+    """Every head dim of the tile table, GQA and T not a tile multiple, forward and backward."""
+    q, r, k, v = _inputs(1, 19, 19, 4, 2, D, Dv, torch.float32)
+    _check(q, r, k, v, window=window)
 
 
 def test_forward_backward_fp16(interpret):
@@ -189,3 +196,63 @@ def test_decode_gpu():
         ref = parallax_ref(q[b:b + 1].double(), r[b:b + 1].double(), k[b:b + 1, :n].double(), v[b:b + 1, :n].double())
         low = parallax_ref(q[b:b + 1], r[b:b + 1], k[b:b + 1, :n], v[b:b + 1, :n])
         assert rel_err(o[b:b + 1], ref) <= 2 * rel_err(low, ref) + 1e-3
+
+
+def test_max_seqlen_reads_nothing_on_the_host(interpret):
+    """With ``max_seqlen`` the packed forward and backward read no offset on the host; the same numbers."""
+    cu = torch.tensor([0, 9, 9, 10, 31], dtype=torch.int32, device=DEVICE)
+    q, r, k, v = [t.requires_grad_() for t in _inputs(1, 31, 31, 4, 2, 16, 16, torch.float32)]
+    do = randn(1, 31, 4, 16, device=DEVICE, dtype=torch.float32)
+    with no_host_reads():
+        o = regattn.parallax(q, r, k, v, window=6, cu_seqlens=cu, max_seqlen=21, backend="triton")
+        grads = torch.autograd.grad(o, (q, r, k, v), do)
+    x64 = [t.detach().double().requires_grad_() for t in (q, r, k, v)]
+    ref = parallax_ref(*x64, window=6, cu_seqlens=cu)
+    assert rel_err(o, ref) < 1e-5
+    for a, b in zip(grads, torch.autograd.grad(ref, x64, do.double())):
+        assert rel_err(a, b) < 1e-5
+    with pytest.raises(AssertionError, match="host"), no_host_reads():  # without it the offsets are read
+        regattn.parallax(q, r, k, v, cu_seqlens=cu, backend="triton")
+
+
+def test_bad_offsets_under_max_seqlen_stay_in_bounds(interpret):
+    """Unchecked offsets past T are clamped to it: the last sequence ends at T."""
+    q, r, k, v = _inputs(1, 20, 20, 2, 1, 16, 16, torch.float32)
+    bad = torch.tensor([0, 8, 50], dtype=torch.int32, device=DEVICE)
+    o = regattn.parallax(q, r, k, v, cu_seqlens=bad, max_seqlen=20, backend="triton")
+    good = torch.tensor([0, 8, 20], dtype=torch.int32, device=DEVICE)
+    assert rel_err(o, parallax_ref(q.double(), r.double(), k.double(), v.double(), cu_seqlens=good)) < 1e-5
+
+
+def test_bad_max_seqlen(interpret):
+    q, r, k, v = _inputs(1, 10, 10, 2, 1, 16, 16, torch.float32)
+    cu = torch.tensor([0, 4, 10], dtype=torch.int32)
+    for bad, error in ((0, ValueError), (11, ValueError), (4.0, TypeError), (True, TypeError)):
+        with pytest.raises(error, match="^max_seqlen: "):
+            regattn.parallax(q, r, k, v, cu_seqlens=cu, max_seqlen=bad, backend="triton")
+    with pytest.raises(ValueError, match="^max_seqlen: "):
+        regattn.parallax(q, r, k, v, max_seqlen=10, backend="triton")
+    lens = torch.tensor([10], dtype=torch.int32)
+    for bad, error in ((0, ValueError), (11, ValueError), (3.0, TypeError)):
+        with pytest.raises(error, match="^max_seqlen: "):
+            regattn.parallax_decode(q[:, :1], r[:, :1], k, v, cache_seqlens=lens, max_seqlen=bad, backend="triton")
+    with pytest.raises(ValueError, match="^max_seqlen: "):
+        regattn.parallax_decode(q[:, :1], r[:, :1], k, v, max_seqlen=10, backend="triton")
+
+
+def test_decode_max_seqlen_reads_nothing_and_clamps(interpret):
+    """With ``max_seqlen`` the lengths are not read on the host; a length past the cache is clamped to it."""
+    from regattn.ops.parallax.decode import decode_launch
+    q, r, k, v = _inputs(3, 2, 40, 4, 2, 16, 16, torch.float32)
+    lens = torch.tensor([40, 2, 57], dtype=torch.int32, device=DEVICE)  # 57 > S: clamped to 40
+    regattn.parallax_decode(q, r, k, v, cache_seqlens=lens, max_seqlen=40, window=9, backend="triton")
+    hits = decode_launch.cache_info().hits
+    with no_host_reads():
+        o = regattn.parallax_decode(q, r, k, v, cache_seqlens=lens, max_seqlen=40, window=9, backend="triton")
+    assert decode_launch.cache_info().hits == hits + 1  # the launch settings of a shape are computed once
+    for b, n in enumerate((40, 2, 40)):
+        ref = parallax_ref(q[b:b + 1].double(), r[b:b + 1].double(), k[b:b + 1, :n].double(),
+                           v[b:b + 1, :n].double(), window=9)
+        assert rel_err(o[b:b + 1], ref) < 1e-5
+    with pytest.raises(AssertionError, match="host"), no_host_reads():  # without it the lengths are checked
+        regattn.parallax_decode(q, r, k, v, cache_seqlens=lens.clamp(max=40), backend="triton")

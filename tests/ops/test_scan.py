@@ -6,7 +6,7 @@ import regattn
 from regattn.ops.scan.api import partition_offsets
 from regattn.reference.elsa import scan_attention as scan_reference
 from regattn.reference.softmax import softmax_attention
-from tests.helpers import randn, rel_err
+from tests.helpers import no_host_reads, randn, rel_err
 
 FP32_TOL = 1e-5
 
@@ -175,3 +175,26 @@ def test_bad_input_shapes_and_dtypes(interpret):
         regattn.scan_attention(q, k, v, cu_seqlens=torch.tensor([0, 8]))
     with pytest.raises(TypeError, match="q"):
         regattn.scan_attention(*_qkv(torch.float64), backend="triton")
+
+
+def test_varlen_max_seqlen_reads_nothing_on_the_host(interpret):
+    cu = torch.tensor([0, 13, 13, 30], dtype=torch.int32)
+    q, k, v = _inputs(1, 30, 30, 2, 1, 16, 16)
+    do = randn(1, 30, 2, 16, dtype=torch.float32)
+    with no_host_reads():
+        o = regattn.scan_attention(q, k, v, causal=True, cu_seqlens=cu, max_seqlen=17, num_splits=2,
+                                   backend="triton")
+        grads = torch.autograd.grad(o, (q, k, v), do)
+    x = _double(q, k, v)
+    want = softmax_attention(*x, causal=True, cu_seqlens=cu)
+    for a, b in zip((o, *grads), (want, *torch.autograd.grad(want, x, do.double()))):
+        assert rel_err(a, b) < FP32_TOL
+    with pytest.raises(ValueError, match="^max_seqlen: "):
+        regattn.scan_attention(q, k, v, cu_seqlens=cu, max_seqlen=31, backend="triton")
+
+
+def test_unchecked_offsets_past_t_are_clamped(interpret):
+    q, k, v = _inputs(1, 20, 20, 2, 1, 16, 16)
+    bad, good = torch.tensor([0, 7, 45], dtype=torch.int32), torch.tensor([0, 7, 20], dtype=torch.int32)
+    o = regattn.scan_attention(q, k, v, causal=True, cu_seqlens=bad, max_seqlen=20, backend="triton")
+    assert torch.equal(o, regattn.scan_attention(q, k, v, causal=True, cu_seqlens=good, backend="triton"))

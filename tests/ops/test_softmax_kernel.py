@@ -4,7 +4,7 @@ import torch
 
 import regattn
 from regattn import reference
-from tests.helpers import randn, rel_err
+from tests.helpers import no_host_reads, randn, rel_err
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 # The reference run in fp16/bf16 without upcasting casts the gate u to that dtype and can be far off, so
@@ -116,3 +116,24 @@ def test_kernel_full_size_gpu(dtype, D):
     q, k, v, u = _inputs(2, 1000, 1000, 8, 2, D, D, dtype, True, device="cuda", u_rate=0.05)
     do = randn(2, 1000, 8, D, device="cuda", dtype=dtype)
     _compare(q, k, v, u, do, 1e-3 if dtype == torch.float32 else 2e-3, window=256)
+
+
+def test_varlen_max_seqlen_reads_nothing_on_the_host(interpret):
+    """GatedFWA on packed sequences given ``max_seqlen``: no offset read on the host, the same numbers."""
+    q, k, v, u = _inputs(1, 30, 30, 2, 1, 16, 16, torch.float32, True)
+    do = randn(1, 30, 2, 16, device=DEV, dtype=torch.float32)
+    cu = torch.tensor([0, 11, 11, 30], device=DEV, dtype=torch.int32)
+    with no_host_reads():
+        got = _outputs(lambda *x: regattn.gatedfwa(*x, window=5, cu_seqlens=cu, max_seqlen=19, backend="triton"),
+                       q, k, v, u, do)
+    want = _outputs(lambda *x: regattn.gatedfwa(*x, window=5, cu_seqlens=cu, backend="triton"), q, k, v, u, do)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+def test_unchecked_offsets_past_t_are_clamped(interpret):
+    q, k, v, _ = _inputs(1, 20, 20, 2, 1, 16, 16, torch.float32, False)
+    bad = torch.tensor([0, 7, 45], device=DEV, dtype=torch.int32)
+    good = torch.tensor([0, 7, 20], device=DEV, dtype=torch.int32)
+    o = regattn.softmax_attention(q, k, v, cu_seqlens=bad, max_seqlen=20, backend="triton")
+    assert torch.equal(o, regattn.softmax_attention(q, k, v, cu_seqlens=good, backend="triton"))

@@ -6,11 +6,17 @@ inside a CUDA graph: users call it both ways.
 """
 from __future__ import annotations
 
+import torch
+
 import regattn
 from regattn import reference
 from regattn.bench import counts, peers
 from regattn.bench.check import Check, Slice
-from regattn.bench.runner import build, for_mode, ours, randn, reference_case, sdpa_cases
+from regattn.bench.runner import (
+    Case, Setup, build, case_errors, for_mode, ours, randn, reference_case, sdpa_cases, timed,
+)
+from regattn.bench.timing import measure
+from regattn.ops.parallax import tiles
 
 NAME = "parallax"
 PEERS = ("sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "fla")
@@ -92,3 +98,105 @@ def decode_cases(shape, setup):
                                   graph=graph, **n)
         yield from reference_case(setup, "decode", lambda: reference.parallax(q, r, k, v), [], check=truth,
                                   graph=graph, **n)
+
+
+# Tile variants of the prefill kernels for time_tile_variants, per head dim: the table's entry first, then one
+# kernel at a time changed to a candidate that compiles without spilling on sm_90, or to the one that spills
+# least where none is free, then together. Registers per candidate: benchmarks/results/sm90-registers/parallax.txt
+# (python -m regattn.bench.registers parallax --head-dims D --candidates).
+def _tiles(m, n, warps, stages):
+    return dict(BLOCK_M=m, BLOCK_N=n, num_warps=warps, num_stages=stages)
+
+
+TILE_VARIANTS = {
+    # today's table spills in all three kernels (stack bytes: fwd 88, dq 872, dk 2008)
+    128: [
+        {},
+        {"fwd": _tiles(128, 32, 8, 3)},   # REG 246
+        {"fwd": _tiles(128, 32, 8, 2)},   # REG 243
+        {"fwd": _tiles(64, 64, 8, 1)},    # REG 255
+        {"dq": _tiles(128, 32, 8, 2)},    # REG 254
+        {"dq": _tiles(64, 32, 8, 3)},     # REG 250
+        {"dq": _tiles(32, 32, 4, 2)},     # REG 228
+        {"dk": _tiles(16, 64, 8, 3)},     # REG 255: 64 keys a program, 16 query rows a step; the only one free
+        {"dk": _tiles(32, 32, 4, 3)},     # 24 bytes of stack, the least of the others
+        {"fwd": _tiles(128, 32, 8, 3), "dq": _tiles(128, 32, 8, 2), "dk": _tiles(16, 64, 8, 3)},
+        {"fwd": _tiles(128, 32, 8, 3), "dq": _tiles(128, 32, 8, 2), "dk": _tiles(32, 32, 4, 3)},
+    ],
+    # today's dq spills 40 bytes, dk 584; fwd fits (REG 237)
+    64: [
+        {},
+        {"dq": _tiles(64, 64, 8, 2)},     # REG 238
+        {"dq": _tiles(128, 32, 8, 2)},    # REG 183
+        {"dk": _tiles(32, 64, 8, 2)},     # REG 240
+        {"dk": _tiles(32, 128, 8, 2)},    # REG 254
+        {"dk": _tiles(16, 64, 8, 3)},     # REG 173
+        {"dq": _tiles(64, 64, 8, 2), "dk": _tiles(32, 64, 8, 2)},
+        {"dq": _tiles(128, 32, 8, 2), "dk": _tiles(32, 128, 8, 2)},
+    ],
+    # every candidate spills in dq and dk (today's: fwd 1192, dq 200, dk 1016 bytes); fwd 32 x 32 fits
+    256: [
+        {},
+        {"fwd": _tiles(32, 32, 4, 1)},    # REG 253
+        {"dq": _tiles(64, 16, 8, 3)},     # 504 bytes
+        {"dk": _tiles(32, 32, 4, 3)},     # 992 bytes
+        {"fwd": _tiles(32, 32, 4, 1), "dk": _tiles(32, 32, 4, 3)},
+    ],
+}
+
+
+def time_tile_variants(variants=None, *, shape=None, dtype=torch.bfloat16, device="cuda", rep_ms=100) -> list[dict]:
+    """Time Parallax's forward and forward+backward with each tile variant, side by side in one process.
+
+    A variant overrides entries of the tile table (:data:`regattn.ops.parallax.tiles.TILES`) at the shape's
+    head dim: ``{"fwd": {...}, "dq": {...}, "dk": {...}}``, each merged over the table's settings of that
+    kernel (``{}`` is the table itself). The table is restored afterwards. The inputs are drawn once, and
+    each variant's output and gradients are checked against float64 on a slice, as the suite's rows are.
+
+    Args:
+        variants: list of variants (default: :data:`TILE_VARIANTS` of the shape's head dim).
+        shape: ``B, H, T, D`` and optionally ``HQ`` and ``window`` (default: the goal shape
+            B=4 H=16 T=8192 D=128, causal).
+
+    Returns:
+        One dict per variant: ``tiles`` (the settings of fwd, dq and dk used), ``fwd_ms`` and ``fwd+bwd_ms``
+        (median ms), ``status`` (``"ok"`` or why a timing failed) and ``err`` (relative errors of o, dq, dr,
+        dk and dv against float64).
+
+    On a GPU (D=64 and D=256: ``time_tile_variants(shape=dict(D=64))``)::
+
+        python -c "from regattn.bench.suites.parallax import time_tile_variants
+        for row in time_tile_variants(): print(row)"
+    """
+    shape = dict(PREFILL[0], **(shape or {}))
+    variants = TILE_VARIANTS.get(tiles.table_head_dim(shape["D"]), [{}]) if variants is None else variants
+    for variant in variants:
+        unknown = set(variant) - {"fwd", "dq", "dk"}
+        if unknown:
+            raise ValueError(f"variants: expected overrides of 'fwd', 'dq' or 'dk', got {sorted(unknown)}")
+    setup = Setup(dtype=dtype, device=device, backend="triton", rep_ms=rep_ms)
+    B, H, T, D, w = shape["B"], shape["H"], shape["T"], shape["D"], shape.get("window")
+    HQ = shape.get("HQ", H)
+    q, r = randn(setup, B, T, HQ, D, grad=True), randn(setup, B, T, HQ, D, grad=True, scale=0.1)
+    k, v = randn(setup, B, T, H, D, grad=True), randn(setup, B, T, H, D, grad=True)
+    leaves = [q, r, k, v]
+    truth = check("fwd+bwd", q, r, k, v, w)
+    key = tiles.table_head_dim(D)
+    table = tiles.TILES[key]
+    results = []
+    for variant in variants:
+        tiles.TILES[key] = {kind: dict(cfg, **variant.get(kind, {})) for kind, cfg in table.items()}
+        try:
+            def call():
+                return regattn.parallax(q, r, k, v, window=w, backend="triton")
+            row = dict(tiles={kind: tiles.TILES[key][kind] for kind in ("fwd", "dq", "dk")}, status="ok")
+            for mode in MODES:
+                m = measure(timed(call, leaves, mode), cuda=setup.cuda, rep_ms=rep_ms)
+                row[f"{mode}_ms"] = m.ms
+                if m.status != "ok":
+                    row["status"] = m.status
+            row["err"] = case_errors(Case("regattn:triton", call, leaves, check=truth), "fwd+bwd")
+        finally:
+            tiles.TILES[key] = table
+        results.append(row)
+    return results

@@ -5,6 +5,7 @@ expected and what came, before any kernel is launched.
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 from numbers import Real
@@ -150,10 +151,18 @@ def check_seqlens_device(name: str, seqlens, like: torch.Tensor, like_name: str 
         raise ValueError(f"{name}: expected device {like.device} (as {like_name}), got {seqlens.device}")
 
 
-def check_cu_seqlens(cu_seqlens, batch: int, total: int) -> torch.Tensor | None:
-    """Packed variable length: ``cu_seqlens`` int32/int64, starts at 0, non-decreasing, ends at T, and B == 1
-    (the offsets' values are checked where :func:`host_checks_allowed`)."""
+def check_cu_seqlens(cu_seqlens, batch: int, total: int, max_seqlen=None) -> torch.Tensor | None:
+    """Packed variable length: ``cu_seqlens`` int32/int64, starts at 0, non-decreasing, ends at T, and B == 1.
+
+    ``max_seqlen`` (as in flash-attn): the caller's bound on the longest sequence, an int in ``[1, T]``.
+    With it no value of ``cu_seqlens`` is read on the host: the caller vouches for the offsets, as in
+    flash-attn (the kernels clamp them to ``[0, T]``, so none reads outside the tensors). Without it the offsets are checked where
+    :func:`host_checks_allowed`.
+    """
     if cu_seqlens is None:
+        if max_seqlen is not None:
+            raise ValueError(f"max_seqlen: bounds packed sequences, expected None without cu_seqlens, "
+                             f"got {max_seqlen!r}")
         return None
     if not isinstance(cu_seqlens, torch.Tensor):
         raise TypeError(f"cu_seqlens: expected a torch.Tensor, got {type(cu_seqlens).__name__}")
@@ -163,12 +172,39 @@ def check_cu_seqlens(cu_seqlens, batch: int, total: int) -> torch.Tensor | None:
         raise ValueError(f"cu_seqlens: expected a 1-D tensor of at least 2 offsets, got shape {tuple(cu_seqlens.shape)}")
     if batch != 1:
         raise ValueError(f"cu_seqlens: packed sequences need batch size 1, got B = {batch}")
+    if max_seqlen is not None:
+        check_int("max_seqlen", max_seqlen, minimum=1)
+        if max_seqlen > total:
+            raise ValueError(f"max_seqlen: expected at most T = {total}, got {max_seqlen}")
+        return cu_seqlens
     if not host_checks_allowed():
         return cu_seqlens
     c = cu_seqlens.detach().cpu()
     if int(c[0]) != 0 or int(c[-1]) != total or bool((c[1:] < c[:-1]).any()):
         raise ValueError(f"cu_seqlens: expected non-decreasing offsets from 0 to T = {total}, got {c.tolist()}")
     return cu_seqlens
+
+
+def longest_sequence(cu_seqlens: torch.Tensor, max_seqlen: int | None) -> int:
+    """``max_seqlen`` when the caller gave it, else the longest packed sequence read from the device
+    (a host sync: hot paths pass ``max_seqlen``)."""
+    if max_seqlen is not None:
+        return max_seqlen
+    return int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (read once per device); 4 on the CPU, where kernels
+    run in the interpreter."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return 4
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def resolve_backend(backend, x: torch.Tensor, *, op: str, has_triton: bool) -> str:

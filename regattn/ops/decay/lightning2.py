@@ -24,7 +24,6 @@ segments chain as without it and the backward can pass the final state's gradien
 """
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
@@ -33,6 +32,7 @@ import triton
 import triton.language as tl
 
 from regattn.ops._common.attention_tiles import dot_precision, head_block, interpreting
+from regattn.ops._common.checks import sm_count
 from regattn.ops.decay.tiles import decay_into, decay_matrix, decay_out_of
 
 LOG2E = 1.4426950408889634
@@ -146,11 +146,6 @@ def lightning2_blocks(R: int, D: int, dtype: torch.dtype) -> dict:
     return cfg
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def plan_segments(B: int, H: int, T: int, n_dblocks: int, BT: int, device: torch.device, waves: int = 2) -> int:
     """Segment length (a multiple of ``BT``, or ``T`` for one segment): split the sequence when
     (batch*head*column blocks) alone would fill fewer than ``waves`` programs per SM (twice that when
@@ -160,7 +155,7 @@ def plan_segments(B: int, H: int, T: int, n_dblocks: int, BT: int, device: torch
     T=8192 0.29 / 0.28 / 0.27 ms; at B=16 one segment (no split) is fastest."""
     if interpreting() or device.type != "cuda":
         return T
-    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    sms = sm_count(device)
     programs = B * H * n_dblocks
     if programs < sms:
         waves *= 2

@@ -72,7 +72,7 @@ def gate_dispatch(h, beta, *, eps, scan="one_pass", backend="auto"):
     return reference.gatedfwa_gate(h, beta, eps=eps)
 
 
-def gatedfwa(q, k, v, u, *, window, scale=None, cu_seqlens=None, backend="auto"):
+def gatedfwa(q, k, v, u, *, window, scale=None, cu_seqlens=None, max_seqlen=None, backend="auto"):
     """GatedFWA attention (gatedfwa.md eq. 12): causal sliding-window softmax with gate bias.
 
     ``o_i = sum_{i-w < j <= i} softmax_j(scale * q_i.k_j + u_i - u_j) v_j``.
@@ -83,6 +83,7 @@ def gatedfwa(q, k, v, u, *, window, scale=None, cu_seqlens=None, backend="auto")
         window: ``w >= 1`` keys including the query's own; None for full causal attention.
         scale: defaults to ``D ** -0.5``.
         cu_seqlens: ``[N + 1]`` offsets of packed sequences (``B == 1``).
+        max_seqlen: the longest packed sequence; given, no device sync (see :func:`regattn.softmax_attention`).
         backend: ``"auto" | "torch" | "triton"`` (the kernel of :func:`regattn.softmax_attention`).
 
     Returns:
@@ -91,4 +92,4 @@ def gatedfwa(q, k, v, u, *, window, scale=None, cu_seqlens=None, backend="auto")
     if u is None:
         raise TypeError("u: expected a [B, T, HQ] tensor, got None")
     return gated_attention(q, k, v, causal=True, window=check_window(window), gate=u, scale=scale,
-                           cu_seqlens=cu_seqlens, backend=backend, gate_name="u")
+                           cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, backend=backend, gate_name="u")

@@ -5,10 +5,9 @@ import torch
 
 from regattn import reference
 from regattn.ops._common.checks import (
-    check_attention_inputs, check_cu_seqlens, check_same, check_scale, check_shape, check_tensor,
-    check_window, host_checks_allowed, resolve_backend,
+    check_attention_inputs, check_cu_seqlens, check_int, check_same, check_scale, check_seqlens_device, check_shape,
+    check_tensor, check_window, host_checks_allowed, longest_sequence, resolve_backend,
 )
-from regattn.ops._common.checks import check_seqlens_device
 
 HAS_TRITON = True
 
@@ -24,7 +23,8 @@ def _last_dim_contiguous(*xs):
     return [x if x.stride(-1) == 1 else x.contiguous() for x in xs]
 
 
-def parallax(q, r, k, v, *, causal=True, window=None, scale=None, cu_seqlens=None, backend="auto"):
+def parallax(q, r, k, v, *, causal=True, window=None, scale=None, cu_seqlens=None, max_seqlen=None,
+             backend="auto"):
     """Parallax attention (parallax.txt eq. 8 / 14).
 
     With ``p_ij = softmax_j(scale * q_i.k_j)`` over the visible keys and ``t_ij = r_i.k_j``
@@ -36,6 +36,8 @@ def parallax(q, r, k, v, *, causal=True, window=None, scale=None, cu_seqlens=Non
         q: ``[B, T, HQ, D]`` queries; r: ``[B, T, HQ, D]`` probes.
         k: ``[B, S, H, D]``; v: ``[B, S, H, Dv]`` (GQA when ``HQ % H == 0``).
         causal, window, scale, cu_seqlens: as in :func:`regattn.softmax_attention`.
+        max_seqlen: the longest packed sequence (an int bound, as in flash-attn). Given, nothing is read
+            from the device (no host sync); None reads it from ``cu_seqlens``.
         backend: ``"auto" | "torch" | "triton"``. ``"auto"`` runs the fused kernels on CUDA tensors in
             fp16/bf16/fp32 and the reference otherwise. The kernels are differentiable (Appendix D) and
             work under ``torch.compile``.
@@ -52,11 +54,9 @@ def parallax(q, r, k, v, *, causal=True, window=None, scale=None, cu_seqlens=Non
         raise ValueError("window: a sliding window needs causal=True")
     scale = check_scale(scale, D)
     check_seqlens_device("cu_seqlens", cu_seqlens, q)
-    check_cu_seqlens(cu_seqlens, B, T)
+    check_cu_seqlens(cu_seqlens, B, T, max_seqlen)
     if cu_seqlens is not None and S != T:
         raise ValueError(f"cu_seqlens: needs as many keys as queries, got T = {T} and S = {S}")
-    if cu_seqlens is not None and cu_seqlens.device != q.device:
-        raise ValueError(f"cu_seqlens: expected device {q.device} (as q), got {cu_seqlens.device}")
     if backend == "auto" and q.dtype not in _KERNEL_DTYPES:
         backend = "torch"
     backend = resolve_backend(backend, q, op="parallax", has_triton=HAS_TRITON)
@@ -64,16 +64,21 @@ def parallax(q, r, k, v, *, causal=True, window=None, scale=None, cu_seqlens=Non
         return reference.parallax(q, r, k, v, causal=causal, window=window, scale=scale, cu_seqlens=cu_seqlens)
     _check_kernel_dtype(q)
     from regattn.ops.parallax.function import parallax_triton
-    max_seqlen = 0 if cu_seqlens is None else int(cu_seqlens.diff().max())
+    max_seqlen = 0 if cu_seqlens is None else longest_sequence(cu_seqlens, max_seqlen)
     q, r, k, v = _last_dim_contiguous(q, r, k, v)
     return parallax_triton(q, r, k, v, causal=causal, window=window, scale=scale, cu_seqlens=cu_seqlens,
                            max_seqlen=max_seqlen)
 
 
-def _check_cache_seqlens(cache_seqlens, B: int, Tn: int, S: int, device) -> None:
-    """int32/int64 ``[B]`` on q's device with every length in ``[Tn, S]`` (values checked where
-    :func:`host_checks_allowed`)."""
+def _check_cache_seqlens(cache_seqlens, B: int, Tn: int, S: int, device, max_seqlen) -> None:
+    """int32/int64 ``[B]`` on q's device with every length in ``[Tn, S]``; ``max_seqlen`` an int in ``[Tn, S]``.
+
+    The lengths' values are read on the host only without ``max_seqlen`` and where :func:`host_checks_allowed`;
+    otherwise the caller vouches for them (the kernel clamps them to ``S``, so none reads past the cache).
+    """
     if cache_seqlens is None:
+        if max_seqlen is not None:
+            raise ValueError(f"max_seqlen: bounds cache_seqlens, expected None without them, got {max_seqlen!r}")
         return
     if not isinstance(cache_seqlens, torch.Tensor):
         raise TypeError(f"cache_seqlens: expected a torch.Tensor, got {type(cache_seqlens).__name__}")
@@ -83,6 +88,11 @@ def _check_cache_seqlens(cache_seqlens, B: int, Tn: int, S: int, device) -> None
         raise ValueError(f"cache_seqlens: expected shape [B] = ({B},), got {tuple(cache_seqlens.shape)}")
     if cache_seqlens.device != device:
         raise ValueError(f"cache_seqlens: expected device {device} (as q), got {cache_seqlens.device}")
+    if max_seqlen is not None:
+        check_int("max_seqlen", max_seqlen, minimum=Tn)
+        if max_seqlen > S:
+            raise ValueError(f"max_seqlen: expected at most the cache size S = {S}, got {max_seqlen}")
+        return
     if not host_checks_allowed():
         return  # no host sync in compiled or captured code; the caller vouches for the lengths
     lo, hi = torch.aminmax(cache_seqlens)
@@ -92,7 +102,8 @@ def _check_cache_seqlens(cache_seqlens, B: int, Tn: int, S: int, device) -> None
                          f"cache, and no length may exceed it), got min {lo} and max {hi}")
 
 
-def parallax_decode(q, r, k_cache, v_cache, *, cache_seqlens=None, window=None, scale=None, backend="auto"):
+def parallax_decode(q, r, k_cache, v_cache, *, cache_seqlens=None, max_seqlen=None, window=None, scale=None,
+                    backend="auto"):
     """Parallax for new tokens against a KV cache (parallax.txt Appendix C): decode and chunked prefill.
 
     The new tokens' keys and values must already be in the cache: new token ``t`` of ``Tn`` sits at
@@ -102,6 +113,9 @@ def parallax_decode(q, r, k_cache, v_cache, *, cache_seqlens=None, window=None, 
         q, r: ``[B, Tn, HQ, D]`` queries and probes of the new tokens (``Tn = 1`` for one decode step).
         k_cache: ``[B, S, H, D]``; v_cache: ``[B, S, H, Dv]`` (GQA when ``HQ % H == 0``).
         cache_seqlens: int32/int64 ``[B]``, valid length of each cache in ``[Tn, S]``; None means ``S``.
+        max_seqlen: an int bound on ``cache_seqlens`` in ``[Tn, S]`` (as in flash-attn). Given, the lengths
+            are not read on the host (no device sync per step; lengths past ``S`` are clamped to it) and the
+            K/V loop is split for ``max_seqlen`` keys. None checks the lengths on the host.
         window, scale: as in :func:`parallax`.
         backend: ``"auto" | "torch" | "triton"``.
 
@@ -131,7 +145,7 @@ def parallax_decode(q, r, k_cache, v_cache, *, cache_seqlens=None, window=None, 
     window = check_window(window)
     scale = check_scale(scale, D)
     check_seqlens_device("cache_seqlens", cache_seqlens, q)
-    _check_cache_seqlens(cache_seqlens, B, Tn, S, q.device)
+    _check_cache_seqlens(cache_seqlens, B, Tn, S, q.device, max_seqlen)
     if backend == "auto" and q.dtype not in _KERNEL_DTYPES:
         backend = "torch"
     backend = resolve_backend(backend, q, op="parallax_decode", has_triton=HAS_TRITON)
@@ -140,7 +154,8 @@ def parallax_decode(q, r, k_cache, v_cache, *, cache_seqlens=None, window=None, 
     _check_kernel_dtype(q)
     from regattn.ops.parallax.decode import parallax_decode_fwd
     q, r, k_cache, v_cache = _last_dim_contiguous(q, r, k_cache, v_cache)
-    return parallax_decode_fwd(q, r, k_cache, v_cache, cache_seqlens=cache_seqlens, window=window, scale=scale)
+    return parallax_decode_fwd(q, r, k_cache, v_cache, cache_seqlens=cache_seqlens, window=window, scale=scale,
+                               max_seqlen=max_seqlen)
 
 
 def _decode_reference(q, r, k_cache, v_cache, cache_seqlens, window, scale):

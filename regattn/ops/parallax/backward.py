@@ -18,7 +18,7 @@ import triton.language as tl
 
 from regattn.ops.parallax.tiles import (
     LOG2E, contained_dot, dot_precision, group_pad, head_block, interpreting, key_range, load_row_scalars, packed_rows,
-    program_tile, query_range, visible, visible_t,
+    program_tile, query_range, tile_config, visible, visible_t,
 )
 
 
@@ -222,11 +222,8 @@ def bwd_config(D: int, Dv: int, groups: int, dtype, kind: str) -> dict:
     gp = group_pad(groups)
     if interpreting():
         return dict(BLOCK_M=max(16, gp), BLOCK_N=16, num_warps=4, num_stages=1)
-    if max(D, Dv) > 128 or dtype == torch.float32:
-        return dict(BLOCK_M=max(32, gp), BLOCK_N=32, num_warps=4, num_stages=2)
-    # H100, bf16, B=4 H=16 T=8192 D=128 causal: 64 x 64 with 4 warps was the fastest setting measured for
-    # both passes (benchmarks/results/h100/parallax_check.json)
-    return dict(BLOCK_M=max(64, gp), BLOCK_N=64, num_warps=4, num_stages=2)
+    cfg = tile_config(max(D, Dv), kind, dtype)
+    return dict(cfg, BLOCK_M=max(cfg["BLOCK_M"], gp))
 
 
 def parallax_bwd(do, q, r, k, v, o, vbar, tbar, m, l, *, causal: bool, window, scale: float, cu_seqlens=None,

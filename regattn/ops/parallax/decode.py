@@ -12,12 +12,15 @@ Queries sit at the end of each sequence's valid cache: new token ``t`` of ``Tn``
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
+from regattn.ops._common.checks import sm_count
 from regattn.ops.parallax.tiles import (
-    LOG2E, contained_dot, dot_precision, group_pad, head_block, interpreting, visible,
+    LOG2E, contained_dot, dot_precision, group_pad, head_block, interpreting, tile_config, visible,
 )
 
 
@@ -70,8 +73,8 @@ def _parallax_decode_kernel(
     h = (pid // n_row_tiles) % H
     t0 = (pid % n_row_tiles) * BLOCK_T
     klen = S
-    if HAS_LENS:
-        klen = tl.load(LENS + b).to(tl.int32)
+    if HAS_LENS:  # clamped to the cache: a bad length reads no key past it
+        klen = tl.minimum(tl.maximum(tl.load(LENS + b).to(tl.int32), 0), S)
     off = klen - TN
 
     # stacked [Q; R] tile: row m < HALF is query row m, row m >= HALF is probe row m - HALF
@@ -178,21 +181,13 @@ def decode_config(Tn: int, D: int, Dv: int, groups: int, dtype) -> dict:
     half = max(8, min(triton.next_power_of_2(Tn * gp), 16), gp)
     if interpreting():
         return dict(BLOCK_M=2 * half, BLOCK_N=16, num_warps=4, num_stages=1)
-    if dtype == torch.float32:
-        return dict(BLOCK_M=2 * half, BLOCK_N=32, num_warps=4, num_stages=2)
-    wide = max(D, Dv) > 128
-    return dict(BLOCK_M=2 * half, BLOCK_N=64 if wide or half > 8 else 128, num_warps=4,
-                num_stages=2 if wide or half > 8 else 3)
+    return dict(BLOCK_M=2 * half, **tile_config(max(D, Dv), "decode_chunk" if half > 8 else "decode", dtype))
 
 
-def choose_splits(programs: int, key_tiles: int, device) -> int:
+def choose_splits(programs: int, key_tiles: int, sms: int) -> int:
     """Splits of the K/V loop: a power of two, at most 16, with about two programs per SM and at least two
     key tiles per split. On an H100 (B=1/8/64, 8 KV heads, 4k-32k keys) this picked the fastest of the
     split counts measured (benchmarks/results/h100/parallax_check.json)."""
-    if interpreting() or device.type != "cuda":
-        sms = 4
-    else:
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
     limit = min(2 * sms // max(programs, 1), key_tiles // 2, 16)
     n = 1
     while n * 2 <= limit:
@@ -200,24 +195,40 @@ def choose_splits(programs: int, key_tiles: int, device) -> int:
     return n
 
 
+@functools.lru_cache(maxsize=256)
+def decode_launch(B: int, Tn: int, HQ: int, H: int, D: int, Dv: int, keys: int, dtype, sms: int,
+                  interpret: bool) -> tuple[dict, int, int, int]:
+    """``(config, row tiles, programs, splits)`` of a decode shape over at most ``keys`` keys, computed once
+    per shape (``interpret`` keys the interpreter's small tiles)."""
+    G = HQ // H
+    cfg = decode_config(Tn, D, Dv, G, dtype)
+    n_row_tiles = triton.cdiv(Tn, cfg["BLOCK_M"] // 2 // group_pad(G))
+    programs = B * H * n_row_tiles
+    return cfg, n_row_tiles, programs, choose_splits(programs, triton.cdiv(keys, cfg["BLOCK_N"]), sms)
+
+
 def parallax_decode_fwd(q, r, k_cache, v_cache, *, cache_seqlens=None, window=None, scale: float,
-                        num_splits: int | None = None, config: dict | None = None):
+                        max_seqlen: int | None = None, num_splits: int | None = None, config: dict | None = None):
     """Run the decode kernel; ``o: [B, Tn, HQ, Dv]`` in q's dtype (no autograd).
 
     Args:
         q, r: ``[B, Tn, HQ, D]``; k_cache: ``[B, S, H, D]``; v_cache: ``[B, S, H, Dv]`` (last dims contiguous).
         cache_seqlens: int ``[B]`` valid cache lengths (each in ``[Tn, S]``) or None for ``S``.
+        max_seqlen: a bound on ``cache_seqlens`` (the K/V loop is split for that many keys); None means ``S``.
+        num_splits, config: override the split count and the tiles (for tuning).
     """
     B, Tn, HQ, D = q.shape
     S, H, Dv = k_cache.shape[1], k_cache.shape[2], v_cache.shape[3]
     G = HQ // H
     GP = group_pad(G)
-    cfg = dict(decode_config(Tn, D, Dv, G, q.dtype), **(config or {}))
+    cfg, n_row_tiles, programs, ns = decode_launch(B, Tn, HQ, H, D, Dv, max_seqlen or S, q.dtype,
+                                                   sm_count(q.device), interpreting())
+    if config:
+        cfg = dict(cfg, **config)
+        n_row_tiles = triton.cdiv(Tn, cfg["BLOCK_M"] // 2 // GP)
+        programs = B * H * n_row_tiles
+    ns = num_splits or ns
     half = cfg["BLOCK_M"] // 2
-    n_row_tiles = triton.cdiv(Tn, half // GP)
-    programs = B * H * n_row_tiles
-    key_tiles = triton.cdiv(S, cfg["BLOCK_N"])
-    ns = num_splits or choose_splits(programs, key_tiles, q.device)
     o = torch.empty(B, Tn, HQ, Dv, device=q.device, dtype=q.dtype)
     if ns > 1:
         ws_o = torch.empty(programs * ns * cfg["BLOCK_M"] * head_block(Dv), device=q.device, dtype=torch.float32)

@@ -12,7 +12,8 @@ import triton
 import triton.language as tl
 
 from regattn.ops.parallax.tiles import (
-    LOG2E, dot_precision, group_pad, head_block, interpreting, key_range, packed_rows, program_tile, visible,
+    LOG2E, dot_precision, group_pad, head_block, interpreting, key_range, packed_rows, program_tile, tile_config,
+    visible,
 )
 
 
@@ -110,9 +111,8 @@ def fwd_config(D: int, Dv: int, groups: int, dtype) -> dict:
     gp = group_pad(groups)
     if interpreting():
         return dict(BLOCK_M=max(16, gp), BLOCK_N=16, num_warps=4, num_stages=1)
-    big = max(D, Dv) > 128 or dtype == torch.float32
-    return dict(BLOCK_M=max(64 if big else 128, gp), BLOCK_N=32 if big else 64,
-                num_warps=4 if big else 8, num_stages=2 if big else 3)
+    cfg = tile_config(max(D, Dv), "fwd", dtype)
+    return dict(cfg, BLOCK_M=max(cfg["BLOCK_M"], gp))
 
 
 def parallax_fwd(q, r, k, v, *, causal: bool, window, scale: float, cu_seqlens=None, max_seqlen=None,
@@ -124,8 +124,8 @@ def parallax_fwd(q, r, k, v, *, causal: bool, window, scale: float, cu_seqlens=N
         cu_seqlens: int offsets ``[N + 1]`` with ``B == 1`` and ``S == T``; max_seqlen its largest length.
 
     Returns:
-        ``o, vbar: [B, T, HQ, Dv]`` (q's dtype) and the fp32 row statistics ``tbar``, ``m`` (running
-        maximum, base 2) and ``l`` (row sum ``d1``), each ``[B, HQ, T]``.
+        ``o, vbar: [B, T, HQ, Dv]`` (q's dtype) and ``stats: [3, B, HQ, T]`` (fp32), the row statistics
+        ``tbar``, ``m`` (running maximum, base 2) and ``l`` (row sum ``d1``) in one tensor.
     """
     B, T, HQ, D = q.shape
     S, H, Dv = k.shape[1], k.shape[2], v.shape[3]
@@ -152,4 +152,4 @@ def parallax_fwd(q, r, k, v, *, causal: bool, window, scale: float, cu_seqlens=N
         CAUSAL=causal, HAS_WINDOW=window is not None, VARLEN=cu_seqlens is not None,
         PRECISION=dot_precision(q.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
-    return o, vbar, tbar, m, l
+    return o, vbar, stats

@@ -23,9 +23,8 @@ def _window(window: int):
 @torch.library.custom_op("regattn::parallax_fwd", mutates_args=())
 def parallax_fwd_op(q: Tensor, r: Tensor, k: Tensor, v: Tensor, causal: bool, window: int, scale: float,
                     cu_seqlens: Optional[Tensor], max_seqlen: int) -> tuple[Tensor, Tensor, Tensor]:
-    o, vbar, tbar, m, l = parallax_fwd(q, r, k, v, causal=causal, window=_window(window), scale=scale,
-                                       cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
-    return o, vbar, torch.stack((tbar, m, l))
+    return parallax_fwd(q, r, k, v, causal=causal, window=_window(window), scale=scale, cu_seqlens=cu_seqlens,
+                        max_seqlen=max_seqlen)
 
 
 @parallax_fwd_op.register_fake

@@ -1,4 +1,4 @@
-"""Tile pieces the Parallax kernels share: packed GQA rows, visibility, tile ranges, block choice.
+"""Tile pieces the Parallax kernels share: packed GQA rows, visibility, tile ranges, and the tile table.
 
 Rows of a tile are (query position, query head) pairs of one key/value head: row ``m`` holds
 position ``t0 + m // GP`` and head ``h * G + m % GP``, where ``G = HQ // H`` and ``GP`` is ``G``
@@ -7,12 +7,56 @@ key/value head thus read each K/V tile once.
 """
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
 from regattn.ops._common.attention_tiles import (  # noqa: F401
     LOG2E, contained_dot, dot_precision, head_block, interpreting,
 )
+
+
+def _row(fwd, dq, dk, decode, decode_chunk) -> dict[str, dict]:
+    """One head dim's settings from ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` (decode: no BLOCK_M)."""
+    names = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
+    row = {kind: dict(zip(names, cfg)) for kind, cfg in (("fwd", fwd), ("dq", dq), ("dk", dk))}
+    row.update({kind: dict(zip(names[1:], cfg)) for kind, cfg in (("decode", decode), ("decode_chunk", decode_chunk))})
+    return row
+
+
+# Launch settings of every Parallax kernel on a GPU, keyed by the padded head dim (the larger of D and Dv,
+# a power of two, 32 at least) and then by kernel: "fwd" (prefill forward), "dq" (the backward's row-tile
+# pass), "dk" (its column-tile pass), "decode" (one new token per query head) and "decode_chunk" (more rows).
+# BLOCK_M counts packed query rows and BLOCK_N keys; the decode's BLOCK_M comes from the new tokens. fp32
+# inputs take FP32_TILES. A benchmark may patch these dicts (see regattn.bench.suites.parallax); the decode
+# settings are cached per shape, so a patch of them needs decode.decode_launch.cache_clear().
+# Register use per entry on sm_90: `python -m regattn.bench.registers parallax`.
+TILES: dict[int, dict[str, dict]] = {
+    32: _row(fwd=(128, 64, 8, 3), dq=(64, 64, 4, 2), dk=(64, 64, 4, 2), decode=(128, 4, 3), decode_chunk=(64, 4, 2)),
+    64: _row(fwd=(128, 64, 8, 3), dq=(64, 64, 4, 2), dk=(64, 64, 4, 2), decode=(128, 4, 3), decode_chunk=(64, 4, 2)),
+    # H100, bf16, B=4 H=16 T=8192 D=128 causal: 64 x 64 with 4 warps was the fastest backward measured for
+    # both passes (benchmarks/results/h100/parallax_check.json)
+    128: _row(fwd=(128, 64, 8, 3), dq=(64, 64, 4, 2), dk=(64, 64, 4, 2), decode=(128, 4, 3), decode_chunk=(64, 4, 2)),
+    256: _row(fwd=(64, 32, 4, 2), dq=(32, 32, 4, 2), dk=(32, 32, 4, 2), decode=(64, 4, 2), decode_chunk=(64, 4, 2)),
+}
+FP32_TILES: dict[str, dict] = dict(fwd=dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2),
+                                   dq=dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=2),
+                                   dk=dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=2),
+                                   decode=dict(BLOCK_N=32, num_warps=4, num_stages=2),
+                                   decode_chunk=dict(BLOCK_N=32, num_warps=4, num_stages=2))
+
+
+def table_head_dim(head_dim: int) -> int:
+    """The :data:`TILES` key of a head dim: its power-of-two padding, at least 32 (wider dims take the
+    widest row)."""
+    return min(max(32, triton.next_power_of_2(head_dim)), max(TILES))
+
+
+def tile_config(head_dim: int, kind: str, dtype=None) -> dict:
+    """A copy of the table's settings of ``kind`` for ``head_dim`` (the larger of D and Dv) and ``dtype``."""
+    if dtype == torch.float32:
+        return dict(FP32_TILES[kind])
+    return dict(TILES[table_head_dim(head_dim)][kind])
 
 
 def group_pad(groups: int) -> int:
@@ -89,9 +133,11 @@ def sequence_bounds(CU, seq, T, S, VARLEN: tl.constexpr):
     start = 0
     qlen = T
     klen = S
-    if VARLEN:
-        start = tl.load(CU + seq).to(tl.int64)  # 64-bit: start * stride may pass 2**31
-        qlen = (tl.load(CU + seq + 1) - tl.load(CU + seq)).to(tl.int32)
+    if VARLEN:  # offsets clamped to [0, T]: bad offsets read nothing outside the tensors
+        first = tl.minimum(tl.maximum(tl.load(CU + seq), 0), T)
+        last = tl.minimum(tl.maximum(tl.load(CU + seq + 1), first), T)
+        start = first.to(tl.int64)  # 64-bit: start * stride may pass 2**31
+        qlen = (last - first).to(tl.int32)
         klen = qlen
     return start, qlen, klen
 

@@ -14,7 +14,7 @@ PRECISIONS = ("ieee", "tf32x3", "tf32")
 
 
 def scan_attention(q, k, v, *, causal=False, scale=None, precision="ieee", window=None, partition=None,
-                   cu_seqlens=None, num_splits=None, backend="auto"):
+                   cu_seqlens=None, max_seqlen=None, num_splits=None, backend="auto"):
     """Softmax attention computed as a scan over the monoid ``(m, S, W)``.
 
     Each key contributes ``(s_j, 1, v_j)`` with ``s_j = scale * q.k_j``; two states merge by
@@ -37,6 +37,8 @@ def scan_attention(q, k, v, *, causal=False, scale=None, precision="ieee", windo
             attention with tokens flattened window by window. Needs ``T == S``; not with ``cu_seqlens``.
         cu_seqlens: ``[N + 1]`` int offsets of packed sequences (``B == 1``, ``T == S``), each
             attended on its own without padding.
+        max_seqlen: the longest packed sequence (an int bound, as in flash-attn); given, no offset is read
+            on the host (no device sync); None reads it from ``cu_seqlens``.
         num_splits: key slices per query tile, merged by a pairwise tree (a power of two, at most 64);
             None picks one from the GPU's size. Triton backend only.
         backend: ``"auto" | "torch" | "triton"``; float64 under ``"auto"`` runs the reference.
@@ -51,7 +53,7 @@ def scan_attention(q, k, v, *, causal=False, scale=None, precision="ieee", windo
     check_choice("precision", precision, PRECISIONS)
     window = check_window(window)
     check_seqlens_device("cu_seqlens", cu_seqlens, q)
-    cu_seqlens = check_cu_seqlens(cu_seqlens, B, T)
+    cu_seqlens = check_cu_seqlens(cu_seqlens, B, T, max_seqlen)
     if cu_seqlens is not None:
         _check_self_attention("cu_seqlens", T, S)
         if cu_seqlens.device != q.device:
@@ -72,7 +74,7 @@ def scan_attention(q, k, v, *, causal=False, scale=None, precision="ieee", windo
     if backend == "torch":
         return blocked_scan_attention(q, k, v, causal=causal, scale=scale, window=window,
                                       cu_seqlens=cu_seqlens)
-    return _ScanAttention.apply(q, k, v, causal, window, scale, precision, cu_seqlens, num_splits)
+    return _ScanAttention.apply(q, k, v, causal, window, scale, precision, cu_seqlens, num_splits, max_seqlen)
 
 
 def _check_self_attention(name: str, T: int, S: int) -> None:
@@ -92,7 +94,7 @@ def _partitioned(q, k, v, size, *, backend, **kwargs):
     B, T = q.shape[:2]
     cu = partition_offsets(B, T, size, q.device)
     flat = [x.reshape(1, B * T, *x.shape[2:]) for x in (q, k, v)]
-    o = scan_attention(*flat, cu_seqlens=cu, backend=backend, **kwargs)
+    o = scan_attention(*flat, cu_seqlens=cu, max_seqlen=min(size, T), backend=backend, **kwargs)
     return o.reshape(B, T, *o.shape[2:])
 
 
@@ -104,7 +106,7 @@ class _ScanAttention(torch.autograd.Function):
     """The Triton forward (with ``lse`` kept when a gradient is needed) and backward."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, window, scale, precision, cu_seqlens, num_splits):
+    def forward(ctx, q, k, v, causal, window, scale, precision, cu_seqlens, num_splits, max_seqlen):
         from regattn.ops.scan import kernels
 
         q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
@@ -114,10 +116,11 @@ class _ScanAttention(torch.autograd.Function):
                                              q.shape[1] // max(nseq, 1), q.device)
         need_lse = any(ctx.needs_input_grad[:3])
         o, lse = kernels.forward(q, k, v, causal=causal, window=window, scale=scale, precision=precision,
-                                 cu_seqlens=cu_seqlens, num_splits=num_splits, need_lse=need_lse)
+                                 cu_seqlens=cu_seqlens, num_splits=num_splits, need_lse=need_lse,
+                                 max_seqlen=max_seqlen)
         if need_lse:
             ctx.save_for_backward(q, k, v, o, lse, cu_seqlens)
-            ctx.args = dict(causal=causal, window=window, scale=scale, precision=precision)
+            ctx.args = dict(causal=causal, window=window, scale=scale, precision=precision, max_seqlen=max_seqlen)
         return o
 
     @staticmethod
@@ -126,4 +129,4 @@ class _ScanAttention(torch.autograd.Function):
 
         q, k, v, o, lse, cu_seqlens = ctx.saved_tensors
         dq, dk, dv = kernels.backward(do, q, k, v, o, lse, cu_seqlens=cu_seqlens, **ctx.args)
-        return dq, dk, dv, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None

@@ -30,6 +30,7 @@ from regattn.ops._common.attention_tiles import (
     LOG2E, contained_dot, full_key_span, head_block, interpreting, key_span, online_softmax_step, query_span,
     row_dot, softmax_finish, visible_mask,
 )
+from regattn.ops._common.checks import longest_sequence, sm_count
 
 
 # ----------------------------------------------------------------------------- shared tile pieces
@@ -43,8 +44,8 @@ def _sequence(CU, b, T, S, VARLEN: tl.constexpr):
     Sb = S + b * 0
     if VARLEN:
         bat = b * 0
-        row0 = tl.load(CU + b).to(tl.int32)
-        Tb = tl.load(CU + b + 1).to(tl.int32) - row0
+        row0 = tl.minimum(tl.maximum(tl.load(CU + b).to(tl.int32), 0), T)  # unchecked offsets clamped to [0, T]
+        Tb = tl.minimum(tl.maximum(tl.load(CU + b + 1).to(tl.int32), row0), T) - row0
         Sb = Tb
     return bat, row0, Tb, Sb
 
@@ -525,7 +526,7 @@ def auto_splits(batch_heads: int, T: int, device: torch.device) -> int:
     """Split the keys when too few query tiles would fill the GPU (power of two, at most 16)."""
     if interpreting() or device.type != "cuda":
         return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    sms = sm_count(device)
     tiles = batch_heads * triton.cdiv(T, 128)
     n = 1
     while tiles * n < 2 * sms and n < 16:
@@ -537,11 +538,11 @@ def _strides(x):
     return x.stride(0), x.stride(1), x.stride(2)
 
 
-def forward(q, k, v, *, causal, window, scale, precision, cu_seqlens, num_splits, need_lse):
+def forward(q, k, v, *, causal, window, scale, precision, cu_seqlens, num_splits, need_lse, max_seqlen=None):
     """``o [B, T, HQ, Dv]`` (q's dtype) and ``lse [B * HQ * T]`` (fp32, base 2) or None.
 
-    With ``cu_seqlens`` (``B == 1``) the programs run over sequences; ``num_splits`` key slices are
-    merged by the tree kernel.
+    With ``cu_seqlens`` (``B == 1``) the programs run over sequences (``max_seqlen``: the longest, read
+    from the device when None); ``num_splits`` key slices are merged by the tree kernel.
     """
     B, T, HQ, D = q.shape
     S, H, DV = k.shape[1], k.shape[2], v.shape[3]
@@ -552,7 +553,7 @@ def forward(q, k, v, *, causal, window, scale, precision, cu_seqlens, num_splits
     nseq = cu_seqlens.numel() - 1 if varlen else B
     rows = max_rows = T
     if varlen:
-        max_rows = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+        max_rows = longest_sequence(cu_seqlens, max_seqlen)
     cu = cu_seqlens if varlen else o
     ws_stride = B * HQ * T
     if num_splits > 1:
@@ -579,7 +580,7 @@ def forward(q, k, v, *, causal, window, scale, precision, cu_seqlens, num_splits
     return o, (lse if need_lse else None)
 
 
-def backward(do, q, k, v, o, lse, *, causal, window, scale, precision, cu_seqlens):
+def backward(do, q, k, v, o, lse, *, causal, window, scale, precision, cu_seqlens, max_seqlen=None):
     """``dq, dk, dv`` in the inputs' dtypes; ``dk, dv`` summed over each query-head group."""
     B, T, HQ, D = q.shape
     S, H, DV = k.shape[1], k.shape[2], v.shape[3]
@@ -593,7 +594,7 @@ def backward(do, q, k, v, o, lse, *, causal, window, scale, precision, cu_seqlen
     nseq = cu_seqlens.numel() - 1 if varlen else B
     max_t = max_s = None
     if varlen:
-        max_t = max_s = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+        max_t = max_s = longest_sequence(cu_seqlens, max_seqlen)
     cu = cu_seqlens if varlen else q
     prec = dot_precision(q.dtype, precision)
     bfam = "fp32" if q.dtype == torch.float32 else "half"

@@ -22,14 +22,15 @@ from regattn.ops._common.attention_tiles import (
     LOG2E, attention_blocks, dot_precision, full_key_span, head_block, key_span, online_softmax_step, query_span,
     row_dot, softmax_finish, tile_loop_bounds, visible_mask, visible_mask_t,
 )
+from regattn.ops._common.checks import longest_sequence
 
 
 @triton.jit
 def _sequence(CU, n, T, S, VARLEN: tl.constexpr):
     """``(batch, first token, Tq, Sk)`` of sequence ``n``: a batch row, or a packed slice of row 0."""
-    if VARLEN:
-        bos = tl.load(CU + n).to(tl.int32)
-        eos = tl.load(CU + n + 1).to(tl.int32)
+    if VARLEN:  # offsets clamped to [0, T]: unchecked offsets read nothing outside the tensors
+        bos = tl.minimum(tl.maximum(tl.load(CU + n).to(tl.int32), 0), T)
+        eos = tl.minimum(tl.maximum(tl.load(CU + n + 1).to(tl.int32), bos), T)
         return 0, bos, eos - bos, eos - bos
     return n, 0, T, S
 
@@ -322,11 +323,11 @@ def _strides3(x: torch.Tensor):
     return x.stride(0), x.stride(1), x.stride(2)
 
 
-def _grid_sizes(q, k, cu_seqlens):
+def _grid_sizes(q, k, cu_seqlens, max_seqlen):
     """``(number of sequences, longest query length, longest key length)``."""
     if cu_seqlens is None:
         return q.shape[0], q.shape[1], k.shape[1]
-    longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max().item())
+    longest = longest_sequence(cu_seqlens, max_seqlen)
     return cu_seqlens.numel() - 1, longest, longest
 
 
@@ -336,7 +337,7 @@ def _launch_flags(q, k, u, causal, window, cu_seqlens):
                 PRECISION=dot_precision(q.dtype))
 
 
-def attention_forward(q, k, v, u, *, causal, window, scale, cu_seqlens):
+def attention_forward(q, k, v, u, *, causal, window, scale, cu_seqlens, max_seqlen=None):
     """Returns ``(o: [B, T, HQ, Dv] in q's dtype, lse2: [B, T, HQ] fp32)`` (base-2 log-sum-exp)."""
     q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
     B, T, HQ, D = q.shape
@@ -345,7 +346,7 @@ def attention_forward(q, k, v, u, *, causal, window, scale, cu_seqlens):
     lse = torch.empty(B, T, HQ, device=q.device, dtype=torch.float32)
     u_arg = u if u is not None else lse
     cu = cu_seqlens if cu_seqlens is not None else lse
-    n_seq, t_max, _ = _grid_sizes(q, k, cu_seqlens)
+    n_seq, t_max, _ = _grid_sizes(q, k, cu_seqlens, max_seqlen)
     cfg = attention_blocks(D, q.dtype, "fwd")
     grid = (triton.cdiv(t_max, cfg["BLOCK_M"]), n_seq, HQ)
     _fwd_kernel[grid](q, k, v, u_arg, o, lse, cu, scale * LOG2E, T, S, D, DV,
@@ -355,7 +356,7 @@ def attention_forward(q, k, v, u, *, causal, window, scale, cu_seqlens):
     return o, lse
 
 
-def attention_backward(do, q, k, v, u, o, lse, *, causal, window, scale, cu_seqlens):
+def attention_backward(do, q, k, v, u, o, lse, *, causal, window, scale, cu_seqlens, max_seqlen=None):
     """Returns ``(dq, dk, dv, du)``; ``du`` is None without a gate, else fp32 ``[B, T, HQ]``."""
     do = do.contiguous()
     q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
@@ -367,7 +368,7 @@ def attention_backward(do, q, k, v, u, o, lse, *, causal, window, scale, cu_seql
     u_arg = u if u is not None else lse
     du_arg = du if du is not None else lse
     cu = cu_seqlens if cu_seqlens is not None else lse
-    n_seq, t_max, s_max = _grid_sizes(q, k, cu_seqlens)
+    n_seq, t_max, s_max = _grid_sizes(q, k, cu_seqlens, max_seqlen)
     flags = _launch_flags(q, k, u, causal, window, cu_seqlens)
     common = (*_strides3(q), *_strides3(k), *_strides3(v), *_strides3(u_arg), *_strides3(do), *_strides3(lse))
 
@@ -386,10 +387,11 @@ class FlashAttentionFunction(torch.autograd.Function):
     """Autograd wrapper: saves ``q, k, v, u, o`` and the log-sum-exp, nothing of size ``T x S``."""
 
     @staticmethod
-    def forward(ctx, q, k, v, u, causal, window, scale, cu_seqlens):
-        o, lse = attention_forward(q, k, v, u, causal=causal, window=window, scale=scale, cu_seqlens=cu_seqlens)
+    def forward(ctx, q, k, v, u, causal, window, scale, cu_seqlens, max_seqlen):
+        o, lse = attention_forward(q, k, v, u, causal=causal, window=window, scale=scale, cu_seqlens=cu_seqlens,
+                                   max_seqlen=max_seqlen)
         ctx.save_for_backward(q, k, v, u, o, lse, cu_seqlens)
-        ctx.options = dict(causal=causal, window=window, scale=scale)
+        ctx.options = dict(causal=causal, window=window, scale=scale, max_seqlen=max_seqlen)
         return o
 
     @staticmethod
@@ -398,9 +400,9 @@ class FlashAttentionFunction(torch.autograd.Function):
         dq, dk, dv, du = attention_backward(do, q, k, v, u, o, lse, cu_seqlens=cu_seqlens, **ctx.options)
         if du is not None:
             du = du.to(u.dtype)
-        return dq, dk, dv, du, None, None, None, None
+        return dq, dk, dv, du, None, None, None, None, None
 
 
-def flash_attention(q, k, v, u=None, *, causal=True, window=None, scale, cu_seqlens=None):
+def flash_attention(q, k, v, u=None, *, causal=True, window=None, scale, cu_seqlens=None, max_seqlen=None):
     """Fused attention; inputs as in :func:`regattn.softmax_attention` (already checked)."""
-    return FlashAttentionFunction.apply(q, k, v, u, causal, window, scale, cu_seqlens)
+    return FlashAttentionFunction.apply(q, k, v, u, causal, window, scale, cu_seqlens, max_seqlen)
