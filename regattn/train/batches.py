@@ -83,7 +83,7 @@ class EpochBatches:
         """All the batches of ``epoch``: ``[steps_per_epoch, B, ...]`` on the device."""
         index = epoch_permutation(len(self.examples), self.seed, epoch)[: self.steps_per_epoch * self.rows]
         pinned = self.device.type == "cuda"
-        if self.examples.inputs.device == self.device:
+        if self.examples.inputs.device.type == self.device.type:  # cuda:0 is the trainer's cuda
             picked = self.examples[to_device(index, self.device, pinned)]
         else:
             picked = self.examples[index].map(lambda x: to_device(x, self.device, pinned))

@@ -132,6 +132,8 @@ def _fwd_kernel(Q, K, V, U, O, LSE, CU, sm_scale2, T, S, D, DV,
                 VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                 BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr):
     """``o`` and the base-2 log-sum-exp of ``BLOCK_M`` queries of one query head."""
+    # float arguments come as fp64 when torch.compile launches the kernel: keep the arithmetic fp32
+    sm_scale2 = tl.cast(sm_scale2, tl.float32)
     b, bos, Tq, Sk, hq, hk, start_m = _query_program(CU, T, S, GROUP, VARLEN, BLOCK_M)
     if start_m >= Tq:
         return
@@ -203,6 +205,8 @@ def _bwd_kv_kernel(Q, K, V, U, DO, LSE, DELTA, DK, DV, DU, CU, sm_scale, sm_scal
                    BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr):
     """``dK, dV`` of ``BLOCK_N`` keys of one key/value head (its query heads summed in the program), and
     the key part of the gate gradient of each query head."""
+    # float arguments come as fp64 when torch.compile launches the kernel: keep the arithmetic fp32
+    sm_scale, sm_scale2 = tl.cast(sm_scale, tl.float32), tl.cast(sm_scale2, tl.float32)
     pid_n = tl.program_id(0)
     n = tl.program_id(1)
     hk = tl.program_id(2)
@@ -281,6 +285,8 @@ def _bwd_q_kernel(Q, K, V, U, DO, LSE, DELTA, DQ, DU, CU, sm_scale, sm_scale2, T
                   VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                   BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr):
     """``dQ`` of ``BLOCK_M`` queries of one query head, and the query part of the gate gradient."""
+    # float arguments come as fp64 when torch.compile launches the kernel: keep the arithmetic fp32
+    sm_scale, sm_scale2 = tl.cast(sm_scale, tl.float32), tl.cast(sm_scale2, tl.float32)
     b, bos, Tq, Sk, hq, hk, start_m = _query_program(CU, T, S, GROUP, VARLEN, BLOCK_M)
     if start_m >= Tq:
         return
