@@ -8,7 +8,7 @@ from regattn.ops._common.checks import (
     check_attention_inputs, check_cu_seqlens, check_scale, check_shape, check_tensor,
     check_window, check_device, check_seqlens_device, resolve_kernel_backend,
 )
-from regattn.ops.softmax.kernels import flash_attention
+from regattn.ops.softmax.function import flash_attention
 
 HAS_TRITON = True
 def check_gate(gate, B: int, T: int, HQ: int, q: torch.Tensor, name: str = "gate"):

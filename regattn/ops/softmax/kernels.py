@@ -132,8 +132,6 @@ def _fwd_kernel(Q, K, V, U, O, LSE, CU, sm_scale2, T, S, D, DV,
                 VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                 BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr):
     """``o`` and the base-2 log-sum-exp of ``BLOCK_M`` queries of one query head."""
-    # float arguments come as fp64 when torch.compile launches the kernel: keep the arithmetic fp32
-    sm_scale2 = tl.cast(sm_scale2, tl.float32)
     b, bos, Tq, Sk, hq, hk, start_m = _query_program(CU, T, S, GROUP, VARLEN, BLOCK_M)
     if start_m >= Tq:
         return
@@ -205,8 +203,6 @@ def _bwd_kv_kernel(Q, K, V, U, DO, LSE, DELTA, DK, DV, DU, CU, sm_scale, sm_scal
                    BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr):
     """``dK, dV`` of ``BLOCK_N`` keys of one key/value head (its query heads summed in the program), and
     the key part of the gate gradient of each query head."""
-    # float arguments come as fp64 when torch.compile launches the kernel: keep the arithmetic fp32
-    sm_scale, sm_scale2 = tl.cast(sm_scale, tl.float32), tl.cast(sm_scale2, tl.float32)
     pid_n = tl.program_id(0)
     n = tl.program_id(1)
     hk = tl.program_id(2)
@@ -285,8 +281,6 @@ def _bwd_q_kernel(Q, K, V, U, DO, LSE, DELTA, DQ, DU, CU, sm_scale, sm_scale2, T
                   VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                   BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr):
     """``dQ`` of ``BLOCK_M`` queries of one query head, and the query part of the gate gradient."""
-    # float arguments come as fp64 when torch.compile launches the kernel: keep the arithmetic fp32
-    sm_scale, sm_scale2 = tl.cast(sm_scale, tl.float32), tl.cast(sm_scale2, tl.float32)
     b, bos, Tq, Sk, hq, hk, start_m = _query_program(CU, T, S, GROUP, VARLEN, BLOCK_M)
     if start_m >= Tq:
         return
@@ -387,28 +381,3 @@ def attention_backward(do, q, k, v, u, o, lse, *, causal, window, scale, cu_seql
     _bwd_q_kernel[grid](q, k, v, u_arg, do, lse, delta, dq, du_arg, cu, scale, scale * LOG2E, T, S, D, DV,
                         *common, *_strides3(dq), BLOCK_DV=head_block(DV), **flags, **cfg)
     return dq, dk, dv, du
-
-
-class FlashAttentionFunction(torch.autograd.Function):
-    """Autograd wrapper: saves ``q, k, v, u, o`` and the log-sum-exp, nothing of size ``T x S``."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, u, causal, window, scale, cu_seqlens, max_seqlen):
-        o, lse = attention_forward(q, k, v, u, causal=causal, window=window, scale=scale, cu_seqlens=cu_seqlens,
-                                   max_seqlen=max_seqlen)
-        ctx.save_for_backward(q, k, v, u, o, lse, cu_seqlens)
-        ctx.options = dict(causal=causal, window=window, scale=scale, max_seqlen=max_seqlen)
-        return o
-
-    @staticmethod
-    def backward(ctx, do):
-        q, k, v, u, o, lse, cu_seqlens = ctx.saved_tensors
-        dq, dk, dv, du = attention_backward(do, q, k, v, u, o, lse, cu_seqlens=cu_seqlens, **ctx.options)
-        if du is not None:
-            du = du.to(u.dtype)
-        return dq, dk, dv, du, None, None, None, None, None
-
-
-def flash_attention(q, k, v, u=None, *, causal=True, window=None, scale, cu_seqlens=None, max_seqlen=None):
-    """Fused attention; inputs as in :func:`regattn.softmax_attention` (already checked)."""
-    return FlashAttentionFunction.apply(q, k, v, u, causal, window, scale, cu_seqlens, max_seqlen)
