@@ -59,11 +59,12 @@ def test_parallax_tile_variants_tiny(interpret):
     before = {key: {kind: dict(cfg) for kind, cfg in row.items()} for key, row in TILES.items()}
     variants = [{}, {"dk": {"BLOCK_N": 32, "num_warps": 8}}]
     rows = time_tile_variants(variants, shape=dict(B=1, H=2, T=40, D=16), dtype=torch.float32, device="cpu",
-                              rep_ms=1)
+                              rep_ms=1, rounds=2)
     assert TILES == before
     assert [row["tiles"]["dk"] for row in rows] == [before[32]["dk"], dict(before[32]["dk"], BLOCK_N=32, num_warps=8)]
     for row in rows:
         assert row["status"] == "ok" and row["fwd_ms"] > 0 and row["fwd+bwd_ms"] > 0
+        assert all(len(times) == 2 and row[f"{mode}_ms"] == min(times) for mode, times in row["rounds"].items())
         assert set(row["err"]) == {"o", "dq", "dr", "dk", "dv"} and max(row["err"].values()) < 1e-4
     with pytest.raises(ValueError, match="^variants: "):
         time_tile_variants([{"bwd": {}}], device="cpu")

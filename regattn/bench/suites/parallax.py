@@ -145,7 +145,8 @@ TILE_VARIANTS = {
 }
 
 
-def time_tile_variants(variants=None, *, shape=None, dtype=torch.bfloat16, device="cuda", rep_ms=100) -> list[dict]:
+def time_tile_variants(variants=None, *, shape=None, dtype=torch.bfloat16, device="cuda", rep_ms=100,
+                       rounds: int = 3) -> list[dict]:
     """Time Parallax's forward and forward+backward with each tile variant, side by side in one process.
 
     A variant overrides entries of the tile table (:data:`regattn.ops.parallax.tiles.TILES`) at the shape's
@@ -157,10 +158,12 @@ def time_tile_variants(variants=None, *, shape=None, dtype=torch.bfloat16, devic
         variants: list of variants (default: :data:`TILE_VARIANTS` of the shape's head dim).
         shape: ``B, H, T, D`` and optionally ``HQ`` and ``window`` (default: the goal shape
             B=4 H=16 T=8192 D=128, causal).
+        rounds: how many times every variant is timed, one variant after the other in each round (on an
+            H100, one pass over the variants saw the same forward settings take 3.9 to 9.4 ms).
 
     Returns:
         One dict per variant: ``tiles`` (the settings of fwd, dq and dk used), ``fwd_ms`` and ``fwd+bwd_ms``
-        (median ms), ``status`` (``"ok"`` or why a timing failed) and ``err`` (relative errors of o, dq, dr,
+        (the least over the rounds of the median ms), ``rounds`` (each round's median per mode), ``status`` (``"ok"`` or why a timing failed) and ``err`` (relative errors of o, dq, dr,
         dk and dv against float64).
 
     On a GPU (D=64 and D=256: ``time_tile_variants(shape=dict(D=64))``)::
@@ -183,20 +186,26 @@ def time_tile_variants(variants=None, *, shape=None, dtype=torch.bfloat16, devic
     truth = check("fwd+bwd", q, r, k, v, w)
     key = tiles.table_head_dim(D)
     table = tiles.TILES[key]
-    results = []
-    for variant in variants:
-        tiles.TILES[key] = {kind: dict(cfg, **variant.get(kind, {})) for kind, cfg in table.items()}
-        try:
-            def call():
-                return regattn.parallax(q, r, k, v, window=w, backend="triton")
-            row = dict(tiles={kind: tiles.TILES[key][kind] for kind in ("fwd", "dq", "dk")}, status="ok")
-            for mode in MODES:
-                m = measure(timed(call, leaves, mode), cuda=setup.cuda, rep_ms=rep_ms)
-                row[f"{mode}_ms"] = m.ms
-                if m.status != "ok":
-                    row["status"] = m.status
-            row["err"] = case_errors(Case("regattn:triton", call, leaves, check=truth), "fwd+bwd")
-        finally:
-            tiles.TILES[key] = table
-        results.append(row)
+    rows = [dict(tiles={kind: dict(table[kind], **v.get(kind, {})) for kind in ("fwd", "dq", "dk")}, status="ok",
+                 rounds={mode: [] for mode in MODES}) for v in variants]
+    for _ in range(rounds):  # every variant once per round: a drift of the clocks reaches them all alike
+        for variant, row in zip(variants, rows):
+            tiles.TILES[key] = {kind: dict(cfg, **variant.get(kind, {})) for kind, cfg in table.items()}
+            try:
+                def call():
+                    return regattn.parallax(q, r, k, v, window=w, backend="triton")
+                for mode in MODES:
+                    m = measure(timed(call, leaves, mode), cuda=setup.cuda, rep_ms=rep_ms)
+                    row["rounds"][mode].append(m.ms)
+                    if m.status != "ok":
+                        row["status"] = m.status
+                if "err" not in row:
+                    row["err"] = case_errors(Case("regattn:triton", call, leaves, check=truth), "fwd+bwd")
+            finally:
+                tiles.TILES[key] = table
+    for row in rows:
+        for mode, times in row["rounds"].items():
+            measured = [t for t in times if t is not None]
+            row[f"{mode}_ms"] = min(measured) if measured else None
+    results = rows
     return results
