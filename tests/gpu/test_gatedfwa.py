@@ -6,6 +6,7 @@ import torch.nn.functional as F
 
 import regattn
 from regattn import reference
+from regattn.ops.gatedfwa.gate import SCANS
 from tests.gpu.rule import assert_within, leaves, outputs, segments
 from tests.helpers import randn
 
@@ -60,6 +61,6 @@ def test_attention(B, T, HQ, H, D, dtype, window, gated, cu_seqlens):
     check_attention(B, T, HQ, H, D, dtype, window=window, gated=gated, cu_seqlens=cu_seqlens)
 
 
-@pytest.mark.parametrize("scan", ["one_pass", "scan_then_propagate"])
+@pytest.mark.parametrize("scan", SCANS)
 def test_gate_against_torch_fp32(scan):
     check_gate(scan, 2, 65536, 64)

@@ -1,10 +1,11 @@
-"""The fused gate scan (Algorithm 1 and scan-then-propagate) against the float64 reference."""
+"""The fused gate scans (Algorithm 1, scan-then-propagate, chunked) against the float64 reference."""
 import pytest
 import torch
 import torch.nn.functional as F
 
 import regattn
 from regattn import reference
+from regattn.ops.gatedfwa.gate import SCANS
 from tests.helpers import randn, rel_err
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -30,14 +31,36 @@ def _check(B, T, H, dtype, scan, bound):
     assert rel_err(dbeta, rb) < bound
 
 
-@pytest.mark.parametrize("scan", ["one_pass", "scan_then_propagate"])
+@pytest.mark.parametrize("scan", SCANS)
 def test_gate_matches_reference(scan, interpret):
     _check(2, 37, 3, torch.float32, scan, 1e-5)   # several time tiles, T not a multiple of the tile
     _check(1, 1, 20, torch.float32, scan, 1e-5)   # one token, head block larger than one tile
 
 
-def test_gate_low_precision_inputs_accumulate_in_fp32(interpret):
-    _check(1, 70, 4, torch.float16, "one_pass", 1e-3)
+@pytest.mark.parametrize("B,T,H", [(3, 53, 1), (2, 45, 3), (2, 40, 64)])
+def test_gate_chunked_many_chunks_and_head_blocks(B, T, H, interpret):
+    """T not a multiple of the chunk, one head, heads not a power of two, several blocks of heads, B > 1."""
+    _check(B, T, H, torch.float32, "chunked", 1e-5)
+
+
+@pytest.mark.parametrize("scan", SCANS)
+def test_gate_low_precision_inputs_accumulate_in_fp32(scan, interpret):
+    _check(1, 70, 4, torch.float16, scan, 1e-3)
+
+
+def test_gate_chunked_gpu_sized_chunks(interpret):
+    """The chunked scan at the tiles it takes on a GPU (64 heads of 32 rows; 2048 rows of one head) over
+    several chunks: the same numbers as the reference."""
+    from regattn.ops.gatedfwa.gate import gate_backward, gate_forward
+    for (B, T, H), blocks in (((2, 77, 64), (32, 64)), ((1, 4500, 1), (2048, 1))):
+        h, beta = (x.detach() for x in _gate_inputs(B, T, H, torch.float32))
+        du = randn(B, T, H, device=DEV, dtype=torch.float32)
+        u = gate_forward(h, beta, 1e-6, "chunked", blocks=blocks)
+        dh, dbeta = gate_backward(du, h, beta, 1e-6, blocks=blocks, scan="chunked")
+        hd, bd = (x.double().requires_grad_(True) for x in (h, beta))
+        ud = reference.gatedfwa_gate(hd, bd)
+        rh, rb = torch.autograd.grad(ud, [hd, bd], du.double())
+        assert rel_err(u, ud) < 1e-5 and rel_err(dh, rh) < 1e-5 and rel_err(dbeta, rb) < 1e-5
 
 
 def test_gate_backward_in_one_long_tile(interpret):
@@ -56,17 +79,19 @@ def test_gate_backward_in_one_long_tile(interpret):
     assert rel_err(dbeta.cpu()[:, tail], rb[:, tail]) < 1e-5
 
 
-def test_gate_strided_inputs(interpret):
+@pytest.mark.parametrize("scan", SCANS)
+def test_gate_strided_inputs(scan, interpret):
     x = randn(1, 40, 6, device=DEV, dtype=torch.float32)
     h, beta = x[..., :3], 1 + F.elu(x[..., 3:])
-    u = regattn.gatedfwa_gate(h, beta, backend="triton")
+    u = regattn.gatedfwa_gate(h, beta, scan=scan, backend="triton")
     assert rel_err(u, reference.gatedfwa_gate(h.double(), beta.double())) < 1e-5
 
 
-def test_gate_strong_gates_stay_finite(interpret):
+@pytest.mark.parametrize("scan", SCANS)
+def test_gate_strong_gates_stay_finite(scan, interpret):
     h = torch.full((1, 50, 2), 1e4, device=DEV)
     beta = torch.ones_like(h)
-    u = regattn.gatedfwa_gate(h, beta, backend="triton")
+    u = regattn.gatedfwa_gate(h, beta, scan=scan, backend="triton")
     assert torch.isfinite(u).all()
     assert rel_err(u, reference.gatedfwa_gate(h.double(), beta.double())) < 1e-6
 
@@ -101,7 +126,7 @@ def test_gate_feeds_attention_end_to_end(interpret):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("scan", ["one_pass", "scan_then_propagate"])
+@pytest.mark.parametrize("scan", SCANS)
 def test_gate_full_size_gpu(scan):
     _check(2, 65536, 64, torch.float32, scan, 1e-4)  # a 65536-long fp32 sum: rounding grows with T
     _check(1, 4097, 128, torch.bfloat16, scan, 1e-2)  # dh, dbeta come back in bf16

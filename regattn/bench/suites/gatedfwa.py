@@ -1,7 +1,7 @@
 """GatedFWA (gatedfwa.md Figure 10 and Section 4): windowed gated attention forward and
 forward+backward (with the gate's gradient) against FlexAttention (the gate as a score_mod reading
 u twice, the window as a mask_mod), flash-linear-attention's forgetting attention, our ungated
-sliding window and full-causal FlashAttention; and the gate scan, both variants, forward and
+sliding window and full-causal FlashAttention; and the gate scan, every variant of ``SCANS``, forward and
 backward, in fp32 against a device copy of the same bytes (the memory floor)."""
 from __future__ import annotations
 
@@ -14,12 +14,12 @@ from regattn import reference
 from regattn.bench import counts, peers
 from regattn.bench.check import Check, Slice
 from regattn.bench.runner import build, flex_case, for_mode, ours, randn, reference_case, sdpa_cases
+from regattn.ops.gatedfwa.gate import SCANS
 
 NAME = "gatedfwa"
 PEERS = ("sdpa-flash", "sdpa-cudnn", "flex", "fla", "copy")
 MAIN = {"fwd": ("flex",), "fwd+bwd": ("flex",), "gate fwd": ("copy",), "gate fwd+bwd": ("copy",)}
 MODES = ("fwd", "fwd+bwd")
-SCANS = ("one_pass", "scan_then_propagate")
 ATTENTION = [dict(B=1, H=16, T=32768, D=128, w=512)]
 GATE = [dict(part="gate", B=1, T=65536, H=H) for H in (64, 128)]
 GRIDS = {

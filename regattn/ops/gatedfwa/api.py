@@ -28,8 +28,9 @@ def gatedfwa_gate(h, beta, *, eps=1e-6, scan="one_pass", backend="auto"):
         h: ``[B, T, H]`` gate pre-activations, finite.
         beta: ``[B, T, H]`` positive finite amplitudes.
         eps: positive constant in the denominator.
-        scan: ``"one_pass"`` (Algorithm 1, the default) or ``"scan_then_propagate"``
-            (Appendix E.1, Algorithm 3); both give the same numbers up to rounding.
+        scan: ``"one_pass"`` (Algorithm 1, the default), ``"scan_then_propagate"`` (Appendix E.1,
+            Algorithm 3) or ``"chunked"`` (time chunks in parallel, offsets by a decoupled look-back);
+            all give the same numbers up to rounding.
         backend: ``"auto" | "torch" | "triton"``.
 
     Returns:

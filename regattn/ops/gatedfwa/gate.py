@@ -5,7 +5,11 @@
   written once, nothing else touches memory.
 * ``scan_then_propagate`` (Appendix E.1, Algorithm 3): tile sums in parallel, a scan over the
   tile sums, then every tile recomputes alpha and adds its offset (reads h and beta twice).
-* backward: one reverse pass, ``dalpha_s = -sum_{t >= s} du_t`` turned into ``dh`` and ``dbeta``.
+* ``chunked``: one program per (batch, time chunk, block of heads), many programs in flight, each tile
+  read with the head axis contiguous; a chunk's offset comes from the earlier chunks' published sums
+  (a decoupled look-back), so h and beta are read once and u written once, in one launch.
+* backward: ``dalpha_s = -sum_{t >= s} du_t`` turned into ``dh`` and ``dbeta``; one reverse pass per
+  (batch, block of heads), or for ``chunked`` the same look-back over chunks in reverse order.
 
 ``h, beta, u: [B, T, H]``, any strides; alpha and u are computed in fp32.
 """
@@ -17,7 +21,7 @@ import triton.language as tl
 
 from regattn.ops._common.attention_tiles import interpreting
 
-SCANS = ("one_pass", "scan_then_propagate")
+SCANS = ("one_pass", "scan_then_propagate", "chunked")
 
 
 @triton.jit
@@ -105,12 +109,93 @@ def _gate_bwd_kernel(H_ptr, BETA, DU, DH, DBETA, T, NH, eps, shb, sht, shh, sbb,
         # A reverse scan, not total - prefix: that difference cancels at the tile's end.
         dalpha = -(tl.cumsum(du, 0, reverse=True) + carry[None, :])
         carry += tl.sum(du, 0)
-        z = beta * h
-        inv = 1.0 / (beta + eps)
-        sig = tl.sigmoid(z)
-        tl.store(DH + grad, (dalpha * sig * beta * inv).to(DH.dtype.element_ty), mask=mask)
-        dbeta = dalpha * (sig * h * inv - _softplus(z) * inv * inv)
+        dh, dbeta = _gate_grads(dalpha, h, beta, eps)
+        tl.store(DH + grad, dh.to(DH.dtype.element_ty), mask=mask)
         tl.store(DBETA + grad, dbeta.to(DBETA.dtype.element_ty), mask=mask)
+
+
+# Look-back state of a chunk, one int64 per (batch, chunk, head): the flag in the high 32 bits, the fp32 bits
+# of the sum in the low 32. AGGREGATE: the chunk's own sum; INCLUSIVE: the sum of it and every earlier chunk.
+AGGREGATE = tl.constexpr(1)
+INCLUSIVE = tl.constexpr(2)
+
+
+@triton.jit
+def _claim_chunk(STATE, n_chunks, n_head_blocks, REVERSE: tl.constexpr):
+    """``(b, c, head block)`` of this program in the order programs start, from a ticket (``STATE[0]``): a
+    program waits only on chunks whose programs started before it, so the look-back cannot deadlock."""
+    v = tl.atomic_add(STATE, 1).to(tl.int32)
+    programs_per_chunk = tl.num_programs(0) // n_chunks
+    k = v // programs_per_chunk
+    r = v % programs_per_chunk
+    c = n_chunks - 1 - k if REVERSE else k
+    return r // n_head_blocks, c, r % n_head_blocks
+
+
+@triton.jit
+def _publish(ptrs, value, flag, mask):
+    bits = value.to(tl.uint32, bitcast=True).to(tl.int64)
+    tl.atomic_xchg(ptrs, bits | (flag.to(tl.int64) << 32), mask=mask, sem="relaxed")
+
+
+@triton.jit
+def _chunk_offset(STATE, total, b, c, n_chunks, NH, offs_h, REVERSE: tl.constexpr):
+    """Exclusive sum of ``total`` over the chunks before ``c`` (after ``c`` if ``REVERSE``), per head.
+
+    Publishes this chunk's own sum, walks back over the neighbours' published sums until one is
+    inclusive (each read repeated until every head of it is published, with one flag), then publishes
+    this chunk's inclusive sum."""
+    hmask = offs_h < NH
+    row = STATE + 1 + b * n_chunks * NH + offs_h
+    step = -1 if REVERSE else 1
+    first = c == (n_chunks - 1 if REVERSE else 0)
+    _publish(row + c * NH, total, tl.where(first, INCLUSIVE, AGGREGATE), hmask)
+    offset = tl.zeros_like(total)
+    j = c - step
+    while (j >= 0) & (j < n_chunks):
+        s = tl.load(row + j * NH, mask=hmask, other=0, volatile=True)
+        flag = tl.where(hmask, (s >> 32).to(tl.int32), INCLUSIVE)
+        lo = tl.min(flag, 0)
+        ready = (lo > 0) & (lo == tl.max(flag, 0))
+        offset += tl.where(ready, s.to(tl.int32).to(tl.float32, bitcast=True), 0.0)
+        j = tl.where(ready, tl.where(lo == INCLUSIVE, -1, j - step), j)
+    _publish(row + c * NH, offset + total, tl.full([], INCLUSIVE, tl.int32), hmask)
+    return offset
+
+
+@triton.jit
+def _gate_chunked_kernel(H_ptr, BETA, U, STATE, T, NH, n_chunks, n_head_blocks, eps, shb, sht, shh, sbb, sbt, sbh,
+                         sub, sut, suh, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+    b, c, hb = _claim_chunk(STATE, n_chunks, n_head_blocks, False)
+    offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    h, beta, mask = _tile(H_ptr, BETA, b, c * BLOCK_T, offs_h, T, NH, shb, sht, shh, sbb, sbt, sbh, BLOCK_T)
+    neg = -_alpha(h, beta, mask, eps)
+    offset = _chunk_offset(STATE, tl.sum(neg, 0), b, c, n_chunks, NH, offs_h, False)
+    _store_u(U, b, c * BLOCK_T, offs_h, T, NH, sub, sut, suh, tl.cumsum(neg, 0) + offset[None, :], BLOCK_T)
+
+
+@triton.jit
+def _gate_grads(dalpha, h, beta, eps):
+    """``(dh, dbeta)`` of ``alpha = softplus(beta * h) / (beta + eps)`` given ``dalpha``."""
+    z = beta * h
+    inv = 1.0 / (beta + eps)
+    sig = tl.sigmoid(z)
+    return dalpha * sig * beta * inv, dalpha * (sig * h * inv - _softplus(z) * inv * inv)
+
+
+@triton.jit
+def _gate_chunked_bwd_kernel(H_ptr, BETA, DU, DH, DBETA, STATE, T, NH, n_chunks, n_head_blocks, eps,
+                             shb, sht, shh, sbb, sbt, sbh, sdb, sdt, sdh, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+    b, c, hb = _claim_chunk(STATE, n_chunks, n_head_blocks, True)
+    offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    t0 = c * BLOCK_T
+    h, beta, mask = _tile(H_ptr, BETA, b, t0, offs_h, T, NH, shb, sht, shh, sbb, sbt, sbh, BLOCK_T)
+    grad = (t0 + tl.arange(0, BLOCK_T))[:, None] * sdt + offs_h[None, :] * sdh + b * sdb
+    du = tl.load(DU + grad, mask=mask, other=0.0).to(tl.float32)
+    later = _chunk_offset(STATE, tl.sum(du, 0), b, c, n_chunks, NH, offs_h, True)
+    dh, dbeta = _gate_grads(-(tl.cumsum(du, 0, reverse=True) + later[None, :]), h, beta, eps)
+    tl.store(DH + grad, dh.to(DH.dtype.element_ty), mask=mask)
+    tl.store(DBETA + grad, dbeta.to(DBETA.dtype.element_ty), mask=mask)
 
 
 def gate_blocks(num_heads: int, scan: str) -> tuple[int, int]:
@@ -123,6 +208,25 @@ def gate_blocks(num_heads: int, scan: str) -> tuple[int, int]:
     return 1024, min(16, triton.next_power_of_2(num_heads))
 
 
+def chunked_blocks(num_heads: int, numel: int) -> tuple[int, int]:
+    """``(BLOCK_T, BLOCK_H)`` of the chunked scan: up to 64 heads a program (fp32 rows of 256 contiguous
+    bytes), and 2048 elements a tile (16 KiB of h and beta in flight per program), 512 (4 KiB) for inputs
+    under 2**20 elements so that they still spread over many programs."""
+    if interpreting():
+        return 16, min(16, triton.next_power_of_2(num_heads))
+    block_h = min(64, triton.next_power_of_2(num_heads))
+    return max(1, (2048 if numel >= 1 << 20 else 512) // block_h), block_h
+
+
+def _chunked_launch(h, blocks):
+    """``(grid, state, n_chunks, n_head_blocks, blocks)``: the state starts zeroed (no chunk published, ticket 0)."""
+    B, T, NH = h.shape
+    BT, BH = blocks or chunked_blocks(NH, h.numel())
+    n_chunks, n_head_blocks = triton.cdiv(T, BT), triton.cdiv(NH, BH)
+    state = torch.zeros(1 + B * n_chunks * NH, device=h.device, dtype=torch.int64)
+    return (B * n_chunks * n_head_blocks,), state, n_chunks, n_head_blocks, dict(BLOCK_T=BT, BLOCK_H=BH)
+
+
 def _strides(x):
     return x.stride(0), x.stride(1), x.stride(2)
 
@@ -130,8 +234,13 @@ def _strides(x):
 def gate_forward(h, beta, eps, scan="one_pass", blocks=None):
     """``u: [B, T, H]`` fp32 from ``h, beta: [B, T, H]``."""
     B, T, NH = h.shape
-    BT, BH = blocks or gate_blocks(NH, scan)
     u = torch.empty(B, T, NH, device=h.device, dtype=torch.float32)
+    if scan == "chunked":
+        grid, state, n_chunks, n_head_blocks, tiles = _chunked_launch(h, blocks)
+        _gate_chunked_kernel[grid](h, beta, u, state, T, NH, n_chunks, n_head_blocks, eps, *_strides(h),
+                                   *_strides(beta), *_strides(u), **tiles)
+        return u
+    BT, BH = blocks or gate_blocks(NH, scan)
     if scan == "one_pass":
         _gate_one_pass_kernel[(B, triton.cdiv(NH, BH))](h, beta, u, T, NH, eps, *_strides(h), *_strides(beta),
                                                         *_strides(u), BLOCK_T=BT, BLOCK_H=BH)
@@ -147,13 +256,19 @@ def gate_forward(h, beta, eps, scan="one_pass", blocks=None):
     return u
 
 
-def gate_backward(du, h, beta, eps, blocks=None):
-    """``(dh, dbeta)`` in the dtypes of ``h`` and ``beta``."""
+def gate_backward(du, h, beta, eps, blocks=None, scan="one_pass"):
+    """``(dh, dbeta)`` in the dtypes of ``h`` and ``beta``; ``chunked`` runs the chunked reverse scan, the
+    other scans the one-pass reverse scan."""
     B, T, NH = h.shape
-    BT, BH = blocks or gate_blocks(NH, "one_pass")
     du = du.contiguous()
     dh = torch.empty(B, T, NH, device=h.device, dtype=h.dtype)
     dbeta = torch.empty(B, T, NH, device=h.device, dtype=beta.dtype)
+    if scan == "chunked":
+        grid, state, n_chunks, n_head_blocks, tiles = _chunked_launch(h, blocks)
+        _gate_chunked_bwd_kernel[grid](h, beta, du, dh, dbeta, state, T, NH, n_chunks, n_head_blocks, eps,
+                                       *_strides(h), *_strides(beta), *_strides(du), **tiles)
+        return dh, dbeta
+    BT, BH = blocks or gate_blocks(NH, "one_pass")
     _gate_bwd_kernel[(B, triton.cdiv(NH, BH))](h, beta, du, dh, dbeta, T, NH, eps, *_strides(h), *_strides(beta),
                                                *_strides(du), BLOCK_T=BT, BLOCK_H=BH)
     return dh, dbeta
@@ -164,12 +279,13 @@ class GateScanFunction(torch.autograd.Function):
     def forward(ctx, h, beta, eps, scan):
         ctx.save_for_backward(h, beta)
         ctx.eps = eps
+        ctx.scan = scan
         return gate_forward(h, beta, eps, scan)
 
     @staticmethod
     def backward(ctx, du):
         h, beta = ctx.saved_tensors
-        dh, dbeta = gate_backward(du, h, beta, ctx.eps)
+        dh, dbeta = gate_backward(du, h, beta, ctx.eps, scan=ctx.scan)
         return dh, dbeta, None, None
 
 
