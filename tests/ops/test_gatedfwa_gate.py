@@ -2,10 +2,12 @@
 import pytest
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
 import regattn
 from regattn import reference
-from regattn.ops.gatedfwa.gate import SCANS
+from regattn.ops.gatedfwa.gate import AGGREGATE, INCLUSIVE, SCANS, _chunk_offset
 from tests.helpers import randn, rel_err
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -41,6 +43,53 @@ def test_gate_matches_reference(scan, interpret):
 def test_gate_chunked_many_chunks_and_head_blocks(B, T, H, interpret):
     """T not a multiple of the chunk, one head, heads not a power of two, several blocks of heads, B > 1."""
     _check(B, T, H, torch.float32, "chunked", 1e-5)
+
+
+@triton.jit
+def _offset_probe(STATE, TOTAL, OUT, c, n_chunks, NH, REVERSE: tl.constexpr, BLOCK_H: tl.constexpr,
+                  LOOK: tl.constexpr):
+    offs_h = tl.arange(0, BLOCK_H)
+    total = tl.load(TOTAL + offs_h, mask=offs_h < NH, other=0.0)
+    offset = _chunk_offset(STATE, total, 0, c, n_chunks, NH, offs_h, REVERSE, LOOK)
+    tl.store(OUT + offs_h, offset, mask=offs_h < NH)
+
+
+def _packed(values, flags):
+    """Published look-back state: the flag in the high 32 bits, the fp32 bits of the sum in the low 32."""
+    return (values.float().view(torch.int32).to(torch.int64) & 0xFFFFFFFF) | (flags.to(torch.int64) << 32)
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("look", [1, 4])
+def test_chunk_offset_walks_back_over_aggregates(reverse, look, interpret):
+    """The look-back as it runs on a GPU, where earlier chunks may have published only their own sums:
+    it adds aggregates up to the nearest inclusive sum and reads nothing beyond it; then publishes this
+    chunk's inclusive sum."""
+    n_chunks, NH, c = 12, 3, 10
+    sums = randn(n_chunks, NH, dtype=torch.float32)
+    flags = torch.full((n_chunks, 1), AGGREGATE.value).expand(n_chunks, NH).clone()
+    flags[0] = INCLUSIVE.value
+    near = [c - 1 - i for i in range(c)]  # chunks before c, nearest first
+    if reverse:  # chunk c of the reverse scan sits at n_chunks - 1 - c of the forward one
+        sums, flags, c = sums.flip(0), flags.flip(0), n_chunks - 1 - c
+        near = [n_chunks - 1 - i for i in near]
+    for inclusive_at in (len(near) - 1, 5, 0):  # the first chunk, one in the middle, the neighbour
+        f = flags.clone()
+        f[near[inclusive_at]] = INCLUSIVE.value
+        values = sums.clone()
+        values[near[inclusive_at]] = 100.0 + sums[near[inclusive_at]]  # an inclusive sum ends the walk
+        for far in near[inclusive_at + 1:]:
+            values[far] = float("nan")  # beyond it: never added
+        state = torch.cat([torch.zeros(1, dtype=torch.int64), _packed(values, f).flatten()]).to(DEV)
+        total = randn(NH, dtype=torch.float32).to(DEV)
+        out = torch.empty(NH, device=DEV)
+        _offset_probe[(1,)](state, total, out, c, n_chunks, NH, reverse, BLOCK_H=4, LOOK=look)
+        expected = values[near[: inclusive_at + 1]].sum(0)
+        assert torch.allclose(out.cpu(), expected, atol=1e-5)
+        published = state[1:].view(n_chunks, NH)[c].cpu()
+        assert (published >> 32 == INCLUSIVE.value).all()
+        assert torch.allclose((published & 0xFFFFFFFF).to(torch.int32).view(torch.float32), expected + total.cpu(),
+                              atol=1e-5)
 
 
 @pytest.mark.parametrize("scan", SCANS)

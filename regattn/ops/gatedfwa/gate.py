@@ -118,6 +118,7 @@ def _gate_bwd_kernel(H_ptr, BETA, DU, DH, DBETA, T, NH, eps, shb, sht, shh, sbb,
 # of the sum in the low 32. AGGREGATE: the chunk's own sum; INCLUSIVE: the sum of it and every earlier chunk.
 AGGREGATE = tl.constexpr(1)
 INCLUSIVE = tl.constexpr(2)
+LOOK_BACK = 8  # chunks read a step of the look-back (at most 4 KiB for 64 heads; 16 or 32 spill at sm_90)
 
 
 @triton.jit
@@ -139,38 +140,47 @@ def _publish(ptrs, value, flag, mask):
 
 
 @triton.jit
-def _chunk_offset(STATE, total, b, c, n_chunks, NH, offs_h, REVERSE: tl.constexpr):
+def _chunk_offset(STATE, total, b, c, n_chunks, NH, offs_h, REVERSE: tl.constexpr, LOOK: tl.constexpr):
     """Exclusive sum of ``total`` over the chunks before ``c`` (after ``c`` if ``REVERSE``), per head.
 
-    Publishes this chunk's own sum, walks back over the neighbours' published sums until one is
-    inclusive (each read repeated until every head of it is published, with one flag), then publishes
-    this chunk's inclusive sum."""
+    Publishes this chunk's own sum, then reads the published sums of the ``LOOK`` nearest chunks not yet
+    added at a time: those up to the nearest inclusive one are added and the walk ends; else the
+    aggregates up to the nearest chunk not yet published are added and the walk goes on from there (a
+    chunk counts as published once every head of it carries the same flag). Last, publishes this chunk's
+    inclusive sum."""
     hmask = offs_h < NH
     row = STATE + 1 + b * n_chunks * NH + offs_h
     step = -1 if REVERSE else 1
     first = c == (n_chunks - 1 if REVERSE else 0)
     _publish(row + c * NH, total, tl.where(first, INCLUSIVE, AGGREGATE), hmask)
     offset = tl.zeros_like(total)
+    near = tl.arange(0, LOOK)  # 0: the nearest chunk not yet added
     j = c - step
     while (j >= 0) & (j < n_chunks):
-        s = tl.load(row + j * NH, mask=hmask, other=0, volatile=True)
-        flag = tl.where(hmask, (s >> 32).to(tl.int32), INCLUSIVE)
-        lo = tl.min(flag, 0)
-        ready = (lo > 0) & (lo == tl.max(flag, 0))
-        offset += tl.where(ready, s.to(tl.int32).to(tl.float32, bitcast=True), 0.0)
-        j = tl.where(ready, tl.where(lo == INCLUSIVE, -1, j - step), j)
+        chunk = j - step * near
+        read = ((chunk >= 0) & (chunk < n_chunks))[:, None] & hmask[None, :]
+        s = tl.load(row[None, :] + chunk[:, None] * NH, mask=read, other=0, volatile=True)
+        flag = (s >> 32).to(tl.int32)
+        lo = tl.min(tl.where(read, flag, INCLUSIVE), 1)  # over the heads of this block only
+        ready = (lo > 0) & (lo == tl.max(tl.where(read, flag, 0), 1))  # never past the first chunk
+        first_waiting = tl.min(tl.where(ready, LOOK, near), 0)
+        first_inclusive = tl.min(tl.where(ready & (lo == INCLUSIVE), near, LOOK), 0)
+        done = first_inclusive < first_waiting
+        take = tl.where(done, near <= first_inclusive, near < first_waiting)[:, None] & read
+        offset += tl.sum(tl.where(take, s.to(tl.int32).to(tl.float32, bitcast=True), 0.0), 0)
+        j = tl.where(done, -1, j - step * first_waiting)
     _publish(row + c * NH, offset + total, tl.full([], INCLUSIVE, tl.int32), hmask)
     return offset
 
 
 @triton.jit
 def _gate_chunked_kernel(H_ptr, BETA, U, STATE, T, NH, n_chunks, n_head_blocks, eps, shb, sht, shh, sbb, sbt, sbh,
-                         sub, sut, suh, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+                         sub, sut, suh, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, LOOK: tl.constexpr):
     b, c, hb = _claim_chunk(STATE, n_chunks, n_head_blocks, False)
     offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     h, beta, mask = _tile(H_ptr, BETA, b, c * BLOCK_T, offs_h, T, NH, shb, sht, shh, sbb, sbt, sbh, BLOCK_T)
     neg = -_alpha(h, beta, mask, eps)
-    offset = _chunk_offset(STATE, tl.sum(neg, 0), b, c, n_chunks, NH, offs_h, False)
+    offset = _chunk_offset(STATE, tl.sum(neg, 0), b, c, n_chunks, NH, offs_h, False, LOOK)
     _store_u(U, b, c * BLOCK_T, offs_h, T, NH, sub, sut, suh, tl.cumsum(neg, 0) + offset[None, :], BLOCK_T)
 
 
@@ -185,14 +195,15 @@ def _gate_grads(dalpha, h, beta, eps):
 
 @triton.jit
 def _gate_chunked_bwd_kernel(H_ptr, BETA, DU, DH, DBETA, STATE, T, NH, n_chunks, n_head_blocks, eps,
-                             shb, sht, shh, sbb, sbt, sbh, sdb, sdt, sdh, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+                             shb, sht, shh, sbb, sbt, sbh, sdb, sdt, sdh, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+                             LOOK: tl.constexpr):
     b, c, hb = _claim_chunk(STATE, n_chunks, n_head_blocks, True)
     offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     t0 = c * BLOCK_T
     h, beta, mask = _tile(H_ptr, BETA, b, t0, offs_h, T, NH, shb, sht, shh, sbb, sbt, sbh, BLOCK_T)
     grad = (t0 + tl.arange(0, BLOCK_T))[:, None] * sdt + offs_h[None, :] * sdh + b * sdb
     du = tl.load(DU + grad, mask=mask, other=0.0).to(tl.float32)
-    later = _chunk_offset(STATE, tl.sum(du, 0), b, c, n_chunks, NH, offs_h, True)
+    later = _chunk_offset(STATE, tl.sum(du, 0), b, c, n_chunks, NH, offs_h, True, LOOK)
     dh, dbeta = _gate_grads(-(tl.cumsum(du, 0, reverse=True) + later[None, :]), h, beta, eps)
     tl.store(DH + grad, dh.to(DH.dtype.element_ty), mask=mask)
     tl.store(DBETA + grad, dbeta.to(DBETA.dtype.element_ty), mask=mask)
@@ -219,12 +230,13 @@ def chunked_blocks(num_heads: int, numel: int) -> tuple[int, int]:
 
 
 def _chunked_launch(h, blocks):
-    """``(grid, state, n_chunks, n_head_blocks, blocks)``: the state starts zeroed (no chunk published, ticket 0)."""
+    """``(grid, state, n_chunks, n_head_blocks, tiles)``: the state starts zeroed (no chunk published, ticket 0)."""
     B, T, NH = h.shape
     BT, BH = blocks or chunked_blocks(NH, h.numel())
     n_chunks, n_head_blocks = triton.cdiv(T, BT), triton.cdiv(NH, BH)
     state = torch.zeros(1 + B * n_chunks * NH, device=h.device, dtype=torch.int64)
-    return (B * n_chunks * n_head_blocks,), state, n_chunks, n_head_blocks, dict(BLOCK_T=BT, BLOCK_H=BH)
+    tiles = dict(BLOCK_T=BT, BLOCK_H=BH, LOOK=LOOK_BACK)
+    return (B * n_chunks * n_head_blocks,), state, n_chunks, n_head_blocks, tiles
 
 
 def _strides(x):
