@@ -14,6 +14,7 @@ from regattn import reference
 from regattn.bench import counts, peers
 from regattn.bench.check import Check, Slice
 from regattn.bench.runner import build, flex_case, for_mode, ours, randn, reference_case, sdpa_cases
+from regattn.ops.gatedfwa.api import gate_dispatch
 from regattn.ops.gatedfwa.gate import SCANS
 
 NAME = "gatedfwa"
@@ -45,7 +46,11 @@ def gate_inputs(setup, B, T, H, dtype=None, grad=False):
 
 
 def gate_cases(shape, setup):
-    """The gate in fp32 (as the layer computes it); the backward moves du, h, beta in and dh, dbeta out."""
+    """The gate in fp32 (as the layer computes it); the backward moves du, h, beta in and dh, dbeta out.
+
+    Each scan is timed as the layers call it (:func:`gate_dispatch`, no value check); the public
+    :func:`regattn.gatedfwa_gate` once more with its eager value check (three reductions over h and beta
+    and a device sync), which rows before the chunked scan included in every scan's time."""
     B, T, H = shape["B"], shape["T"], shape["H"]
     h, beta = gate_inputs(setup, B, T, H, dtype=torch.float32, grad=True)
     where = Slice(kv_heads=H)
@@ -55,10 +60,13 @@ def gate_cases(shape, setup):
                       grads=("h", "beta") if bwd else ())
         nbytes = counts.gate_bytes(B, T, H, 4) * (8 / 3 if bwd else 1)  # fwd: 3 arrays; fwd+bwd: 3 + 5
         n = dict(flops=None if bwd else counts.gate_flops(B, T, H), bytes=nbytes)
-        for scan in SCANS:
-            yield mode, ours(regattn.gatedfwa_gate, h, setup,
-                             lambda scan=scan: regattn.gatedfwa_gate(h, beta, scan=scan, backend=setup.backend),
+        for scan in SCANS:  # the scan as the layers call it: no value check
+            yield mode, ours(gate_dispatch, h, setup,
+                             lambda scan=scan: gate_dispatch(h, beta, eps=1e-6, scan=scan, backend=setup.backend),
                              [h, beta], tag=f"[{scan}]", check=truth, **n)
+        yield mode, ours(regattn.gatedfwa_gate, h, setup,  # the public op: its value check reads h and beta
+                         lambda: regattn.gatedfwa_gate(h, beta, backend=setup.backend), [h, beta],
+                         tag="[one_pass, value check]", check=truth, **n)
         yield from reference_case(setup, mode, lambda: reference.gatedfwa_gate(h, beta), [h, beta], check=truth, **n)
         if peers.wanted(setup.peers, "copy"):
             yield mode, build("copy (memory floor)", lambda: peers.copy_floor(nbytes, setup.device), bytes=nbytes)

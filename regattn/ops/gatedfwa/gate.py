@@ -7,7 +7,9 @@
   tile sums, then every tile recomputes alpha and adds its offset (reads h and beta twice).
 * ``chunked``: one program per (batch, time chunk, block of heads), many programs in flight, each tile
   read with the head axis contiguous; a chunk's offset comes from the earlier chunks' published sums
-  (a decoupled look-back), so h and beta are read once and u written once, in one launch.
+  (a decoupled look-back), so h and beta are read once and u written once, in one launch. Which earlier
+  sums a chunk adds (its neighbours' own or their inclusive ones) depends on timing, so on a GPU u may
+  differ between runs in the last bits.
 * backward: ``dalpha_s = -sum_{t >= s} du_t`` turned into ``dh`` and ``dbeta``; one reverse pass per
   (batch, block of heads), or for ``chunked`` the same look-back over chunks in reverse order.
 
