@@ -1,6 +1,7 @@
 """Register use of the Triton kernels, compiled for a GPU on any machine (no GPU needed).
 
 ``python -m regattn.bench.registers parallax [--head-dims 128 256] [--kinds fwd dk] [--candidates]``
+``python -m regattn.bench.registers gatedfwa_gate``
 
 prints, for each kernel configuration of an op at its goal shape, what ``cuobjdump --dump-resource-usage``
 reports for the cubin compiled for sm_90: ``REG`` (registers per thread, 255 at most), ``STACK`` (bytes of
@@ -137,7 +138,29 @@ def parallax_rows(head_dims=HEAD_DIMS, kinds=KINDS, candidates=False):
             yield dict(head_dim=D, kind=kind, table=config is None, **launch_settings(kwargs), **usage)
 
 
-OPS = {"parallax": parallax_rows}
+# fp32 (B, T, H) of the gate scans: the bench's gate shapes, and heads fewer than a block.
+GATE_SHAPES = [(1, 8192, 16), (1, 65536, 64), (1, 65536, 128), (1, 8192, 3)]
+
+
+def gate_rows(head_dims=None, kinds=None, candidates=False, *, shapes=GATE_SHAPES, scans=None):
+    """One row per (shape, scan, kernel) of the GatedFWA gate scans, launched by ``gate_forward`` and
+    ``gate_backward`` as the op launches them (``head_dims``, ``kinds``, ``candidates`` do not apply)."""
+    from regattn.ops.gatedfwa.gate import SCANS, gate_backward, gate_forward
+    for (B, T, H), scan in itertools.product(shapes, scans or SCANS):
+        x = torch.empty(B, T, H, device="meta")
+        with captured_launches() as launches:
+            gate_forward(x, x, 1e-6, scan)
+            gate_backward(x, x, x, 1e-6, scan=scan)
+        for kernel, args, kwargs in launches:
+            usage = resource_usage(compile_launch(kernel, args, kwargs))
+            yield dict(shape=f"T={T},H={H}", scan=scan, kernel=kernel.__name__.strip("_").removesuffix("_kernel"),
+                       BLOCK_T=kwargs["BLOCK_T"], BLOCK_H=kwargs["BLOCK_H"], num_warps=kwargs.get("num_warps", 4),
+                       table=True, **usage)
+
+
+OPS = {"parallax": parallax_rows, "gatedfwa_gate": gate_rows}
+COLUMNS = {"parallax": ("head_dim", "kind", "BLOCK_M", "BLOCK_N", "num_warps", "num_stages"),
+           "gatedfwa_gate": ("shape", "scan", "kernel", "BLOCK_T", "BLOCK_H", "num_warps")}
 
 
 def main(argv=None) -> int:
@@ -149,7 +172,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         parser.error("unset TRITON_INTERPRET: the kernels are compiled, not interpreted")
-    columns = ("head_dim", "kind", "BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "REG", "STACK", "LOCAL", "SHARED")
+    columns = COLUMNS[args.op] + ("REG", "STACK", "LOCAL", "SHARED")
     print(" ".join(f"{c:>10}" for c in columns), " table")
     for row in OPS[args.op](args.head_dims, args.kinds, args.candidates):
         cells = [f"{row.get(c, '-'):>10}" for c in columns]

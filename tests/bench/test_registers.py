@@ -1,4 +1,4 @@
-"""The register report: a Parallax kernel compiled for sm_90 on the CPU, with the tile table's settings."""
+"""The register report: Parallax and gate-scan kernels compiled for sm_90 on the CPU, with the settings the ops launch."""
 import os
 
 import pytest
@@ -28,3 +28,12 @@ def test_command_prints_the_table_entry(capsys):
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split()[:2] == ["head_dim", "kind"] and len(lines) == 2
     assert lines[1].split()[:6] == ["32", "decode", "16", "128", "4", "3"] and lines[1].split()[10] == "*"
+
+
+@compiles
+def test_chunked_gate_scan_does_not_spill():
+    """The chunked gate scan, forward and backward, at 64 heads (its widest block) and at 3 (a masked block)."""
+    rows = list(registers.gate_rows(shapes=[(1, 65536, 64), (1, 8192, 3)], scans=["chunked"]))
+    assert sorted({r["kernel"] for r in rows}) == ["gate_chunked", "gate_chunked_bwd"] and len(rows) == 4
+    for r in rows:
+        assert r["STACK"] == 0 and r["LOCAL"] == 0 and 0 < r["REG"] <= 128, r
