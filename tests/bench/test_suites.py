@@ -81,3 +81,14 @@ def test_parallax_tile_variants_are_table_entries():
             for cfg in variant.values():
                 assert set(cfg) == {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"}
                 assert all(cfg[b] >= 16 and cfg[b] & (cfg[b] - 1) == 0 for b in ("BLOCK_M", "BLOCK_N"))
+
+
+def test_chunked_gate_tiles_tiny(interpret):
+    """time_chunked_tiles: ms, fraction of copy bandwidth and errors per (shape, tile), the head block cut to
+    the heads (in the interpreter this checks the plumbing and the numbers, not the speed)."""
+    from regattn.bench.suites.gatedfwa import time_chunked_tiles
+    rows = time_chunked_tiles([(64, 4), (16, 16)], shapes=[(2, 45, 3)], device="cpu", rep_ms=1)
+    assert [(r["BLOCK_T"], r["BLOCK_H"]) for r in rows] == [(16, 4), (4, 4)]
+    for r in rows:
+        assert r["fwd_ms"] > 0 and r["bwd_ms"] > 0 and r["fwd_of_copy"] > 0 and r["bwd_of_copy"] > 0
+        assert set(r["err"]) == {"u", "dh", "dbeta"} and max(r["err"].values()) < 1e-5, r

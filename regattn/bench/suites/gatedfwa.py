@@ -8,12 +8,13 @@ from __future__ import annotations
 import inspect
 
 import torch
+import triton
 
 import regattn
 from regattn import reference
 from regattn.bench import counts, peers
 from regattn.bench.check import Check, Slice
-from regattn.bench.runner import build, flex_case, for_mode, ours, randn, reference_case, sdpa_cases
+from regattn.bench.runner import Setup, build, flex_case, for_mode, ours, randn, reference_case, sdpa_cases
 from regattn.ops.gatedfwa.api import gate_dispatch
 from regattn.ops.gatedfwa.gate import SCANS
 
@@ -31,6 +32,8 @@ GRIDS = {
     + [dict(part="gate", B=1, T=T, H=H) for T in (8192, 65536) for H in (16, 64, 128)],
 }
 CHECK_ROWS = 2048
+# Tiles of the chunked gate scan timed by time_chunked_tiles: (elements of a tile, heads of a block).
+CHUNK_TILES = [(elements, heads) for elements in (512, 1024, 2048, 4096) for heads in (16, 32, 64)]
 
 
 def cases(shape: dict, setup):
@@ -115,3 +118,49 @@ def attention_cases(shape, setup):
                               check=truth, **n)
         yield from reference_case(setup, mode, lambda: reference.gatedfwa(q, k, v, u, window=w), [q, k, v, u],
                                   check=truth, **n)
+
+
+def time_chunked_tiles(tiles=None, *, shapes=None, device="cuda", rep_ms=100) -> list[dict]:
+    """Time the chunked gate scan's forward and backward kernels with each tile, beside device copies of
+    the bytes each moves (fp32: 12 bytes an element forward, 20 backward), in one process.
+
+    Args:
+        tiles: ``(elements of a tile, heads of a block)`` pairs (default :data:`CHUNK_TILES`); the block of
+            heads is cut to the heads' next power of two, ``BLOCK_T = elements // BLOCK_H``.
+        shapes: ``(B, T, H)`` triples (default: the full grid's gate shapes).
+
+    Returns:
+        One dict per (shape, tile): ``B, T, H, BLOCK_T, BLOCK_H``, ``fwd_ms``, ``bwd_ms``, ``fwd_of_copy`` and
+        ``bwd_of_copy`` (the copy's time over the kernel's: the fraction of copy bandwidth reached) and
+        ``err`` (relative errors of u, dh and dbeta against float64).
+
+    On a GPU::
+
+        python -c "from regattn.bench.suites.gatedfwa import time_chunked_tiles
+        for row in time_chunked_tiles(): print(row)"
+    """
+    from regattn.bench.timing import measure
+    from regattn.ops.gatedfwa.gate import gate_backward, gate_forward
+    setup = Setup(dtype=torch.float32, device=device, backend="triton", rep_ms=rep_ms)
+    cuda = device.startswith("cuda")
+    shapes = shapes or [(g["B"], g["T"], g["H"]) for g in GRIDS["full"] if g.get("part") == "gate"]
+    rows = []
+    for B, T, H in shapes:
+        h, beta = gate_inputs(setup, B, T, H, dtype=torch.float32)
+        du = randn(setup, B, T, H, dtype=torch.float32)
+        hd, bd = (x.double().requires_grad_(True) for x in (h, beta))
+        exact = reference.gatedfwa_gate(hd, bd)
+        exact = (exact, *torch.autograd.grad(exact, [hd, bd], du.double()))
+        copy = {n: measure(peers.copy_floor(n * h.numel(), device)[0], cuda=cuda, rep_ms=rep_ms).ms for n in (12, 20)}
+        for elements, heads in tiles or CHUNK_TILES:
+            block_h = min(heads, triton.next_power_of_2(H))
+            blocks = (max(1, elements // block_h), block_h)
+            forward = lambda: gate_forward(h, beta, 1e-6, "chunked", blocks=blocks)
+            backward = lambda: gate_backward(du, h, beta, 1e-6, blocks=blocks, scan="chunked")
+            got = (forward(), *backward())
+            fwd, bwd = (measure(fn, cuda=cuda, rep_ms=rep_ms).ms for fn in (forward, backward))
+            rows.append(dict(B=B, T=T, H=H, BLOCK_T=blocks[0], BLOCK_H=blocks[1], fwd_ms=fwd, bwd_ms=bwd,
+                             fwd_of_copy=copy[12] / fwd if fwd else None, bwd_of_copy=copy[20] / bwd if bwd else None,
+                             err={name: ((a.double() - b).norm() / b.norm()).item()
+                                  for name, a, b in zip(("u", "dh", "dbeta"), got, exact)}))
+    return rows
