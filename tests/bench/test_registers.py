@@ -1,4 +1,4 @@
-"""The register report: Parallax and gate-scan kernels compiled for sm_90 on the CPU, with the settings the ops launch."""
+"""The register report: Parallax and gate-scan kernels compiled for sm_90 on the CPU, as the ops launch them."""
 import os
 
 import pytest

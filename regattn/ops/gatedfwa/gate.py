@@ -120,7 +120,7 @@ def _gate_bwd_kernel(H_ptr, BETA, DU, DH, DBETA, T, NH, eps, shb, sht, shh, sbb,
 # of the sum in the low 32. AGGREGATE: the chunk's own sum; INCLUSIVE: the sum of it and every earlier chunk.
 AGGREGATE = tl.constexpr(1)
 INCLUSIVE = tl.constexpr(2)
-LOOK_BACK = 8  # chunks read a step of the look-back (at most 4 KiB for 64 heads; 16 or 32 spill at sm_90)
+LOOK_BACK = 8  # chunks read a step of the look-back: 4 KiB at 64 heads (16 or 32 spill at 4 heads, sm_90)
 
 
 @triton.jit
@@ -164,7 +164,7 @@ def _chunk_offset(STATE, total, b, c, n_chunks, NH, offs_h, REVERSE: tl.constexp
         s = tl.load(row[None, :] + chunk[:, None] * NH, mask=read, other=0, volatile=True)
         flag = (s >> 32).to(tl.int32)
         lo = tl.min(tl.where(read, flag, INCLUSIVE), 1)  # over the heads of this block only
-        ready = (lo > 0) & (lo == tl.max(tl.where(read, flag, 0), 1))  # never past the first chunk
+        ready = (lo > 0) & (lo == tl.max(tl.where(read, flag, 0), 1))  # rows past the first chunk: never
         first_waiting = tl.min(tl.where(ready, LOOK, near), 0)
         first_inclusive = tl.min(tl.where(ready & (lo == INCLUSIVE), near, LOOK), 0)
         done = first_inclusive < first_waiting
