@@ -100,8 +100,21 @@ def lla_statistics(q, k, *, lam, scale, window=None, blocks=None) -> LLAStatisti
 
 
 def lla_probe(stats: LLAStatistics) -> torch.Tensor:
-    """``rho_i = Sigma_i^-1 mu_i``, ``[B, HQ, T, D]``, by an exact solve."""
-    return torch.linalg.solve(stats.Sigma, stats.mu[..., None])[..., 0]
+    """``rho_i = Sigma_i^-1 mu_i``, ``[B, HQ, T, D]``, by an exact solve (:func:`solve_or_zero`)."""
+    return solve_or_zero(stats.Sigma, stats.mu)
+
+
+def solve_or_zero(A, y) -> torch.Tensor:
+    """``A^-1 y`` for every ``A [..., D, D]``, ``y [..., D]``; a system singular in the working precision
+    (the ridge lost against ``|z|^2`` in fp32) gets 0, so its row falls back to the kernel-weighted mean of
+    the values, and neither the result nor its gradient sees the failed solve's inf or NaN."""
+    with torch.no_grad():
+        x, info = torch.linalg.solve_ex(A, y[..., None])
+        bad = (info != 0) | ~torch.isfinite(x[..., 0]).all(-1)
+    eye = torch.eye(A.shape[-1], dtype=A.dtype, device=A.device)
+    A = torch.where(bad[..., None, None], eye, A)
+    y = torch.where(bad[..., None], torch.zeros_like(y), y)
+    return torch.linalg.solve(A, y[..., None])[..., 0]
 
 
 def relmm(x, q, k) -> torch.Tensor:
@@ -112,17 +125,44 @@ def relmm(x, q, k) -> torch.Tensor:
     return contained_scores(x, k) - (x * q).sum(-1, keepdim=True)
 
 
-def lla_output(w, omega, mu, rho, q, k, v, seen) -> torch.Tensor:
-    """Eq. 8 / 16: ``o_i = sum_j w_ij (1 - z_ij.rho_i) v_j / (omega_i - mu_i.rho_i)``.
+def guarded_denominator(delta, omega, mu, lam_min, blocks) -> torch.Tensor:
+    """The denominator ``delta_i = omega_i - mu_i.rho_i`` of eq. 8 kept away from zero with its sign, ``[B, HQ, T]``.
 
-    Heads-first ``w [B, HQ, T, S]``, ``omega [B, HQ, T]``, ``mu, rho, q [B, HQ, T, D]``,
-    ``k [B, HQ, S, D]``, ``v [B, HQ, S, Dv]``, ``seen [T, S]``; returns ``[B, T, HQ, Dv]``. A query
-    that sees no key (``omega = 0``) gets zeros; a hidden key or value never reaches a row.
+    For full LLA ``delta_i = omega_i^2 / (omega_i + mu_i.A_i^-1 mu_i)`` with ``A_i`` the key scatter about
+    its weighted mean plus the ridge, so ``delta_i >= omega_i^2 lam_min / (omega_i lam_min + |mu_i|^2)`` in
+    exact arithmetic: a rounded ``delta`` below that (cancellation when ``lam`` is small against ``|z|^2``)
+    is raised to it. BD-LLA's ``delta`` may cross zero (each block adds up to ``omega``); its magnitude is
+    kept at ``eps * omega`` at least. A query that sees no key (``omega = 0``) gets 1.
     """
-    delta = omega - (mu * rho).sum(-1)
-    delta = torch.where(omega > 0, delta, torch.ones_like(delta))
-    zr = torch.where(seen, relmm(rho, q, k), w.new_zeros(()))  # no 0 * NaN in the product or its gradient
-    scores = w * (1 - zr) / delta[..., None]
+    seen_any = omega > 0
+    if blocks is None or blocks == 1:
+        den = omega * lam_min + (mu * mu).sum(-1)
+        floor = omega * omega * lam_min / torch.where(seen_any, den, torch.ones_like(den))
+    else:
+        floor = torch.finfo(delta.dtype).eps * omega
+    sign = torch.where(delta < 0, -torch.ones_like(delta), torch.ones_like(delta))
+    guarded = sign * torch.maximum(delta.abs(), floor)
+    return torch.where(seen_any, guarded, torch.ones_like(delta))
+
+
+def lla_output(w, omega, mu, rho, q, k, v, seen, lam_min, blocks=None) -> torch.Tensor:
+    """Eq. 8 / 16: ``o_i = sum_j w_ij (1 - z_ij.rho_i) v_j / delta_i`` with ``delta_i = omega_i - mu_i.rho_i``.
+
+    Heads-first ``w [B, HQ, T, S]``, ``omega [B, HQ, T]``, ``mu, rho, q [B, HQ, T, D]``, ``lam_min [B, HQ, T]``
+    (the smallest ridge), ``blocks`` (BD-LLA's g or None), ``k [B, HQ, S, D]``, ``v [B, HQ, S, Dv]``, ``seen [T, S]``; returns ``[B, T, HQ, Dv]``.
+    Computed as ``w_ij (1 / omega_i - (k_j - kbar_i).rho_i / delta_i)`` with ``kbar_i = sum_j w_ij k_j / omega_i``
+    (the same for every ``rho``, since ``1 - z_ij.rho_i = delta_i / omega_i - (k_j - kbar_i).rho_i``), and
+    ``kbar_i.rho_i`` as the weighted mean of the products ``k_j.rho_i`` themselves (so a row with one-hot
+    weights gets exactly its top value): the weighted mean of the values never passes through ``delta``, which cancels when ``lam`` is small against
+    ``|z|^2`` and is kept away from zero (:func:`guarded_denominator`). A query that sees no key
+    (``omega = 0``) gets zeros; a hidden key or value never reaches a row.
+    """
+    seen_any = omega > 0
+    omega_safe = torch.where(seen_any, omega, torch.ones_like(omega))
+    kr = torch.where(seen, contained_scores(rho, k), w.new_zeros(()))  # no 0 * NaN in the product or its gradient
+    spread = kr - (w * kr).sum(-1, keepdim=True) / omega_safe[..., None]  # (k_j - kbar_i).rho_i
+    delta = guarded_denominator(omega - (mu * rho).sum(-1), omega, mu, lam_min, blocks)
+    scores = w * (1 / omega_safe[..., None] - spread / delta[..., None])
     return contained_matmul(scores, v, seen).transpose(1, 2)
 
 
@@ -154,12 +194,17 @@ def sigma_matvec(p, q, k, w, omega, mu_tilde, lam_diag, blocks, seen=None) -> to
     return out.reshape(B, HQ, T, D) + lam_diag * p
 
 
-def conjugate_gradient(matvec, y, *, iters: int, tol: float) -> torch.Tensor:
+CURVATURE_FLOOR = 0.1  # a CG step needs p.Ap > CURVATURE_FLOOR * lam_min * |p|^2 (the exact value is >= lam_min |p|^2)
+
+
+def conjugate_gradient(matvec, y, *, iters: int, tol: float, lam_min) -> torch.Tensor:
     """Algorithm 2: solve ``A x = y`` for every row of ``y [..., D]`` from ``x = 0``.
 
-    A system is active while its residual norm exceeds ``tol * ||y||`` (and is > 0) and its
-    curvature ``p.Ap`` is positive (rounding can break that for a nearly singular ``A``); inactive
-    systems keep their iterate unchanged, so a converged or broken-down row never divides by zero.
+    ``A >= lam_min I`` (``lam_min [...]``, the smallest ridge). A system is active while its residual
+    norm exceeds ``tol * ||y||`` (and is > 0) and its curvature ``p.Ap`` exceeds ``CURVATURE_FLOOR *
+    lam_min * |p|^2`` (rounding can break ``p.Ap >= lam_min |p|^2`` for a nearly singular ``A``);
+    inactive systems keep their iterate unchanged, so a converged or broken-down row never divides
+    by zero and every step is at most ``rr / (CURVATURE_FLOOR lam_min |p|^2)``.
     """
     x = torch.zeros_like(y)
     r, p = y, y
@@ -169,7 +214,7 @@ def conjugate_gradient(matvec, y, *, iters: int, tol: float) -> torch.Tensor:
         active = (rr > bound) & (rr > 0)
         Ap = matvec(p)
         pAp = (p * Ap).sum(-1)
-        active = active & (pAp > 0)
+        active = active & (pAp > CURVATURE_FLOOR * lam_min * (p * p).sum(-1))
         alpha = torch.where(active, rr / torch.where(active, pAp, torch.ones_like(pAp)), torch.zeros_like(rr))
         x = x + alpha[..., None] * p
         r = r - alpha[..., None] * Ap
@@ -184,8 +229,9 @@ def _lla_explicit(q, k, v, *, lam, scale, window, blocks):
     stats = lla_statistics(q, k, lam=lam, scale=scale, window=window, blocks=blocks)
     rho = lla_probe(stats)
     HQ = q.shape[2]
+    lam_min = ridge(lam, (q.shape[0], HQ, q.shape[1], q.shape[3]), dtype=q.dtype, device=q.device).amin(-1)
     return lla_output(stats.w, stats.omega, stats.mu, rho, q.transpose(1, 2), heads_first(k, HQ),
-                      heads_first(v, HQ), seen_pairs(q, k, window))
+                      heads_first(v, HQ), seen_pairs(q, k, window), lam_min, blocks)
 
 
 def lla_matrix_free(q, k, v, *, lam, scale, window=None, blocks=None, cg_iters: int, cg_tol=1e-6):
@@ -205,8 +251,8 @@ def lla_matrix_free(q, k, v, *, lam, scale, window=None, blocks=None, cg_iters: 
     def matvec(p):
         return sigma_matvec(p, qh, kh, w, omega, mu_tilde, lam_diag, blocks, seen)
 
-    rho = conjugate_gradient(matvec, mu, iters=cg_iters, tol=cg_tol)
-    return lla_output(w, omega, mu, rho, qh, kh, vh, seen)
+    rho = conjugate_gradient(matvec, mu, iters=cg_iters, tol=cg_tol, lam_min=lam_diag.amin(-1))
+    return lla_output(w, omega, mu, rho, qh, kh, vh, seen, lam_diag.amin(-1), blocks)
 
 
 def lla_blocks_uncentred(q, k, v, *, lam, scale, window=None, blocks: int):
@@ -234,9 +280,10 @@ def lla_blocks_uncentred(q, k, v, *, lam, scale, window=None, blocks: int):
     qb, mb = split(qh), split(mt)
     sigma = (second - mb[..., :, None] * qb[..., None, :] - qb[..., :, None] * mb[..., None, :]
              + omega[..., None, None, None] * qb[..., :, None] * qb[..., None, :])
-    sigma = sigma + torch.diag_embed(split(ridge(lam, (B, HQ, T, D), dtype=q.dtype, device=q.device)))
-    rho = torch.linalg.solve(sigma, split(mu)[..., None])[..., 0].reshape(B, HQ, T, D)
-    return lla_output(w, omega, mu, rho, qh, kh, vh, seen)
+    lam_diag = ridge(lam, (B, HQ, T, D), dtype=q.dtype, device=q.device)
+    sigma = sigma + torch.diag_embed(split(lam_diag))
+    rho = solve_or_zero(sigma, split(mu)).reshape(B, HQ, T, D)
+    return lla_output(w, omega, mu, rho, qh, kh, vh, seen, lam_diag.amin(-1), blocks)
 
 
 def lla(q, k, v, *, lam, scale=None, window=None, blocks=None, cg_iters=None, cg_tol=1e-6):

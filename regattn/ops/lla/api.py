@@ -43,20 +43,20 @@ class FlashLLA(torch.autograd.Function):
         lam = lam_value if lam_tensor is None else lam_tensor
         cg_iters = cg_iters or 1  # not used by the direct solves
         D = q.shape[-1]
-        o, rho, delta, m2, argmax = lla_forward(q, k, v, lam, scale=scale, window=window,
+        o, rho, delta, m2, argmax, omega, centre = lla_forward(q, k, v, lam, scale=scale, window=window,
                                                 blocks={0: None, 1: D, 2: D // 2}[bd],
                                                 cg_iters=cg_iters, cg_tol=cg_tol)
-        ctx.save_for_backward(q, k, v, lam_tensor, rho, delta, m2, argmax)
+        ctx.save_for_backward(q, k, v, lam_tensor, rho, delta, m2, argmax, omega, centre)
         ctx.lam_value, ctx.scale, ctx.window, ctx.cg_iters, ctx.cg_tol = lam_value, scale, window, cg_iters, cg_tol
         ctx.bd = bd
         return o
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, lam_tensor, rho, delta, m2, argmax = ctx.saved_tensors
+        q, k, v, lam_tensor, rho, delta, m2, argmax, omega, centre = ctx.saved_tensors
         lam = ctx.lam_value if lam_tensor is None else lam_tensor
         lam_grad = lam_tensor is not None and ctx.needs_input_grad[3]
-        dq, dk, dv, dlam = lla_backward(do, q, k, v, lam, rho, delta, m2, argmax, scale=ctx.scale,
+        dq, dk, dv, dlam = lla_backward(do, q, k, v, lam, rho, delta, m2, argmax, omega, centre, scale=ctx.scale,
                                         window=ctx.window, cg_iters=ctx.cg_iters, cg_tol=ctx.cg_tol,
                                         lam_grad=lam_grad, bd=ctx.bd)
         dlam = dlam.to(lam_tensor.dtype) if dlam is not None else None
@@ -168,11 +168,15 @@ def lla(q, k, v, *, lam, scale=None, window=None, blocks=None, cg_iters=None, cg
         ``o_i = sum_j w_ij (1 - z_ij.rho_i) v_j / (omega_i - mu_i.rho_i)``.
 
     Precision: a query with fewer visible keys than dimensions has a denominator of about
-    ``lam / |z|^2``, formed by cancellation; fp32 keeps about ``eps |z|^2 / lam`` relative error there
-    and loses the denominator's sign once ``lam`` nears ``eps |z|^2`` (NaN or a wrong row). Keep
-    ``lam`` well above that (:class:`regattn.layers.LLA` floors it at ``lam_min``) or pass float64.
-    Truncated CG in fp32 also needs more than ``D`` iterations as ``lam`` shrinks (rounding breaks
-    its finite termination); a row whose curvature ``p.Sigma p`` stops being positive keeps its iterate.
+    ``lam / |z|^2``, formed by cancellation; fp32 keeps about ``eps |z|^2 / lam`` relative error there.
+    Finite inputs still give finite outputs and gradients for any ``lam > 0``: the denominator is kept
+    above its exact lower bound ``omega^2 lam_min / (omega lam_min + |mu|^2)`` with its sign, the output is
+    formed as ``w (1 / omega - (k - kbar).rho / delta)`` so the weighted mean of the values never passes
+    through it (nearly one-hot weights give the top value), a system singular in fp32 falls back to
+    ``rho = 0`` in the exact solves, and a CG row whose curvature ``p.Sigma p`` falls below
+    ``0.1 lam_min |p|^2`` keeps its iterate. For accuracy keep ``lam`` well above ``eps |z|^2``
+    (:class:`regattn.layers.LLA` floors it at ``lam_min``) or pass float64. Truncated CG in fp32 also
+    needs more than ``D`` iterations as ``lam`` shrinks (rounding breaks its finite termination).
 
     Args:
         q: ``[B, T, HQ, D]``; k: ``[B, S, H, D]``; v: ``[B, S, H, Dv]`` (GQA when ``HQ % H == 0``);
