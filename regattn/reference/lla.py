@@ -197,22 +197,35 @@ def sigma_matvec(p, q, k, w, omega, mu_tilde, lam_diag, blocks, seen=None) -> to
 CURVATURE_FLOOR = 0.1  # a CG step needs p.Ap > CURVATURE_FLOOR * lam_min * |p|^2 (the exact value is >= lam_min |p|^2)
 
 
-def conjugate_gradient(matvec, y, *, iters: int, tol: float, lam_min) -> torch.Tensor:
+def conjugate_gradient(matvec, y, *, iters: int, tol: float, lam_min, blocks=None) -> torch.Tensor:
     """Algorithm 2: solve ``A x = y`` for every row of ``y [..., D]`` from ``x = 0``.
 
+    With ``blocks = g`` (BD-LLA) ``A`` is block diagonal and each of its ``g`` blocks is its own system
+    with its own step sizes, so ``D / g`` iterations solve it exactly in exact arithmetic.
     ``A >= lam_min I`` (``lam_min [...]``, the smallest ridge). A system is active while its residual
     norm exceeds ``tol * ||y||`` (and is > 0) and its curvature ``p.Ap`` exceeds ``CURVATURE_FLOOR *
     lam_min * |p|^2`` (rounding can break ``p.Ap >= lam_min |p|^2`` for a nearly singular ``A``);
     inactive systems keep their iterate unchanged, so a converged or broken-down row never divides
     by zero and every step is at most ``rr / (CURVATURE_FLOOR lam_min |p|^2)``.
     """
+    g = 1 if blocks is None else blocks
+    shape = y.shape
+    lam_min = lam_min[..., None]  # the same bound for every block
+
+    def split(a):  # [..., D] -> [..., g, D / g]: one system per block
+        return a.reshape(*shape[:-1], g, shape[-1] // g)
+
+    def block_matvec(p):
+        return split(matvec(p.reshape(shape)))
+
+    y = split(y)
     x = torch.zeros_like(y)
     r, p = y, y
     rr = (r * r).sum(-1)
     bound = (tol ** 2) * rr
     for _ in range(iters):
         active = (rr > bound) & (rr > 0)
-        Ap = matvec(p)
+        Ap = block_matvec(p)
         pAp = (p * Ap).sum(-1)
         active = active & (pAp > CURVATURE_FLOOR * lam_min * (p * p).sum(-1))
         alpha = torch.where(active, rr / torch.where(active, pAp, torch.ones_like(pAp)), torch.zeros_like(rr))
@@ -222,7 +235,7 @@ def conjugate_gradient(matvec, y, *, iters: int, tol: float, lam_min) -> torch.T
         beta = torch.where(active, rr_new / torch.where(active, rr, torch.ones_like(rr)), torch.zeros_like(rr))
         p = torch.where(active[..., None], r + beta[..., None] * p, p)
         rr = torch.where(active, rr_new, rr)
-    return x
+    return x.reshape(shape)
 
 
 def _lla_explicit(q, k, v, *, lam, scale, window, blocks):
@@ -234,10 +247,42 @@ def _lla_explicit(q, k, v, *, lam, scale, window, blocks):
                       heads_first(v, HQ), seen_pairs(q, k, window), lam_min, blocks)
 
 
-def lla_matrix_free(q, k, v, *, lam, scale, window=None, blocks=None, cg_iters: int, cg_tol=1e-6):
+class ImplicitSolve(torch.autograd.Function):
+    """``rho``, an approximate solution of ``Sigma(theta) rho = mu(theta)``, differentiated as if it were exact.
+
+    ``apply(residual, solve, rho, *theta)`` returns ``rho``; the backward takes ``u = solve(g, *theta)``
+    (``~ Sigma^-1 g``, ``Sigma`` symmetric) and gives ``theta`` the gradient ``-(d residual / d theta)^T u``
+    with ``residual(rho, *theta) = Sigma rho - mu``: the implicit-function gradient, whatever the number of
+    iterations that produced ``rho``. This is what the FlashLLA backward computes (its second CG).
+    """
+
+    @staticmethod
+    def forward(ctx, residual, solve, rho, *theta):
+        ctx.residual, ctx.solve = residual, solve
+        ctx.save_for_backward(rho, *theta)
+        return rho.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        rho, *theta = ctx.saved_tensors
+        needs = ctx.needs_input_grad[3:]
+        with torch.no_grad():
+            u = ctx.solve(g, *theta)
+        with torch.enable_grad():
+            leaves = [t.detach().requires_grad_(n) for t, n in zip(theta, needs)]
+            r = ctx.residual(rho.detach(), *leaves)
+            wrt = [leaf for leaf in leaves if leaf.requires_grad]
+            grads = iter(torch.autograd.grad(r, wrt, -u, allow_unused=True) if wrt else ())
+        return (None, None, None, *[next(grads) if n else None for n in needs])
+
+
+def lla_matrix_free(q, k, v, *, lam, scale, window=None, blocks=None, cg_iters: int, cg_tol=1e-6,
+                    implicit_gradient: bool = True):
     """Eq. 10-16 with Algorithm 2: uncentred sums, implicit ``Sigma_i p``, CG, relmm output.
 
-    Same arguments and result as :func:`lla` with an integer ``cg_iters``.
+    Same arguments and result as :func:`lla` with an integer ``cg_iters``. The gradient treats the CG
+    result as the exact ``Sigma^-1 mu`` (:class:`ImplicitSolve`, its adjoint system solved by the same CG),
+    as the FlashLLA backward does; ``implicit_gradient=False`` differentiates through the iterations run.
     """
     B, T, HQ, D = q.shape
     w, _ = lla_weights(q, k, scale=scale, window=window)
@@ -248,10 +293,21 @@ def lla_matrix_free(q, k, v, *, lam, scale, window=None, blocks=None, cg_iters: 
     mu = mu_tilde - omega[..., None] * qh               # eq. 11
     lam_diag = ridge(lam, (B, HQ, T, D), dtype=q.dtype, device=q.device)
 
-    def matvec(p):
-        return sigma_matvec(p, qh, kh, w, omega, mu_tilde, lam_diag, blocks, seen)
+    def solve(y, qh, kh, w, omega, mu_tilde, mu, lam_diag):
+        def matvec(p):
+            return sigma_matvec(p, qh, kh, w, omega, mu_tilde, lam_diag, blocks, seen)
+        return conjugate_gradient(matvec, y, iters=cg_iters, tol=cg_tol, lam_min=lam_diag.amin(-1), blocks=blocks)
 
-    rho = conjugate_gradient(matvec, mu, iters=cg_iters, tol=cg_tol, lam_min=lam_diag.amin(-1))
+    def residual(rho, qh, kh, w, omega, mu_tilde, mu, lam_diag):
+        return sigma_matvec(rho, qh, kh, w, omega, mu_tilde, lam_diag, blocks, seen) - mu
+
+    theta = (qh, kh, w, omega, mu_tilde, mu, lam_diag)
+    if implicit_gradient:
+        with torch.no_grad():
+            rho = solve(mu, *theta)
+        rho = ImplicitSolve.apply(residual, solve, rho, *theta)
+    else:
+        rho = solve(mu, *theta)
     return lla_output(w, omega, mu, rho, qh, kh, vh, seen, lam_diag.amin(-1), blocks)
 
 

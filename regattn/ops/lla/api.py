@@ -186,10 +186,16 @@ def lla(q, k, v, *, lam, scale=None, window=None, blocks=None, cg_iters=None, cg
         window: SW-LLA, keys ``i - w < j <= i``.
         blocks: BD-LLA with ``g`` diagonal blocks of size ``D / g`` (Appendix E.1).
         cg_iters: None for an exact solve; an int for that many conjugate-gradient iterations
-            (Algorithm 2, with the active mask: a system stops once ``||r|| <= cg_tol ||mu||``).
+            (Algorithm 2, with the active mask: a system stops once ``||r|| <= cg_tol ||mu||``; BD-LLA
+            runs one CG per block, exact after ``D / g`` iterations in exact arithmetic). Gradients with
+            ``cg_iters`` are implicit on both backends: the CG result is treated as the exact
+            ``Sigma^-1 mu`` and the adjoint system is solved by the same CG (``cg_iters``, ``cg_tol``), so
+            they are the same on both backends at every ``cg_iters`` and the derivative of the output
+            once CG has converged. (BD-LLA by CG on the Triton backend, ``g`` other than ``D`` and
+            ``D / 2``, recomputes the exact block solve in its backward: the same once CG has converged.)
         backend: ``"auto" | "torch" | "triton"``. Triton (fp16, bf16, fp32) runs full LLA with
             ``cg_iters`` given (fused forward and backward) and BD-LLA (``g = D`` and ``g = D / 2``
-            by direct solves, where ``cg_iters`` is not needed; other ``g`` by CG); the backward is
+            by direct solves, where ``cg_iters`` is not needed; other ``g`` by one CG per block); the backward is
             fused for full LLA, ``g = D`` and ``g = D / 2``, and recomputes the block-exact torch form
             per query chunk for other ``g``. With ``cg_iters=None`` full
             LLA (and BD-LLA with other ``g``) solves exactly in torch through the uncentred form

@@ -121,6 +121,7 @@ def lla_bwd_q_kernel(Q, K, V, LAM, DO, RHO, DELTA, M2, OMEGA, CENTRE, DQ, U, BET
 
     # the second solve (eq. 37) and dmu (eq. 38)
     y = ck - csum[:, None] * q32
+    mu = mt - omega[:, None] * q32
     qs32 = swap_pairs(q32, BLOCK_M, BLOCK_D)
     sdiag = kk - 2.0 * q32 * mt + omega[:, None] * q32 * q32 + lam
     if BD == 1:
@@ -128,9 +129,10 @@ def lla_bwd_q_kernel(Q, K, V, LAM, DO, RHO, DELTA, M2, OMEGA, CENTRE, DQ, U, BET
     elif BD == 2:
         soff = kx - qs32 * mt - q32 * swap_pairs(mt, BLOCK_M, BLOCK_D) + omega[:, None] * q32 * qs32
         u = pair_solve(y, sdiag, soff, BLOCK_M, BLOCK_D)
-    else:
-        u = cg_solve(y, q, q32, mt, omega, lam, m2, pos, Kb, sks, skd, lo, hi, S, D, D,
-                     qk_scale2, iters, tol2, BLOCK_N, BLOCK_D, WINDOW, 1, DPREC)
+    else:  # u = Sigma^-1 (y - beta mu) + beta rho: equal to Sigma^-1 y when rho = Sigma^-1 mu, and with a
+        # truncated CG rho the implicit gradient at that rho (the adjoint Sigma^-1 dL/drho by the same CG)
+        u = cg_solve(y - beta[:, None] * mu, q, q32, mt, omega, lam, m2, pos, Kb, sks, skd, lo, hi, S, D, D,
+                     qk_scale2, iters, tol2, BLOCK_N, BLOCK_D, WINDOW, 1, DPREC) + beta[:, None] * rho
     dmu = 2.0 * beta[:, None] * rho - u
     hd = rho * (u - beta[:, None] * rho)  # diagonal of the masked dL/dSigma
     h1 = rho * (swap_pairs(u, BLOCK_M, BLOCK_D) - beta[:, None] * swap_pairs(rho, BLOCK_M, BLOCK_D))
@@ -161,7 +163,6 @@ def lla_bwd_q_kernel(Q, K, V, LAM, DO, RHO, DELTA, M2, OMEGA, CENTRE, DQ, U, BET
         fsum += tl.sum(f, 1)
         gsum += tl.sum(g, 1)
     if BD > 0:  # sum_j dL/dz_ij = -sum_j c_ij rho + omega dmu + 2 (h0 mu + hs mu_swap)
-        mu = mt - omega[:, None] * q32
         zsum = omega[:, None] * dmu - csum[:, None] * rho + 2.0 * hd * mu
         if BD == 2:
             zsum += 2.0 * hs * swap_pairs(mu, BLOCK_M, BLOCK_D)

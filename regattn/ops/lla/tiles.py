@@ -135,31 +135,35 @@ def sigma_matvec(p, q, q32, mt, omega, lam, m2, pos, K, stride_kn, stride_kd, lo
 def cg_solve(y, q, q32, mt, omega, lam, m2, pos, K, stride_kn, stride_kd, lo, hi, S, D, blk_size, qk_scale2,
              iters, tol2, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, WINDOW: tl.constexpr,
              G: tl.constexpr, DPREC: tl.constexpr):
-    """Algorithm 2: ``Sigma_i x_i = y_i`` for every row of the tile from ``x = 0``, fp32.
+    """Algorithm 2: ``Sigma_i x_i = y_i`` for every row of the tile from ``x = 0``, fp32; with ``G`` feature
+    blocks (BD-LLA) one CG per block, exact after ``D / G`` iterations in exact arithmetic.
 
-    A row is active while ``||r||^2 > tol2 * ||y||^2`` (and > 0) and ``p.Sigma p > CURVATURE_FLOOR *
+    A system is active while ``||r||^2 > tol2 * ||y||^2`` (and > 0) and ``p.Sigma p > CURVATURE_FLOOR *
     lam_min |p|^2`` (``Sigma >= lam_min I`` exactly; rounding can break that for a nearly singular Sigma);
-    inactive rows keep their iterate, so neither early convergence nor a breakdown divides by zero. A tile whose rows are all done skips the key pass.
+    inactive systems keep their iterate, so neither early convergence nor a breakdown divides by zero.
+    A tile whose systems are all done skips the key pass.
     """
+    offs_d = tl.arange(0, BLOCK_D)
     x = tl.zeros(y.shape, dtype=tl.float32)
     r = y
     p = y
-    rr = tl.sum(r * r, 1)
+    # every scalar of the recurrence is per row and feature block, held at each of the block's columns
+    rr = block_sums(r * r, offs_d, blk_size, G)
     bound = tol2 * rr
-    curvature_floor = CURVATURE_FLOOR * smallest_ridge(lam, D, BLOCK_D)
+    curvature_floor = CURVATURE_FLOOR * smallest_ridge(lam, D, BLOCK_D)[:, None]
     for _ in range(iters):
         active = (rr > bound) & (rr > 0.0)
-        if tl.sum(active.to(tl.int32), 0) > 0:
+        if tl.sum(tl.sum(active.to(tl.int32), 1), 0) > 0:
             sp = sigma_matvec(p, q, q32, mt, omega, lam, m2, pos, K, stride_kn, stride_kd, lo, hi, S, D,
                               blk_size, qk_scale2, BLOCK_N, BLOCK_D, WINDOW, G, DPREC)
-            pap = tl.sum(p * sp, 1)
-            active = active & (pap > curvature_floor * tl.sum(p * p, 1))
+            pap = block_sums(p * sp, offs_d, blk_size, G)
+            active = active & (pap > curvature_floor * block_sums(p * p, offs_d, blk_size, G))
             alpha = tl.where(active, rr / tl.where(active, pap, 1.0), 0.0)
-            x += alpha[:, None] * p
-            r -= alpha[:, None] * sp
-            rr_new = tl.sum(r * r, 1)
+            x += alpha * p
+            r -= alpha * sp
+            rr_new = block_sums(r * r, offs_d, blk_size, G)
             beta = tl.where(active, rr_new / tl.where(active, rr, 1.0), 0.0)
-            p = tl.where(active[:, None], r + beta[:, None] * p, p)
+            p = tl.where(active, r + beta * p, p)
             rr = tl.where(active, rr_new, rr)
     return x
 
