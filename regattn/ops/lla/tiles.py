@@ -11,9 +11,10 @@ import triton
 import triton.language as tl
 
 from regattn.ops._common.attention_tiles import key_span, visible_mask
-from regattn.reference.lla import CURVATURE_FLOOR
+from regattn.reference.lla import CURVATURE_FLOOR as REFERENCE_CURVATURE_FLOOR
 
-FP32_EPS: tl.constexpr = tl.constexpr(2.0 ** -23)
+CURVATURE_FLOOR = tl.constexpr(REFERENCE_CURVATURE_FLOOR)  # the reference's, as a kernel constant
+FP32_EPS = tl.constexpr(2.0 ** -23)
 
 
 @triton.jit
