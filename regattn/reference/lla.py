@@ -3,10 +3,11 @@
 Two formulations of the same function:
 
 * the explicit one (eq. 7-8): centred differences ``z_ij = k_j - q_i``, the statistics
-  ``omega_i, mu_i, Sigma_i`` materialised per query and ``rho_i = Sigma_i^-1 mu_i`` by
-  ``torch.linalg.solve`` (``cg_iters=None``);
+  ``omega_i, mu_i, Sigma_i`` materialised per query and ``rho_i = Sigma_i^-1 mu_i`` by an exact
+  solve (``cg_iters=None``; :func:`solve_or_zero`);
 * the matrix-free one (eq. 10-16): uncentred sums, ``Sigma_i p`` built implicitly (eq. 13),
-  conjugate gradients with an active mask (Algorithm 2), the output through relmm (eq. 12).
+  conjugate gradients with an active mask (Algorithm 2), the output through the products ``k_j.rho_i``
+  (eq. 12's relmm, taken about the weighted mean key rather than the query: see :func:`lla_output`).
 
 Weights are ``w_ij = exp(scale * q_i.k_j - m_i)`` with ``m_i`` the row maximum over visible keys,
 so the largest weight of every row is 1 and the ridge ``lam`` is measured against it.
@@ -117,14 +118,6 @@ def solve_or_zero(A, y) -> torch.Tensor:
     return torch.linalg.solve(A, y[..., None])[..., 0]
 
 
-def relmm(x, q, k) -> torch.Tensor:
-    """Eq. 12: ``relmm(X, Q, K)_ij = x_i.k_j - x_i.q_i = z_ij.x_i``; heads-first ``[B, HQ, T, S]``.
-
-    ``x, q: [B, HQ, T, D]``, ``k: [B, HQ, S, D]``.
-    """
-    return contained_scores(x, k) - (x * q).sum(-1, keepdim=True)
-
-
 def guarded_denominator(delta, omega, mu, lam_min, blocks) -> torch.Tensor:
     """The denominator ``delta_i = omega_i - mu_i.rho_i`` of eq. 8 kept away from zero with its sign, ``[B, HQ, T]``.
 
@@ -145,15 +138,16 @@ def guarded_denominator(delta, omega, mu, lam_min, blocks) -> torch.Tensor:
     return torch.where(seen_any, guarded, torch.ones_like(delta))
 
 
-def lla_output(w, omega, mu, rho, q, k, v, seen, lam_min, blocks=None) -> torch.Tensor:
+def lla_output(w, omega, mu, rho, k, v, seen, lam_min, blocks=None) -> torch.Tensor:
     """Eq. 8 / 16: ``o_i = sum_j w_ij (1 - z_ij.rho_i) v_j / delta_i`` with ``delta_i = omega_i - mu_i.rho_i``.
 
-    Heads-first ``w [B, HQ, T, S]``, ``omega [B, HQ, T]``, ``mu, rho, q [B, HQ, T, D]``, ``lam_min [B, HQ, T]``
-    (the smallest ridge), ``blocks`` (BD-LLA's g or None), ``k [B, HQ, S, D]``, ``v [B, HQ, S, Dv]``, ``seen [T, S]``; returns ``[B, T, HQ, Dv]``.
-    Computed as ``w_ij (1 / omega_i - (k_j - kbar_i).rho_i / delta_i)`` with ``kbar_i = sum_j w_ij k_j / omega_i``
-    (the same for every ``rho``, since ``1 - z_ij.rho_i = delta_i / omega_i - (k_j - kbar_i).rho_i``), and
-    ``kbar_i.rho_i`` as the weighted mean of the products ``k_j.rho_i`` themselves (so a row with one-hot
-    weights gets exactly its top value): the weighted mean of the values never passes through ``delta``, which cancels when ``lam`` is small against
+    Heads-first ``w [B, HQ, T, S]``, ``omega [B, HQ, T]``, ``mu, rho [B, HQ, T, D]``, ``lam_min [B, HQ, T]``
+    (the smallest ridge), ``blocks`` (BD-LLA's g or None), ``k [B, HQ, S, D]``, ``v [B, HQ, S, Dv]``,
+    ``seen [T, S]``; returns ``[B, T, HQ, Dv]``. Computed as ``w_ij (1 / omega_i - (k_j - kbar_i).rho_i / delta_i)``
+    with ``kbar_i = sum_j w_ij k_j / omega_i`` (the same for every ``rho``, since ``1 - z_ij.rho_i =
+    delta_i / omega_i - (k_j - kbar_i).rho_i``), and ``kbar_i.rho_i`` as the weighted mean of the products
+    ``k_j.rho_i`` themselves (so a row with one-hot weights gets exactly its top value): the weighted mean
+    of the values never passes through ``delta``, which cancels when ``lam`` is small against
     ``|z|^2`` and is kept away from zero (:func:`guarded_denominator`). A query that sees no key
     (``omega = 0``) gets zeros; a hidden key or value never reaches a row.
     """
@@ -243,7 +237,7 @@ def _lla_explicit(q, k, v, *, lam, scale, window, blocks):
     rho = lla_probe(stats)
     HQ = q.shape[2]
     lam_min = ridge(lam, (q.shape[0], HQ, q.shape[1], q.shape[3]), dtype=q.dtype, device=q.device).amin(-1)
-    return lla_output(stats.w, stats.omega, stats.mu, rho, q.transpose(1, 2), heads_first(k, HQ),
+    return lla_output(stats.w, stats.omega, stats.mu, rho, heads_first(k, HQ),
                       heads_first(v, HQ), seen_pairs(q, k, window), lam_min, blocks)
 
 
@@ -278,7 +272,7 @@ class ImplicitSolve(torch.autograd.Function):
 
 def lla_matrix_free(q, k, v, *, lam, scale, window=None, blocks=None, cg_iters: int, cg_tol=1e-6,
                     implicit_gradient: bool = True):
-    """Eq. 10-16 with Algorithm 2: uncentred sums, implicit ``Sigma_i p``, CG, relmm output.
+    """Eq. 10-16 with Algorithm 2: uncentred sums, implicit ``Sigma_i p``, CG, the output of :func:`lla_output`.
 
     Same arguments and result as :func:`lla` with an integer ``cg_iters``. The gradient treats the CG
     result as the exact ``Sigma^-1 mu`` (:class:`ImplicitSolve`, its adjoint system solved by the same CG),
@@ -308,7 +302,7 @@ def lla_matrix_free(q, k, v, *, lam, scale, window=None, blocks=None, cg_iters: 
         rho = ImplicitSolve.apply(residual, solve, rho, *theta)
     else:
         rho = solve(mu, *theta)
-    return lla_output(w, omega, mu, rho, qh, kh, vh, seen, lam_diag.amin(-1), blocks)
+    return lla_output(w, omega, mu, rho, kh, vh, seen, lam_diag.amin(-1), blocks)
 
 
 def lla_blocks_uncentred(q, k, v, *, lam, scale, window=None, blocks: int):
@@ -339,7 +333,7 @@ def lla_blocks_uncentred(q, k, v, *, lam, scale, window=None, blocks: int):
     lam_diag = ridge(lam, (B, HQ, T, D), dtype=q.dtype, device=q.device)
     sigma = sigma + torch.diag_embed(split(lam_diag))
     rho = solve_or_zero(sigma, split(mu)).reshape(B, HQ, T, D)
-    return lla_output(w, omega, mu, rho, qh, kh, vh, seen, lam_diag.amin(-1), blocks)
+    return lla_output(w, omega, mu, rho, kh, vh, seen, lam_diag.amin(-1), blocks)
 
 
 def lla(q, k, v, *, lam, scale=None, window=None, blocks=None, cg_iters=None, cg_tol=1e-6):

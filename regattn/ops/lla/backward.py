@@ -32,7 +32,8 @@ import triton.language as tl
 from regattn.ops._common.attention_tiles import LOG2E, dot_precision, head_block, interpreting
 from regattn.ops.lla.forward import lam_tensor
 from regattn.ops.lla.tiles import (
-    cg_solve, load_cols, load_rows, pair_solve, query_head, query_key_tiles, one_minus_a, relmm_tile, swap_pairs, tile_weights,
+    cg_solve, load_cols, load_rows, one_minus_a, pair_solve, query_head, query_key_tiles, relmm_tile, swap_pairs,
+    tile_weights,
 )
 
 
@@ -290,8 +291,8 @@ def row_max_path(dq, dk, q, k, dm, argmax, scale):
     dk.view(-1, D).index_add_(0, flat.reshape(-1), (scale * dm_t[..., None] * q.float()).reshape(-1, D))
 
 
-def lla_backward(do, q, k, v, lam, rho, delta, m2, argmax, omega, centre, *, scale, window, cg_iters, cg_tol, lam_grad: bool,
-                 bd: int = 0):
+def lla_backward(do, q, k, v, lam, rho, delta, m2, argmax, omega, centre, *, scale, window, cg_iters, cg_tol,
+                 lam_grad: bool, bd: int = 0):
     """Gradients ``(dq, dk, dv, dlam)`` for full LLA (``bd = 0``) or BD-LLA with 1 x 1 (``bd = 1``) or
     2 x 2 blocks (``bd = 2``); ``dlam`` shaped like ``lam`` or None."""
     B, T, HQ, D = q.shape
