@@ -135,15 +135,16 @@ def test_block_diagonal_cg_solves_each_block_on_its_own():
     assert rel_err(out, exact) < 1e-3
 
 
-@pytest.mark.parametrize("lam_kind", ["query", "dim"])
-def test_truncated_cg_gradient_is_the_same_on_both_backends(lam_kind):
-    """With cg_iters = 2 (far from converged) both backends give the implicit gradient at the CG result
-    (the adjoint system solved by the same CG): dq, dk, dv, dlam agree in fp32, and differ from
-    differentiating through the two iterations."""
+@pytest.mark.parametrize("lam_kind,blocks", [("query", None), ("dim", None), ("dim", 2)])
+def test_truncated_cg_gradient_is_the_same_on_both_backends(lam_kind, blocks, monkeypatch):
+    """With cg_iters = 2 (far from converged, for full LLA and BD-LLA with blocks of 4) both backends give
+    the implicit gradient at the CG result (the adjoint system solved by the same CG): dq, dk, dv, dlam
+    agree in fp32, and differ from differentiating through the two iterations."""
+    monkeypatch.setattr("regattn.ops.lla.api.BLOCK_BACKWARD_CHUNK", 8)
     q, k, v, lam = make(1, 21, 21, 2, 1, 8, 5, lam_kind)
     do = randn(1, 21, 2, 5)
     f32 = [x.float() for x in (q, k, v, lam)]
-    kw = dict(window=13, cg_iters=2, cg_tol=0.0)
+    kw = dict(window=13, blocks=blocks, cg_iters=2, cg_tol=0.0)
     _, torch_grads = grads_of(lambda *a: regattn.lla(*a[:3], lam=a[3], backend="torch", **kw), *f32, do)
     _, triton_grads = grads_of(lambda *a: regattn.lla(*a[:3], lam=a[3], backend="triton", **kw), *f32, do)
     for name, a, b in zip(("dq", "dk", "dv", "dlam"), triton_grads, torch_grads):
