@@ -109,6 +109,8 @@ def solve_or_zero(A, y) -> torch.Tensor:
     """``A^-1 y`` for every ``A [..., D, D]``, ``y [..., D]``; a system singular in the working precision
     (the ridge lost against ``|z|^2`` in fp32) gets 0, so its row falls back to the kernel-weighted mean of
     the values, and neither the result nor its gradient sees the failed solve's inf or NaN."""
+    dtype = torch.promote_types(A.dtype, y.dtype)  # autocast may leave them apart
+    A, y = A.to(dtype), y.to(dtype)
     with torch.no_grad():
         x, info = torch.linalg.solve_ex(A, y[..., None])
         bad = (info != 0) | ~torch.isfinite(x[..., 0]).all(-1)
