@@ -3,10 +3,11 @@
 Two formulations of the same function:
 
 * the explicit one (eq. 7-8): centred differences ``z_ij = k_j - q_i``, the statistics
-  ``omega_i, mu_i, Sigma_i`` materialised per query and ``rho_i = Sigma_i^-1 mu_i`` by
-  ``torch.linalg.solve`` (``cg_iters=None``);
+  ``omega_i, mu_i, Sigma_i`` materialised per query and ``rho_i = Sigma_i^-1 mu_i`` by an exact
+  solve (``cg_iters=None``; :func:`solve_or_zero`);
 * the matrix-free one (eq. 10-16): uncentred sums, ``Sigma_i p`` built implicitly (eq. 13),
-  conjugate gradients with an active mask (Algorithm 2), the output through relmm (eq. 12).
+  conjugate gradients with an active mask (Algorithm 2), the output through the products ``k_j.rho_i``
+  (eq. 12's relmm, taken about the weighted mean key rather than the query: see :func:`lla_output`).
 
 Weights are ``w_ij = exp(scale * q_i.k_j - m_i)`` with ``m_i`` the row maximum over visible keys,
 so the largest weight of every row is 1 and the ridge ``lam`` is measured against it.
@@ -100,29 +101,64 @@ def lla_statistics(q, k, *, lam, scale, window=None, blocks=None) -> LLAStatisti
 
 
 def lla_probe(stats: LLAStatistics) -> torch.Tensor:
-    """``rho_i = Sigma_i^-1 mu_i``, ``[B, HQ, T, D]``, by an exact solve."""
-    return torch.linalg.solve(stats.Sigma, stats.mu[..., None])[..., 0]
+    """``rho_i = Sigma_i^-1 mu_i``, ``[B, HQ, T, D]``, by an exact solve (:func:`solve_or_zero`)."""
+    return solve_or_zero(stats.Sigma, stats.mu)
 
 
-def relmm(x, q, k) -> torch.Tensor:
-    """Eq. 12: ``relmm(X, Q, K)_ij = x_i.k_j - x_i.q_i = z_ij.x_i``; heads-first ``[B, HQ, T, S]``.
+def solve_or_zero(A, y) -> torch.Tensor:
+    """``A^-1 y`` for every ``A [..., D, D]``, ``y [..., D]``; a system singular in the working precision
+    (the ridge lost against ``|z|^2`` in fp32) gets 0, so its row falls back to the kernel-weighted mean of
+    the values, and neither the result nor its gradient sees the failed solve's inf or NaN."""
+    dtype = torch.promote_types(A.dtype, y.dtype)  # autocast may leave them apart
+    A, y = A.to(dtype), y.to(dtype)
+    with torch.no_grad():
+        x, info = torch.linalg.solve_ex(A, y[..., None])
+        bad = (info != 0) | ~torch.isfinite(x[..., 0]).all(-1)
+    eye = torch.eye(A.shape[-1], dtype=A.dtype, device=A.device)
+    A = torch.where(bad[..., None, None], eye, A)
+    y = torch.where(bad[..., None], torch.zeros_like(y), y)
+    return torch.linalg.solve(A, y[..., None])[..., 0]
 
-    ``x, q: [B, HQ, T, D]``, ``k: [B, HQ, S, D]``.
+
+def guarded_denominator(delta, omega, mu, lam_min, blocks) -> torch.Tensor:
+    """The denominator ``delta_i = omega_i - mu_i.rho_i`` of eq. 8 kept away from zero with its sign, ``[B, HQ, T]``.
+
+    For full LLA ``delta_i = omega_i^2 / (omega_i + mu_i.A_i^-1 mu_i)`` with ``A_i`` the key scatter about
+    its weighted mean plus the ridge, so ``delta_i >= omega_i^2 lam_min / (omega_i lam_min + |mu_i|^2)`` in
+    exact arithmetic: a rounded ``delta`` below that (cancellation when ``lam`` is small against ``|z|^2``)
+    is raised to it. BD-LLA's ``delta`` may cross zero (each block adds up to ``omega``); its magnitude is
+    kept at ``eps * omega`` at least. A query that sees no key (``omega = 0``) gets 1.
     """
-    return contained_scores(x, k) - (x * q).sum(-1, keepdim=True)
+    seen_any = omega > 0
+    if blocks is None or blocks == 1:
+        den = omega * lam_min + (mu * mu).sum(-1)
+        floor = omega * omega * lam_min / torch.where(seen_any, den, torch.ones_like(den))
+    else:
+        floor = torch.finfo(delta.dtype).eps * omega
+    sign = torch.where(delta < 0, -torch.ones_like(delta), torch.ones_like(delta))
+    guarded = sign * torch.maximum(delta.abs(), floor)
+    return torch.where(seen_any, guarded, torch.ones_like(delta))
 
 
-def lla_output(w, omega, mu, rho, q, k, v, seen) -> torch.Tensor:
-    """Eq. 8 / 16: ``o_i = sum_j w_ij (1 - z_ij.rho_i) v_j / (omega_i - mu_i.rho_i)``.
+def lla_output(w, omega, mu, rho, k, v, seen, lam_min, blocks=None) -> torch.Tensor:
+    """Eq. 8 / 16: ``o_i = sum_j w_ij (1 - z_ij.rho_i) v_j / delta_i`` with ``delta_i = omega_i - mu_i.rho_i``.
 
-    Heads-first ``w [B, HQ, T, S]``, ``omega [B, HQ, T]``, ``mu, rho, q [B, HQ, T, D]``,
-    ``k [B, HQ, S, D]``, ``v [B, HQ, S, Dv]``, ``seen [T, S]``; returns ``[B, T, HQ, Dv]``. A query
-    that sees no key (``omega = 0``) gets zeros; a hidden key or value never reaches a row.
+    Heads-first ``w [B, HQ, T, S]``, ``omega [B, HQ, T]``, ``mu, rho [B, HQ, T, D]``, ``lam_min [B, HQ, T]``
+    (the smallest ridge), ``blocks`` (BD-LLA's g or None), ``k [B, HQ, S, D]``, ``v [B, HQ, S, Dv]``,
+    ``seen [T, S]``; returns ``[B, T, HQ, Dv]``. Computed as ``w_ij (1 / omega_i - (k_j - kbar_i).rho_i / delta_i)``
+    with ``kbar_i = sum_j w_ij k_j / omega_i`` (the same for every ``rho``, since ``1 - z_ij.rho_i =
+    delta_i / omega_i - (k_j - kbar_i).rho_i``), and ``kbar_i.rho_i`` as the weighted mean of the products
+    ``k_j.rho_i`` themselves (so a row with one-hot weights gets exactly its top value): the weighted mean
+    of the values never passes through ``delta``, which cancels when ``lam`` is small against
+    ``|z|^2`` and is kept away from zero (:func:`guarded_denominator`). A query that sees no key
+    (``omega = 0``) gets zeros; a hidden key or value never reaches a row.
     """
-    delta = omega - (mu * rho).sum(-1)
-    delta = torch.where(omega > 0, delta, torch.ones_like(delta))
-    zr = torch.where(seen, relmm(rho, q, k), w.new_zeros(()))  # no 0 * NaN in the product or its gradient
-    scores = w * (1 - zr) / delta[..., None]
+    seen_any = omega > 0
+    omega_safe = torch.where(seen_any, omega, torch.ones_like(omega))
+    kr = torch.where(seen, contained_scores(rho, k), w.new_zeros(()))  # no 0 * NaN in the product or its gradient
+    spread = kr - (w * kr).sum(-1, keepdim=True) / omega_safe[..., None]  # (k_j - kbar_i).rho_i
+    delta = guarded_denominator(omega - (mu * rho).sum(-1), omega, mu, lam_min, blocks)
+    scores = w * (1 / omega_safe[..., None] - spread / delta[..., None])
     return contained_matmul(scores, v, seen).transpose(1, 2)
 
 
@@ -154,22 +190,40 @@ def sigma_matvec(p, q, k, w, omega, mu_tilde, lam_diag, blocks, seen=None) -> to
     return out.reshape(B, HQ, T, D) + lam_diag * p
 
 
-def conjugate_gradient(matvec, y, *, iters: int, tol: float) -> torch.Tensor:
+CURVATURE_FLOOR = 0.1  # a CG step needs p.Ap > CURVATURE_FLOOR * lam_min * |p|^2 (the exact value is >= lam_min |p|^2)
+
+
+def conjugate_gradient(matvec, y, *, iters: int, tol: float, lam_min, blocks=None) -> torch.Tensor:
     """Algorithm 2: solve ``A x = y`` for every row of ``y [..., D]`` from ``x = 0``.
 
-    A system is active while its residual norm exceeds ``tol * ||y||`` (and is > 0) and its
-    curvature ``p.Ap`` is positive (rounding can break that for a nearly singular ``A``); inactive
-    systems keep their iterate unchanged, so a converged or broken-down row never divides by zero.
+    With ``blocks = g`` (BD-LLA) ``A`` is block diagonal and each of its ``g`` blocks is its own system
+    with its own step sizes, so ``D / g`` iterations solve it exactly in exact arithmetic.
+    ``A >= lam_min I`` (``lam_min [...]``, the smallest ridge). A system is active while its residual
+    norm exceeds ``tol * ||y||`` (and is > 0) and its curvature ``p.Ap`` exceeds ``CURVATURE_FLOOR *
+    lam_min * |p|^2`` (rounding can break ``p.Ap >= lam_min |p|^2`` for a nearly singular ``A``);
+    inactive systems keep their iterate unchanged, so a converged or broken-down row never divides
+    by zero and every step is at most ``rr / (CURVATURE_FLOOR lam_min |p|^2)``.
     """
+    g = 1 if blocks is None else blocks
+    shape = y.shape
+    lam_min = lam_min[..., None]  # the same bound for every block
+
+    def split(a):  # [..., D] -> [..., g, D / g]: one system per block
+        return a.reshape(*shape[:-1], g, shape[-1] // g)
+
+    def block_matvec(p):
+        return split(matvec(p.reshape(shape)))
+
+    y = split(y)
     x = torch.zeros_like(y)
     r, p = y, y
     rr = (r * r).sum(-1)
     bound = (tol ** 2) * rr
     for _ in range(iters):
         active = (rr > bound) & (rr > 0)
-        Ap = matvec(p)
+        Ap = block_matvec(p)
         pAp = (p * Ap).sum(-1)
-        active = active & (pAp > 0)
+        active = active & (pAp > CURVATURE_FLOOR * lam_min * (p * p).sum(-1))
         alpha = torch.where(active, rr / torch.where(active, pAp, torch.ones_like(pAp)), torch.zeros_like(rr))
         x = x + alpha[..., None] * p
         r = r - alpha[..., None] * Ap
@@ -177,21 +231,54 @@ def conjugate_gradient(matvec, y, *, iters: int, tol: float) -> torch.Tensor:
         beta = torch.where(active, rr_new / torch.where(active, rr, torch.ones_like(rr)), torch.zeros_like(rr))
         p = torch.where(active[..., None], r + beta[..., None] * p, p)
         rr = torch.where(active, rr_new, rr)
-    return x
+    return x.reshape(shape)
 
 
 def _lla_explicit(q, k, v, *, lam, scale, window, blocks):
     stats = lla_statistics(q, k, lam=lam, scale=scale, window=window, blocks=blocks)
     rho = lla_probe(stats)
     HQ = q.shape[2]
-    return lla_output(stats.w, stats.omega, stats.mu, rho, q.transpose(1, 2), heads_first(k, HQ),
-                      heads_first(v, HQ), seen_pairs(q, k, window))
+    lam_min = ridge(lam, (q.shape[0], HQ, q.shape[1], q.shape[3]), dtype=q.dtype, device=q.device).amin(-1)
+    return lla_output(stats.w, stats.omega, stats.mu, rho, heads_first(k, HQ),
+                      heads_first(v, HQ), seen_pairs(q, k, window), lam_min, blocks)
 
 
-def lla_matrix_free(q, k, v, *, lam, scale, window=None, blocks=None, cg_iters: int, cg_tol=1e-6):
-    """Eq. 10-16 with Algorithm 2: uncentred sums, implicit ``Sigma_i p``, CG, relmm output.
+class ImplicitSolve(torch.autograd.Function):
+    """``rho``, an approximate solution of ``Sigma(theta) rho = mu(theta)``, differentiated as if it were exact.
 
-    Same arguments and result as :func:`lla` with an integer ``cg_iters``.
+    ``apply(residual, solve, rho, *theta)`` returns ``rho``; the backward takes ``u = solve(g, *theta)``
+    (``~ Sigma^-1 g``, ``Sigma`` symmetric) and gives ``theta`` the gradient ``-(d residual / d theta)^T u``
+    with ``residual(rho, *theta) = Sigma rho - mu``: the implicit-function gradient, whatever the number of
+    iterations that produced ``rho``. This is what the FlashLLA backward computes (its second CG).
+    """
+
+    @staticmethod
+    def forward(ctx, residual, solve, rho, *theta):
+        ctx.residual, ctx.solve = residual, solve
+        ctx.save_for_backward(rho, *theta)
+        return rho.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        rho, *theta = ctx.saved_tensors
+        needs = ctx.needs_input_grad[3:]
+        with torch.no_grad():
+            u = ctx.solve(g, *theta)
+        with torch.enable_grad():
+            leaves = [t.detach().requires_grad_(n) for t, n in zip(theta, needs)]
+            r = ctx.residual(rho.detach(), *leaves)
+            wrt = [leaf for leaf in leaves if leaf.requires_grad]
+            grads = iter(torch.autograd.grad(r, wrt, -u, allow_unused=True) if wrt else ())
+        return (None, None, None, *[next(grads) if n else None for n in needs])
+
+
+def lla_matrix_free(q, k, v, *, lam, scale, window=None, blocks=None, cg_iters: int, cg_tol=1e-6,
+                    implicit_gradient: bool = True):
+    """Eq. 10-16 with Algorithm 2: uncentred sums, implicit ``Sigma_i p``, CG, the output of :func:`lla_output`.
+
+    Same arguments and result as :func:`lla` with an integer ``cg_iters``. The gradient treats the CG
+    result as the exact ``Sigma^-1 mu`` (:class:`ImplicitSolve`, its adjoint system solved by the same CG),
+    as the FlashLLA backward does; ``implicit_gradient=False`` differentiates through the iterations run.
     """
     B, T, HQ, D = q.shape
     w, _ = lla_weights(q, k, scale=scale, window=window)
@@ -202,11 +289,22 @@ def lla_matrix_free(q, k, v, *, lam, scale, window=None, blocks=None, cg_iters: 
     mu = mu_tilde - omega[..., None] * qh               # eq. 11
     lam_diag = ridge(lam, (B, HQ, T, D), dtype=q.dtype, device=q.device)
 
-    def matvec(p):
-        return sigma_matvec(p, qh, kh, w, omega, mu_tilde, lam_diag, blocks, seen)
+    def solve(y, qh, kh, w, omega, mu_tilde, mu, lam_diag):
+        def matvec(p):
+            return sigma_matvec(p, qh, kh, w, omega, mu_tilde, lam_diag, blocks, seen)
+        return conjugate_gradient(matvec, y, iters=cg_iters, tol=cg_tol, lam_min=lam_diag.amin(-1), blocks=blocks)
 
-    rho = conjugate_gradient(matvec, mu, iters=cg_iters, tol=cg_tol)
-    return lla_output(w, omega, mu, rho, qh, kh, vh, seen)
+    def residual(rho, qh, kh, w, omega, mu_tilde, mu, lam_diag):
+        return sigma_matvec(rho, qh, kh, w, omega, mu_tilde, lam_diag, blocks, seen) - mu
+
+    theta = (qh, kh, w, omega, mu_tilde, mu, lam_diag)
+    if implicit_gradient:
+        with torch.no_grad():
+            rho = solve(mu, *theta)
+        rho = ImplicitSolve.apply(residual, solve, rho, *theta)
+    else:
+        rho = solve(mu, *theta)
+    return lla_output(w, omega, mu, rho, kh, vh, seen, lam_diag.amin(-1), blocks)
 
 
 def lla_blocks_uncentred(q, k, v, *, lam, scale, window=None, blocks: int):
@@ -234,9 +332,10 @@ def lla_blocks_uncentred(q, k, v, *, lam, scale, window=None, blocks: int):
     qb, mb = split(qh), split(mt)
     sigma = (second - mb[..., :, None] * qb[..., None, :] - qb[..., :, None] * mb[..., None, :]
              + omega[..., None, None, None] * qb[..., :, None] * qb[..., None, :])
-    sigma = sigma + torch.diag_embed(split(ridge(lam, (B, HQ, T, D), dtype=q.dtype, device=q.device)))
-    rho = torch.linalg.solve(sigma, split(mu)[..., None])[..., 0].reshape(B, HQ, T, D)
-    return lla_output(w, omega, mu, rho, qh, kh, vh, seen)
+    lam_diag = ridge(lam, (B, HQ, T, D), dtype=q.dtype, device=q.device)
+    sigma = sigma + torch.diag_embed(split(lam_diag))
+    rho = solve_or_zero(sigma, split(mu)).reshape(B, HQ, T, D)
+    return lla_output(w, omega, mu, rho, kh, vh, seen, lam_diag.amin(-1), blocks)
 
 
 def lla(q, k, v, *, lam, scale=None, window=None, blocks=None, cg_iters=None, cg_tol=1e-6):

@@ -120,5 +120,17 @@ def test_gradcheck_exact_and_cg():
     lam = (randn(1, 5, 2, 3).abs() + 0.2).requires_grad_(True)
     assert torch.autograd.gradcheck(lambda *a: lla(*a[:3], lam=a[3], window=4), (q, k, v, lam))
     assert torch.autograd.gradcheck(lambda *a: lla(*a[:3], lam=a[3], blocks=3), (q, k, v, lam))
-    assert torch.autograd.gradcheck(lambda *a: lla_matrix_free(*a[:3], lam=a[3], scale=0.5, cg_iters=3,
-                                                               cg_tol=0.0), (q, k, v, lam))
+    assert torch.autograd.gradcheck(lambda *a: lla_matrix_free(*a[:3], lam=a[3], scale=0.5, cg_iters=2, cg_tol=0.0,
+                                                               implicit_gradient=False), (q, k, v, lam))
+    # the implicit gradient is the derivative once CG is exact (D = 3 iterations)
+    assert torch.autograd.gradcheck(lambda *a: lla_matrix_free(*a[:3], lam=a[3], scale=0.5, cg_iters=3, cg_tol=0.0),
+                                    (q, k, v, lam))
+
+
+def test_block_diagonal_cg_runs_one_cg_per_block():
+    """BD-LLA with blocks of 4 at D = 8: one CG per block is exact after 4 iterations (float64),
+    where a single CG over the whole block-diagonal system is not."""
+    q, k, v = randn(1, 15, 2, 8), randn(1, 15, 1, 8), randn(1, 15, 1, 3)
+    exact = lla(q, k, v, lam=0.3, blocks=2)
+    assert rel_err(lla(q, k, v, lam=0.3, blocks=2, cg_iters=4, cg_tol=0.0), exact) < 1e-10
+    assert rel_err(lla(q, k, v, lam=0.3, blocks=2, cg_iters=3, cg_tol=0.0), exact) > 1e-6

@@ -12,7 +12,7 @@ from regattn.ops._common.checks import (
 )
 from regattn.ops.lla.backward import lla_backward
 from regattn.ops.lla.forward import SOLVER_CG, lla_forward, solver_for
-from regattn.reference.lla import lla_blocks_uncentred
+from regattn.reference.lla import lla_blocks_uncentred, lla_matrix_free
 
 HAS_TRITON = True
 
@@ -43,20 +43,20 @@ class FlashLLA(torch.autograd.Function):
         lam = lam_value if lam_tensor is None else lam_tensor
         cg_iters = cg_iters or 1  # not used by the direct solves
         D = q.shape[-1]
-        o, rho, delta, m2, argmax = lla_forward(q, k, v, lam, scale=scale, window=window,
+        o, rho, delta, m2, argmax, omega, centre = lla_forward(q, k, v, lam, scale=scale, window=window,
                                                 blocks={0: None, 1: D, 2: D // 2}[bd],
                                                 cg_iters=cg_iters, cg_tol=cg_tol)
-        ctx.save_for_backward(q, k, v, lam_tensor, rho, delta, m2, argmax)
+        ctx.save_for_backward(q, k, v, lam_tensor, rho, delta, m2, argmax, omega, centre)
         ctx.lam_value, ctx.scale, ctx.window, ctx.cg_iters, ctx.cg_tol = lam_value, scale, window, cg_iters, cg_tol
         ctx.bd = bd
         return o
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, lam_tensor, rho, delta, m2, argmax = ctx.saved_tensors
+        q, k, v, lam_tensor, rho, delta, m2, argmax, omega, centre = ctx.saved_tensors
         lam = ctx.lam_value if lam_tensor is None else lam_tensor
         lam_grad = lam_tensor is not None and ctx.needs_input_grad[3]
-        dq, dk, dv, dlam = lla_backward(do, q, k, v, lam, rho, delta, m2, argmax, scale=ctx.scale,
+        dq, dk, dv, dlam = lla_backward(do, q, k, v, lam, rho, delta, m2, argmax, omega, centre, scale=ctx.scale,
                                         window=ctx.window, cg_iters=ctx.cg_iters, cg_tol=ctx.cg_tol,
                                         lam_grad=lam_grad, bd=ctx.bd)
         dlam = dlam.to(lam_tensor.dtype) if dlam is not None else None
@@ -66,11 +66,20 @@ class FlashLLA(torch.autograd.Function):
 BLOCK_BACKWARD_CHUNK = 256
 
 
-def block_lla_backward(do, q, k, v, lam, *, scale, window, blocks, lam_grad: bool):
+def block_lla_backward(do, q, k, v, lam, *, scale, window, blocks, lam_grad: bool, cg_iters=None, cg_tol=0.0):
     """BD-LLA gradients by recomputing eq. 10-11 per feature block (exact block solves) in float32,
     ``BLOCK_BACKWARD_CHUNK`` queries at a time against the keys they can see: memory
-    ``O(chunk S + S D^2 / g)``, never the ``T x S x D`` differences. Returns ``(dq, dk, dv, dlam)``."""
+    ``O(chunk S + S D^2 / g)``, never the ``T x S x D`` differences. With fewer ``cg_iters`` than the
+    block size (CG not yet exact) the chunks recompute the torch backend's CG and its implicit gradient
+    instead (memory ``O(g chunk S)``), so both backends give the same gradient. Returns ``(dq, dk, dv, dlam)``."""
     B, T, HQ, D = q.shape
+    if cg_iters is not None and cg_iters < D // blocks:
+        def recompute(*a, lam):
+            return lla_matrix_free(*a, lam=lam, scale=scale, window=window, blocks=blocks, cg_iters=cg_iters,
+                                   cg_tol=cg_tol)
+    else:
+        def recompute(*a, lam):
+            return lla_blocks_uncentred(*a, lam=lam, scale=scale, window=window, blocks=blocks)
     S = k.shape[1]
     dq, dk, dv = (torch.zeros(x.shape, device=x.device, dtype=torch.float32) for x in (q, k, v))
     dlam = torch.zeros(lam.shape, device=q.device, dtype=torch.float32) if lam_grad else None
@@ -86,7 +95,7 @@ def block_lla_backward(do, q, k, v, lam, *, scale, window, blocks, lam_grad: boo
             lamc = lam
             if isinstance(lam, torch.Tensor):
                 lamc = lam[:, i0:i1].detach().float().requires_grad_(lam_grad)
-            o = lla_blocks_uncentred(qc, kc, vc, lam=lamc, scale=scale, window=window, blocks=blocks)
+            o = recompute(qc, kc, vc, lam=lamc)
             grads = torch.autograd.grad(o, [qc, kc, vc] + ([lamc] if lam_grad else []), do[:, i0:i1].float())
         dq[:, i0:i1] += grads[0]
         dk[:, start:end] += grads[1]
@@ -97,9 +106,8 @@ def block_lla_backward(do, q, k, v, lam, *, scale, window, blocks, lam_grad: boo
 
 
 class FlashBlockLLA(torch.autograd.Function):
-    """BD-LLA with CG over ``g`` blocks of more than 2 features: Triton forward; the backward
-    recomputes the block-exact torch form query chunk by query chunk (not fused; it treats the
-    solve as exact, like the full-LLA backward)."""
+    """BD-LLA with one CG per block over ``g`` blocks of more than 2 features: Triton forward; the backward
+    recomputes the torch form query chunk by query chunk (not fused; see :func:`block_lla_backward`)."""
 
     @staticmethod
     def forward(ctx, q, k, v, lam_tensor, lam_value, scale, window, blocks, cg_iters, cg_tol):
@@ -108,6 +116,7 @@ class FlashBlockLLA(torch.autograd.Function):
                             cg_iters=cg_iters or 1, cg_tol=cg_tol)
         ctx.save_for_backward(q, k, v, lam_tensor)
         ctx.lam_value, ctx.scale, ctx.window, ctx.blocks = lam_value, scale, window, blocks
+        ctx.cg_iters, ctx.cg_tol = cg_iters, cg_tol
         return o
 
     @staticmethod
@@ -116,7 +125,8 @@ class FlashBlockLLA(torch.autograd.Function):
         lam = ctx.lam_value if lam_tensor is None else lam_tensor
         lam_grad = lam_tensor is not None and ctx.needs_input_grad[3]
         dq, dk, dv, dlam = block_lla_backward(do, q, k, v, lam, scale=ctx.scale, window=ctx.window,
-                                              blocks=ctx.blocks, lam_grad=lam_grad)
+                                              blocks=ctx.blocks, lam_grad=lam_grad, cg_iters=ctx.cg_iters,
+                                              cg_tol=ctx.cg_tol)
         dlam = dlam.to(lam_tensor.dtype) if dlam is not None else None
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dlam, None, None, None, None, None, None
 
@@ -168,11 +178,15 @@ def lla(q, k, v, *, lam, scale=None, window=None, blocks=None, cg_iters=None, cg
         ``o_i = sum_j w_ij (1 - z_ij.rho_i) v_j / (omega_i - mu_i.rho_i)``.
 
     Precision: a query with fewer visible keys than dimensions has a denominator of about
-    ``lam / |z|^2``, formed by cancellation; fp32 keeps about ``eps |z|^2 / lam`` relative error there
-    and loses the denominator's sign once ``lam`` nears ``eps |z|^2`` (NaN or a wrong row). Keep
-    ``lam`` well above that (:class:`regattn.layers.LLA` floors it at ``lam_min``) or pass float64.
-    Truncated CG in fp32 also needs more than ``D`` iterations as ``lam`` shrinks (rounding breaks
-    its finite termination); a row whose curvature ``p.Sigma p`` stops being positive keeps its iterate.
+    ``lam / |z|^2``, formed by cancellation; fp32 keeps about ``eps |z|^2 / lam`` relative error there.
+    Finite inputs still give finite outputs and gradients for any ``lam > 0``: the denominator is kept
+    above its exact lower bound ``omega^2 lam_min / (omega lam_min + |mu|^2)`` with its sign, the output is
+    formed as ``w (1 / omega - (k - kbar).rho / delta)`` so the weighted mean of the values never passes
+    through it (nearly one-hot weights give the top value), a system singular in fp32 falls back to
+    ``rho = 0`` in the exact solves, and a CG row whose curvature ``p.Sigma p`` falls below
+    ``0.1 lam_min |p|^2`` keeps its iterate. For accuracy keep ``lam`` well above ``eps |z|^2``
+    (:class:`regattn.layers.LLA` floors it at ``lam_min``) or pass float64. Truncated CG in fp32 also
+    needs more than ``D`` iterations as ``lam`` shrinks (rounding breaks its finite termination).
 
     Args:
         q: ``[B, T, HQ, D]``; k: ``[B, S, H, D]``; v: ``[B, S, H, Dv]`` (GQA when ``HQ % H == 0``);
@@ -182,10 +196,15 @@ def lla(q, k, v, *, lam, scale=None, window=None, blocks=None, cg_iters=None, cg
         window: SW-LLA, keys ``i - w < j <= i``.
         blocks: BD-LLA with ``g`` diagonal blocks of size ``D / g`` (Appendix E.1).
         cg_iters: None for an exact solve; an int for that many conjugate-gradient iterations
-            (Algorithm 2, with the active mask: a system stops once ``||r|| <= cg_tol ||mu||``).
+            (Algorithm 2, with the active mask: a system stops once ``||r|| <= cg_tol ||mu||``; BD-LLA
+            runs one CG per block, exact after ``D / g`` iterations in exact arithmetic). Gradients with
+            ``cg_iters`` are implicit on both backends: the CG result is treated as the exact
+            ``Sigma^-1 mu`` and the adjoint system is solved by the same CG (``cg_iters``, ``cg_tol``), so
+            they are the same on both backends at every ``cg_iters`` and the derivative of the output
+            once CG has converged.
         backend: ``"auto" | "torch" | "triton"``. Triton (fp16, bf16, fp32) runs full LLA with
             ``cg_iters`` given (fused forward and backward) and BD-LLA (``g = D`` and ``g = D / 2``
-            by direct solves, where ``cg_iters`` is not needed; other ``g`` by CG); the backward is
+            by direct solves, where ``cg_iters`` is not needed; other ``g`` by one CG per block); the backward is
             fused for full LLA, ``g = D`` and ``g = D / 2``, and recomputes the block-exact torch form
             per query chunk for other ``g``. With ``cg_iters=None`` full
             LLA (and BD-LLA with other ``g``) solves exactly in torch through the uncentred form

@@ -32,17 +32,19 @@ import triton.language as tl
 from regattn.ops._common.attention_tiles import LOG2E, dot_precision, head_block, interpreting
 from regattn.ops.lla.forward import lam_tensor
 from regattn.ops.lla.tiles import (
-    cg_solve, load_cols, load_rows, pair_solve, query_head, query_key_tiles, relmm_tile, swap_pairs, tile_weights,
+    cg_solve, load_cols, load_rows, one_minus_a, pair_solve, query_head, query_key_tiles, relmm_tile, swap_pairs,
+    tile_weights,
 )
 
 
 @triton.jit
-def pair_terms(w, gamma, a, bu, beta, delta_safe):
-    """``(s, Dw, F, G)`` of one tile from the weights, ``gamma = g.v``, ``a = z.rho``, ``bu = z.u``."""
-    s = w * (1.0 - a) / delta_safe[:, None]
+def pair_terms(w, gamma, a, om, bu, beta, delta_safe):
+    """``(s, Dw, F, G)`` of one tile from the weights, ``gamma = g.v``, ``a = z.rho``, ``om = 1 - a`` (from
+    ``one_minus_a``), ``bu = z.u``."""
+    s = w * om / delta_safe[:, None]
     c = gamma * w / delta_safe[:, None]
     bt = beta[:, None]
-    dw = gamma * s + w * (-bt + 2.0 * bt * a - bu - bt * a * a + a * bu)
+    dw = gamma * s - w * (bt * om * om + bu * om)
     f = -c + w * (bu - 2.0 * bt * a)
     return s, dw, f, w * a
 
@@ -58,7 +60,7 @@ def cross_quad(h, q32, qs32, kt, kst):
 
 
 @triton.jit
-def lla_bwd_q_kernel(Q, K, V, LAM, DO, RHO, DELTA, M2, DQ, U, BETA, DM,
+def lla_bwd_q_kernel(Q, K, V, LAM, DO, RHO, DELTA, M2, OMEGA, CENTRE, DQ, U, BETA, DM,
                      sqb, sqt, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd, slb, slt, slh, sld,
                      sdb, sdt, sdh, sdd,
                      T, S, HQ, GROUPS, D, DV, scale, qk_scale2, iters, tol2,
@@ -84,6 +86,8 @@ def lla_bwd_q_kernel(Q, K, V, LAM, DO, RHO, DELTA, M2, DQ, U, BETA, DM,
     delta = tl.load(DELTA + stat, mask=row_ok, other=1.0)
     m2 = tl.load(M2 + stat, mask=row_ok, other=0.0)
     delta_safe = tl.where(delta == 0.0, 1.0, delta)  # 0 only for a query that sees no key
+    inv_omega = 1.0 / tl.maximum(tl.load(OMEGA + stat, mask=row_ok, other=1.0), 1.0)  # omega >= 1 once a key is seen
+    centre = tl.load(CENTRE + stat, mask=row_ok, other=0.0)
     lo, hi = query_key_tiles(start_m, T, S, BLOCK_M, BLOCK_N, WINDOW)
 
     # pass A: omega, mu~ (for Sigma p), sum_j c_ij k_j, sum_j c_ij and sum_j gamma_ij s_ij
@@ -102,7 +106,7 @@ def lla_bwd_q_kernel(Q, K, V, LAM, DO, RHO, DELTA, M2, DQ, U, BETA, DM,
         omega += tl.sum(w, 1)
         gamma = tl.dot(do, vt, input_precision=DPREC)
         c = gamma * w / delta_safe[:, None]
-        s = w * (1.0 - relmm_tile(rho, q32, kt, DPREC)) / delta_safe[:, None]
+        s = w * one_minus_a(rho, kt, centre, inv_omega, delta_safe, DPREC) / delta_safe[:, None]
         k = tl.trans(kt)
         mt += tl.dot(w.to(k.dtype), k, input_precision=DPREC)
         ck += tl.dot(c.to(k.dtype), k, input_precision=DPREC)
@@ -118,6 +122,7 @@ def lla_bwd_q_kernel(Q, K, V, LAM, DO, RHO, DELTA, M2, DQ, U, BETA, DM,
 
     # the second solve (eq. 37) and dmu (eq. 38)
     y = ck - csum[:, None] * q32
+    mu = mt - omega[:, None] * q32
     qs32 = swap_pairs(q32, BLOCK_M, BLOCK_D)
     sdiag = kk - 2.0 * q32 * mt + omega[:, None] * q32 * q32 + lam
     if BD == 1:
@@ -125,9 +130,10 @@ def lla_bwd_q_kernel(Q, K, V, LAM, DO, RHO, DELTA, M2, DQ, U, BETA, DM,
     elif BD == 2:
         soff = kx - qs32 * mt - q32 * swap_pairs(mt, BLOCK_M, BLOCK_D) + omega[:, None] * q32 * qs32
         u = pair_solve(y, sdiag, soff, BLOCK_M, BLOCK_D)
-    else:
-        u = cg_solve(y, q, q32, mt, omega, lam, m2, pos, Kb, sks, skd, lo, hi, S, D, D,
-                     qk_scale2, iters, tol2, BLOCK_N, BLOCK_D, WINDOW, 1, DPREC)
+    else:  # u = Sigma^-1 (y - beta mu) + beta rho: equal to Sigma^-1 y when rho = Sigma^-1 mu, and with a
+        # truncated CG rho the implicit gradient at that rho (the adjoint Sigma^-1 dL/drho by the same CG)
+        u = cg_solve(y - beta[:, None] * mu, q, q32, mt, omega, lam, m2, pos, Kb, sks, skd, lo, hi, S, D, D,
+                     qk_scale2, iters, tol2, BLOCK_N, BLOCK_D, WINDOW, 1, DPREC) + beta[:, None] * rho
     dmu = 2.0 * beta[:, None] * rho - u
     hd = rho * (u - beta[:, None] * rho)  # diagonal of the masked dL/dSigma
     h1 = rho * (swap_pairs(u, BLOCK_M, BLOCK_D) - beta[:, None] * swap_pairs(rho, BLOCK_M, BLOCK_D))
@@ -145,8 +151,9 @@ def lla_bwd_q_kernel(Q, K, V, LAM, DO, RHO, DELTA, M2, DQ, U, BETA, DM,
         w = tile_weights(q, kt, m2, pos, offs_n, S, qk_scale2, WINDOW, DPREC)
         gamma = tl.dot(do, vt, input_precision=DPREC)
         a = relmm_tile(rho, q32, kt, DPREC)
+        om = one_minus_a(rho, kt, centre, inv_omega, delta_safe, DPREC)
         bu = relmm_tile(u, q32, kt, DPREC)
-        s, dw, f, g = pair_terms(w, gamma, a, bu, beta, delta_safe)
+        s, dw, f, g = pair_terms(w, gamma, a, om, bu, beta, delta_safe)
         if BD > 0:
             quad = cross_quad(hd, q32, q32, kt, kt)
             if BD == 2:
@@ -157,7 +164,6 @@ def lla_bwd_q_kernel(Q, K, V, LAM, DO, RHO, DELTA, M2, DQ, U, BETA, DM,
         fsum += tl.sum(f, 1)
         gsum += tl.sum(g, 1)
     if BD > 0:  # sum_j dL/dz_ij = -sum_j c_ij rho + omega dmu + 2 (h0 mu + hs mu_swap)
-        mu = mt - omega[:, None] * q32
         zsum = omega[:, None] * dmu - csum[:, None] * rho + 2.0 * hd * mu
         if BD == 2:
             zsum += 2.0 * hs * swap_pairs(mu, BLOCK_M, BLOCK_D)
@@ -171,7 +177,7 @@ def lla_bwd_q_kernel(Q, K, V, LAM, DO, RHO, DELTA, M2, DQ, U, BETA, DM,
 
 
 @triton.jit
-def lla_bwd_kv_kernel(Q, K, V, DO, RHO, U, DELTA, M2, BETA, DK, DV_OUT,
+def lla_bwd_kv_kernel(Q, K, V, DO, RHO, U, DELTA, M2, OMEGA, CENTRE, BETA, DK, DV_OUT,
                       sqb, sqt, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd, sdb, sdt, sdh, sdd,
                       T, S, HQ, H, GROUPS, D, DV, scale, qk_scale2,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -212,14 +218,17 @@ def lla_bwd_kv_kernel(Q, K, V, DO, RHO, U, DELTA, M2, BETA, DK, DV_OUT,
             stat = (b * HQ + h) * T + offs_m
             delta = tl.load(DELTA + stat, mask=row_ok, other=1.0)
             delta_safe = tl.where(delta == 0.0, 1.0, delta)
+            inv_omega = 1.0 / tl.maximum(tl.load(OMEGA + stat, mask=row_ok, other=1.0), 1.0)
+            centre = tl.load(CENTRE + stat, mask=row_ok, other=0.0)
             m2 = tl.load(M2 + stat, mask=row_ok, other=0.0)
             beta = tl.load(BETA + stat, mask=row_ok, other=0.0)
             w = tile_weights(q, kt, m2, pos, offs_n, S, qk_scale2, WINDOW, DPREC)
             w = tl.where(row_ok[:, None], w, 0.0)
             gamma = tl.dot(do, vt, input_precision=DPREC)
             a = relmm_tile(rho, q32, kt, DPREC)
+            om = one_minus_a(rho, kt, centre, inv_omega, delta_safe, DPREC)
             bu = relmm_tile(u, q32, kt, DPREC)
-            s, dw, f, gz = pair_terms(w, gamma, a, bu, beta, delta_safe)
+            s, dw, f, gz = pair_terms(w, gamma, a, om, bu, beta, delta_safe)
             dmu = 2.0 * beta[:, None] * rho - u
             if BD > 0:
                 hd = rho * (u - beta[:, None] * rho)
@@ -282,8 +291,8 @@ def row_max_path(dq, dk, q, k, dm, argmax, scale):
     dk.view(-1, D).index_add_(0, flat.reshape(-1), (scale * dm_t[..., None] * q.float()).reshape(-1, D))
 
 
-def lla_backward(do, q, k, v, lam, rho, delta, m2, argmax, *, scale, window, cg_iters, cg_tol, lam_grad: bool,
-                 bd: int = 0):
+def lla_backward(do, q, k, v, lam, rho, delta, m2, argmax, omega, centre, *, scale, window, cg_iters, cg_tol,
+                 lam_grad: bool, bd: int = 0):
     """Gradients ``(dq, dk, dv, dlam)`` for full LLA (``bd = 0``) or BD-LLA with 1 x 1 (``bd = 1``) or
     2 x 2 blocks (``bd = 2``); ``dlam`` shaped like ``lam`` or None."""
     B, T, HQ, D = q.shape
@@ -301,11 +310,11 @@ def lla_backward(do, q, k, v, lam, rho, delta, m2, argmax, *, scale, window, cg_
                   WINDOW=window or 0, BD=bd, DPREC=dot_precision(q.dtype), num_warps=cfg["num_warps"],
                   num_stages=cfg["num_stages"])
     lla_bwd_q_kernel[(triton.cdiv(T, cfg["BLOCK_M"]), B * HQ)](
-        q, k, v, lam4, do, rho, delta, m2, dq, u, beta, dm,
+        q, k, v, lam4, do, rho, delta, m2, omega, centre, dq, u, beta, dm,
         *q.stride(), *k.stride(), *v.stride(), *lam4.stride(), *do.stride(),
         T, S, HQ, HQ // H, D, DV, scale, scale * LOG2E, cg_iters, cg_tol ** 2, **common)
     lla_bwd_kv_kernel[(triton.cdiv(S, cfg["BLOCK_N"]), B * H)](
-        q, k, v, do, rho, u, delta, m2, beta, dk, dv,
+        q, k, v, do, rho, u, delta, m2, omega, centre, beta, dk, dv,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(),
         T, S, HQ, H, HQ // H, D, DV, scale, scale * LOG2E, **common)
     row_max_path(dq, dk, q, k, dm, argmax, scale)

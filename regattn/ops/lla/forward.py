@@ -4,7 +4,8 @@ One program per (query tile, query head). Pass 1 streams the visible keys once f
 maximum, ``omega`` and the weighted key sum ``mu~`` (eq. 10); the solver finds ``rho = Sigma^-1 mu``
 (CG streaming K once per iteration, or a direct solve for BD-LLA with 1 x 1 / 2 x 2 blocks);
 pass 3 streams K, V once more for the output through relmm (eq. 12, 16). Saved for the backward:
-``rho`` (fp32), ``delta``, the base-2 row maximum ``m2`` and the index of the key that attains it.
+``rho`` (fp32), ``delta``, the base-2 row maximum ``m2``, the index of the key that attains it, ``omega``
+(as pass 3 summed it) and ``kbar.rho`` (for ``1 - z.rho`` without cancellation, see ``tiles.one_minus_a``).
 """
 from __future__ import annotations
 
@@ -16,14 +17,15 @@ from regattn.ops._common.attention_tiles import (
     LOG2E, dot_precision, head_block, interpreting, online_softmax_step, visible_mask,
 )
 from regattn.ops.lla.tiles import (
-    cg_solve, load_cols, load_rows, pair_solve, query_head, query_key_tiles, relmm_tile, swap_pairs, tile_weights,
+    cg_solve, guarded_denominator, key_products, load_cols, load_rows, pair_solve, query_head, query_key_tiles,
+    smallest_ridge, split_dot, swap_pairs, tile_weights,
 )
 
 SOLVER_CG, SOLVER_DIAG, SOLVER_PAIRS = 0, 1, 2  # the kernel's SOLVER values
 
 
 @triton.jit
-def lla_fwd_kernel(Q, K, V, LAM, O, RHO, DELTA, M2, ARGMAX,
+def lla_fwd_kernel(Q, K, V, LAM, O, RHO, DELTA, M2, ARGMAX, OMEGA, CENTRE,
                    sqb, sqt, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd, slb, slt, slh, sld,
                    sob, sot, soh, sod,
                    T, S, HQ, GROUPS, D, DV, blk_size, qk_scale2, iters, tol2,
@@ -82,18 +84,31 @@ def lla_fwd_kernel(Q, K, V, LAM, O, RHO, DELTA, M2, ARGMAX,
             mts = swap_pairs(mt, BLOCK_M, BLOCK_D)  # mu~ at the partner column d xor 1
             soff = kx - qs * mt - q32 * mts + omega[:, None] * q32 * qs
             rho = pair_solve(mu, sdiag, soff, BLOCK_M, BLOCK_D)
-    delta = omega - tl.sum(mu * rho, 1)
-    delta_safe = tl.where(omega > 0.0, delta, 1.0)
+    delta = guarded_denominator(omega - tl.sum(mu * rho, 1), omega, mu, smallest_ridge(lam, D, BLOCK_D),
+                                SOLVER == 0 and G == 1)
 
     # pass 3: o_i = sum_j w_ij (1 - z_ij.rho_i) v_j / delta_i
-    acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
+    #             = sum_j w_ij v_j / omega_i - (sum_j w_ij (k_j.rho_i) v_j - (kbar_i.rho_i) sum_j w_ij v_j) / delta_i
+    # with kbar_i.rho_i = sum_j w_ij (k_j.rho_i) / omega_i from the same products and weights (as rounded for the
+    # product with V): the weighted mean of the values never passes through delta, which cancels when lam is
+    # small against |z|^2, and a row with one-hot weights gets exactly its top value (see tiles.one_minus_a)
+    wv = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
+    wkv = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
+    wsum = tl.zeros((BLOCK_M,), tl.float32)
+    wk = tl.zeros((BLOCK_M,), tl.float32)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         kt = load_cols(Kb, offs_n, offs_d, sks, skd, S, D)
         v = load_rows(Vb, offs_n, offs_dv, svs, svd, S, DV)
-        w = tile_weights(q, kt, m2, pos, offs_n, S, qk_scale2, WINDOW, DPREC)
-        sc = w * (1.0 - relmm_tile(rho, q32, kt, DPREC)) / delta_safe[:, None]
-        acc += tl.dot(sc.to(v.dtype), v, input_precision=DPREC)
+        w = tile_weights(q, kt, m2, pos, offs_n, S, qk_scale2, WINDOW, DPREC).to(v.dtype)
+        wkr = w.to(tl.float32) * key_products(rho, kt, DPREC)
+        wsum += tl.sum(w.to(tl.float32), 1)
+        wk += tl.sum(wkr, 1)
+        wv += tl.dot(w, v, input_precision=DPREC)
+        wkv += split_dot(wkr, v, DPREC)
+    inv_omega = 1.0 / tl.where(wsum > 0.0, wsum, 1.0)
+    centre = wk * inv_omega
+    acc = wv * inv_omega[:, None] - (wkv - centre[:, None] * wv) / delta[:, None]
 
     row_ok = offs_m < T
     o_ptrs = O + b * sob + h * soh + offs_m[:, None] * sot + offs_dv[None, :] * sod
@@ -104,6 +119,8 @@ def lla_fwd_kernel(Q, K, V, LAM, O, RHO, DELTA, M2, ARGMAX,
     tl.store(DELTA + stat, delta, mask=row_ok)
     tl.store(M2 + stat, m2, mask=row_ok)
     tl.store(ARGMAX + stat, arg, mask=row_ok)
+    tl.store(OMEGA + stat, wsum, mask=row_ok)
+    tl.store(CENTRE + stat, centre, mask=row_ok)
 
 
 def lam_tensor(lam, q: torch.Tensor) -> torch.Tensor:
@@ -141,7 +158,7 @@ def lla_forward(q, k, v, lam, *, scale: float, window, blocks, cg_iters: int, cg
     """Launch the forward. ``q [B, T, HQ, D]``, ``k [B, S, H, D]``, ``v [B, S, H, Dv]``.
 
     Returns ``o [B, T, HQ, Dv]`` (q's dtype) and the saved ``rho [B, T, HQ, D]``, ``delta, m2 [B, HQ, T]``
-    (fp32) and ``argmax [B, HQ, T]`` (int32).
+    (fp32), ``argmax [B, HQ, T]`` (int32), ``omega`` and ``centre = kbar.rho [B, HQ, T]`` (fp32).
     """
     B, T, HQ, D = q.shape
     S, H, DV = k.shape[1], k.shape[2], v.shape[3]
@@ -151,14 +168,15 @@ def lla_forward(q, k, v, lam, *, scale: float, window, blocks, cg_iters: int, cg
     delta = torch.empty(B, HQ, T, device=q.device, dtype=torch.float32)
     m2 = torch.empty_like(delta)
     argmax = torch.empty(B, HQ, T, device=q.device, dtype=torch.int32)
+    omega, centre = torch.empty_like(delta), torch.empty_like(delta)
     lam4 = lam_tensor(lam, q)
     cfg = forward_blocks(T, D, q.dtype)
     grid = (triton.cdiv(T, cfg["BLOCK_M"]), B * HQ)
     lla_fwd_kernel[grid](
-        q, k, v, lam4, o, rho, delta, m2, argmax,
+        q, k, v, lam4, o, rho, delta, m2, argmax, omega, centre,
         *q.stride(), *k.stride(), *v.stride(), *lam4.stride(), *o.stride(),
         T, S, HQ, HQ // H, D, DV, D // G, scale * LOG2E, cg_iters, cg_tol ** 2,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=head_block(D), BLOCK_DV=head_block(DV),
         WINDOW=window or 0, SOLVER=solver, G=G, DPREC=dot_precision(q.dtype),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    return o, rho, delta, m2, argmax
+    return o, rho, delta, m2, argmax, omega, centre

@@ -11,6 +11,10 @@ import triton
 import triton.language as tl
 
 from regattn.ops._common.attention_tiles import key_span, visible_mask
+from regattn.reference.lla import CURVATURE_FLOOR as REFERENCE_CURVATURE_FLOOR
+
+CURVATURE_FLOOR = tl.constexpr(REFERENCE_CURVATURE_FLOOR)  # the reference's, as a kernel constant
+FP32_EPS = tl.constexpr(2.0 ** -23)
 
 
 @triton.jit
@@ -54,17 +58,33 @@ def tile_weights(q, kt, m2, pos, offs_n, S, qk_scale2, WINDOW: tl.constexpr, DPR
 
 
 @triton.jit
-def relmm_tile(x, q32, kt, DPREC: tl.constexpr):
-    """Eq. 12 on a tile: ``z_ij.x_i = x_i.k_j - x_i.q_i``, ``[BM, BN]`` (``x`` fp32 ``[BM, BD]``).
+def split_dot(x, y, DPREC: tl.constexpr):
+    """``x @ y`` for fp32 ``x`` and ``y`` in the input dtype; with fp16/bf16 ``y``, ``x`` is split into a high
+    and a low half-precision part (two products), so later cancellations do not see a half-precision ``x``."""
+    xy = tl.dot(x.to(y.dtype), y, input_precision=DPREC)
+    if y.dtype != tl.float32:
+        lo = x - x.to(y.dtype).to(tl.float32)
+        xy += tl.dot(lo.to(y.dtype), y, input_precision=DPREC)
+    return xy
 
-    With fp16/bf16 keys ``x`` is split into a high and a low half-precision part (two products), so
-    the cancellation in ``1 - z.rho`` does not see a half-precision ``rho``.
-    """
-    xk = tl.dot(x.to(kt.dtype), kt, input_precision=DPREC)
-    if kt.dtype != tl.float32:
-        lo = x - x.to(kt.dtype).to(tl.float32)
-        xk += tl.dot(lo.to(kt.dtype), kt, input_precision=DPREC)
-    return xk - tl.sum(x * q32, 1)[:, None]
+
+@triton.jit
+def key_products(x, kt, DPREC: tl.constexpr):
+    """``x_i.k_j`` on a tile, ``[BM, BN]`` (``x`` fp32 ``[BM, BD]``, ``kt [BD, BN]``)."""
+    return split_dot(x, kt, DPREC)
+
+
+@triton.jit
+def relmm_tile(x, q32, kt, DPREC: tl.constexpr):
+    """Eq. 12 on a tile: ``z_ij.x_i = x_i.k_j - x_i.q_i``, ``[BM, BN]`` (``x`` fp32 ``[BM, BD]``)."""
+    return key_products(x, kt, DPREC) - tl.sum(x * q32, 1)[:, None]
+
+
+@triton.jit
+def one_minus_a(rho, kt, centre, inv_omega, delta, DPREC: tl.constexpr):
+    """``1 - z_ij.rho_i`` as ``delta_i / omega_i - (k_j.rho_i - kbar_i.rho_i)`` (``centre = kbar.rho``), ``[BM, BN]``:
+    the same value for every ``rho``, without the cancellation of ``1 - z.rho`` when ``z.rho`` nears 1."""
+    return delta[:, None] * inv_omega[:, None] - (key_products(rho, kt, DPREC) - centre[:, None])
 
 
 @triton.jit
@@ -116,32 +136,58 @@ def sigma_matvec(p, q, q32, mt, omega, lam, m2, pos, K, stride_kn, stride_kd, lo
 def cg_solve(y, q, q32, mt, omega, lam, m2, pos, K, stride_kn, stride_kd, lo, hi, S, D, blk_size, qk_scale2,
              iters, tol2, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, WINDOW: tl.constexpr,
              G: tl.constexpr, DPREC: tl.constexpr):
-    """Algorithm 2: ``Sigma_i x_i = y_i`` for every row of the tile from ``x = 0``, fp32.
+    """Algorithm 2: ``Sigma_i x_i = y_i`` for every row of the tile from ``x = 0``, fp32; with ``G`` feature
+    blocks (BD-LLA) one CG per block, exact after ``D / G`` iterations in exact arithmetic.
 
-    A row is active while ``||r||^2 > tol2 * ||y||^2`` (and > 0) and ``p.Sigma p > 0`` (rounding can
-    break that for a nearly singular Sigma); inactive rows keep their iterate, so neither early
-    convergence nor a breakdown divides by zero. A tile whose rows are all done skips the key pass.
+    A system is active while ``||r||^2 > tol2 * ||y||^2`` (and > 0) and ``p.Sigma p > CURVATURE_FLOOR *
+    lam_min |p|^2`` (``Sigma >= lam_min I`` exactly; rounding can break that for a nearly singular Sigma);
+    inactive systems keep their iterate, so neither early convergence nor a breakdown divides by zero.
+    A tile whose systems are all done skips the key pass.
     """
+    offs_d = tl.arange(0, BLOCK_D)
     x = tl.zeros(y.shape, dtype=tl.float32)
     r = y
     p = y
-    rr = tl.sum(r * r, 1)
+    # every scalar of the recurrence is per row and feature block, held at each of the block's columns
+    rr = block_sums(r * r, offs_d, blk_size, G)
     bound = tol2 * rr
+    curvature_floor = CURVATURE_FLOOR * smallest_ridge(lam, D, BLOCK_D)[:, None]
     for _ in range(iters):
         active = (rr > bound) & (rr > 0.0)
-        if tl.sum(active.to(tl.int32), 0) > 0:
+        if tl.sum(tl.sum(active.to(tl.int32), 1), 0) > 0:
             sp = sigma_matvec(p, q, q32, mt, omega, lam, m2, pos, K, stride_kn, stride_kd, lo, hi, S, D,
                               blk_size, qk_scale2, BLOCK_N, BLOCK_D, WINDOW, G, DPREC)
-            pap = tl.sum(p * sp, 1)
-            active = active & (pap > 0.0)
+            pap = block_sums(p * sp, offs_d, blk_size, G)
+            active = active & (pap > curvature_floor * block_sums(p * p, offs_d, blk_size, G))
             alpha = tl.where(active, rr / tl.where(active, pap, 1.0), 0.0)
-            x += alpha[:, None] * p
-            r -= alpha[:, None] * sp
-            rr_new = tl.sum(r * r, 1)
+            x += alpha * p
+            r -= alpha * sp
+            rr_new = block_sums(r * r, offs_d, blk_size, G)
             beta = tl.where(active, rr_new / tl.where(active, rr, 1.0), 0.0)
-            p = tl.where(active[:, None], r + beta[:, None] * p, p)
+            p = tl.where(active, r + beta * p, p)
             rr = tl.where(active, rr_new, rr)
     return x
+
+
+@triton.jit
+def smallest_ridge(lam, D, BLOCK_D: tl.constexpr):
+    """``min_d lam_id`` of a ridge tile ``[BM, BD]`` over the ``D`` real columns, ``[BM]``."""
+    return tl.min(tl.where((tl.arange(0, BLOCK_D) < D)[None, :], lam, float("inf")), 1)
+
+
+@triton.jit
+def guarded_denominator(delta, omega, mu, lam_min, FULL: tl.constexpr):
+    """``delta`` raised in magnitude, keeping its sign, to ``omega^2 lam_min / (omega lam_min + |mu|^2)``
+    for full LLA (its exact lower bound) or to ``eps * omega`` for BD-LLA (see
+    ``reference.lla.guarded_denominator``); 1 where ``omega = 0``."""
+    seen_any = omega > 0.0
+    if FULL:
+        den = omega * lam_min + tl.sum(mu * mu, 1)
+        floor = omega * omega * lam_min / tl.where(seen_any, den, 1.0)
+    else:
+        floor = FP32_EPS * omega
+    guarded = tl.where(delta < 0.0, -1.0, 1.0) * tl.maximum(tl.abs(delta), floor)
+    return tl.where(seen_any, guarded, 1.0)
 
 
 @triton.jit
