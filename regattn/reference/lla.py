@@ -244,32 +244,25 @@ def _lla_explicit(q, k, v, *, lam, scale, window, blocks):
 
 
 class ImplicitSolve(torch.autograd.Function):
-    """``rho``, an approximate solution of ``Sigma(theta) rho = mu(theta)``, differentiated as if it were exact.
+    """Zero in the forward; in the backward, ``-solve(g, *theta)`` (``~ -Sigma^-1 g``, ``Sigma`` symmetric)
+    as the gradient of the residual ``r = Sigma rho - mu`` it was given.
 
-    ``apply(residual, solve, rho, *theta)`` returns ``rho``; the backward takes ``u = solve(g, *theta)``
-    (``~ Sigma^-1 g``, ``Sigma`` symmetric) and gives ``theta`` the gradient ``-(d residual / d theta)^T u``
-    with ``residual(rho, *theta) = Sigma rho - mu``: the implicit-function gradient, whatever the number of
-    iterations that produced ``rho``. This is what the FlashLLA backward computes (its second CG).
+    ``rho.detach() + ImplicitSolve.apply(residual(rho.detach(), *theta), solve, *theta)`` is ``rho`` with the
+    implicit-function gradient ``-(d r / d theta)^T Sigma^-1 g``, whatever the number of iterations that
+    produced ``rho``: what the FlashLLA backward computes (its second CG). The residual's own graph carries
+    the gradient to ``theta``, so the backward calls no autograd itself and compiles.
     """
 
     @staticmethod
-    def forward(ctx, residual, solve, rho, *theta):
-        ctx.residual, ctx.solve = residual, solve
-        ctx.save_for_backward(rho, *theta)
-        return rho.clone()
+    def forward(ctx, r, solve, *theta):
+        ctx.solve = solve
+        ctx.save_for_backward(*theta)
+        return torch.zeros_like(r)
 
     @staticmethod
     def backward(ctx, g):
-        rho, *theta = ctx.saved_tensors
-        needs = ctx.needs_input_grad[3:]
-        with torch.no_grad():
-            u = ctx.solve(g, *theta)
-        with torch.enable_grad():
-            leaves = [t.detach().requires_grad_(n) for t, n in zip(theta, needs)]
-            r = ctx.residual(rho.detach(), *leaves)
-            wrt = [leaf for leaf in leaves if leaf.requires_grad]
-            grads = iter(torch.autograd.grad(r, wrt, -u, allow_unused=True) if wrt else ())
-        return (None, None, None, *[next(grads) if n else None for n in needs])
+        u = ctx.solve(g, *ctx.saved_tensors)
+        return (-u, None, *[None] * len(ctx.saved_tensors))
 
 
 def lla_matrix_free(q, k, v, *, lam, scale, window=None, blocks=None, cg_iters: int, cg_tol=1e-6,
@@ -301,7 +294,8 @@ def lla_matrix_free(q, k, v, *, lam, scale, window=None, blocks=None, cg_iters: 
     if implicit_gradient:
         with torch.no_grad():
             rho = solve(mu, *theta)
-        rho = ImplicitSolve.apply(residual, solve, rho, *theta)
+        fixed = [t.detach() for t in theta]
+        rho = rho + ImplicitSolve.apply(residual(rho, *theta), solve, *fixed)
     else:
         rho = solve(mu, *theta)
     return lla_output(w, omega, mu, rho, kh, vh, seen, lam_diag.amin(-1), blocks)
