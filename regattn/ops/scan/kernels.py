@@ -203,6 +203,20 @@ def _store_output(O, LSE, acc, m, l, rows, bat, h, row0, sob, soh, sot, offs_m, 
         tl.store(LSE + rows, lse, mask=offs_m < Tb)
 
 
+@triton.jit
+def _parked_rows(O, WS_ACC, bat, h, row0, sob, soh, sot, rows, split, ws_stride, offs_m, offs_dv, Tb,
+                 DV: tl.constexpr, BLOCK_DV: tl.constexpr, NSPLIT: tl.constexpr):
+    """``(pointers, mask)`` of the fp32 rows a program's final ``W`` goes to: its output rows, or with
+    ``NSPLIT > 1`` its split's workspace (which no other program touches)."""
+    if NSPLIT == 1:
+        ptrs = _head_rows(O, bat, h, row0, sob, soh, sot) + offs_m[:, None].to(tl.int64) * sot + offs_dv[None, :]
+        mask = (offs_m < Tb)[:, None] & (offs_dv < DV)[None, :]
+    else:
+        ptrs = WS_ACC + (split.to(tl.int64) * ws_stride + rows)[:, None] * BLOCK_DV + offs_dv[None, :]
+        mask = (offs_m < Tb)[:, None] & (offs_dv < BLOCK_DV)[None, :]
+    return ptrs, mask
+
+
 @triton.heuristics({
     "EVEN_N": lambda a: (not a["VARLEN"]) and a["S"] % a["BLOCK_N"] == 0 and a["D"] == a["BLOCK_D"]
     and a["DV"] == a["BLOCK_DV"],
@@ -237,6 +251,7 @@ def _fwd_kernel(Q, K, V, O, LSE, WS_M, WS_L, WS_ACC, CU,
     v_base = _head_rows(V, bat, hk, row0, svb, svh, svt)
     q = _tf32(_load_rows(q_base, offs_m, sqt, offs_d, Tb, D, False), ROUND_TF32)
 
+    rows = _stats_rows(bat, h, HQ, T, row0) + offs_m
     lo, hi = _key_tiles(m0, Tb, Sb, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
     full_lo, full_hi = _full_keys(m0, Tb, Sb, BLOCK_M, CAUSAL, WINDOW)
     if NSPLIT > 1:
@@ -250,16 +265,24 @@ def _fwd_kernel(Q, K, V, O, LSE, WS_M, WS_L, WS_ACC, CU,
                                     EVEN_N, PREC, FRESH, ROUND_TF32)
     else:
         # Two levels: CHUNK tiles fold into a chunk state, and the chunk states into the total, so that
-        # no accumulator sees more than max(CHUNK, n / (CHUNK * BLOCK_N)) sequential additions.
+        # no accumulator sees more than max(CHUNK, n / (CHUNK * BLOCK_N)) sequential additions. The total's
+        # W parks in the (fp32) rows it ends in between chunks (the output, or this split's workspace), so
+        # the fold holds two [BLOCK_M, BLOCK_DV] accumulators in registers, not three.
+        w_ptrs, w_mask = _parked_rows(O, WS_ACC, bat, h, row0, sob, soh, sot, rows, split, ws_stride, offs_m,
+                                      offs_dv, Tb, DV, BLOCK_DV, NSPLIT)
         m_i, l_i, acc = _identity(BLOCK_M, BLOCK_DV)
+        tl.store(w_ptrs, acc, mask=w_mask)
         for c0 in range(lo, hi, CHUNK * BLOCK_N):
             m_c, l_c, acc_c = _fold_tiles(q, k_base, v_base, skt, svt, c0, tl.minimum(hi, c0 + CHUNK * BLOCK_N),
                                           full_lo, full_hi, offs_m, offs_n0, offs_d, offs_dv, Tb, Sb, qk_scale, D,
                                           DV, BLOCK_M, BLOCK_N, BLOCK_DV, CAUSAL, WINDOW, EVEN_N, PREC, FRESH,
                                           ROUND_TF32)
-            m_i, l_i, acc = _combine(m_i, l_i, acc, m_c, l_c, acc_c)
+            tl.debug_barrier()
+            m_i, l_i, w = _combine(m_i, l_i, tl.load(w_ptrs, mask=w_mask, other=0.0), m_c, l_c, acc_c)
+            tl.store(w_ptrs, w, mask=w_mask)
+        tl.debug_barrier()
+        acc = tl.load(w_ptrs, mask=w_mask, other=0.0)
 
-    rows = _stats_rows(bat, h, HQ, T, row0) + offs_m
     if NSPLIT == 1:
         _store_output(O, LSE, acc, m_i, l_i, rows, bat, h, row0, sob, soh, sot, offs_m, offs_dv, Tb, DV, STORE_LSE)
     else:
