@@ -165,19 +165,31 @@ def _combine(m_a, l_a, w_a, m_b, l_b, w_b):
 
 
 @triton.jit
-def _fold_tiles(q, k_base, v_base, skt, svt, lo, hi, full_lo, full_hi, offs_m, offs_n0, offs_d, offs_dv, Tb, Sb,
+def _fold_tiles(q, q_base, sqt, k_base, v_base, skt, svt, lo, hi, full_lo, full_hi, offs_m, offs_n0, offs_d, offs_dv, Tb, Sb,
                 qk_scale, D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, EVEN_N: tl.constexpr,
-                PREC: tl.constexpr, FRESH: tl.constexpr, ROUND_TF32: tl.constexpr):
+                BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
+                EVEN_N: tl.constexpr, PREC: tl.constexpr, FRESH: tl.constexpr, ROUND_TF32: tl.constexpr,
+                DOT_K: tl.constexpr):
     """Left fold of the key tiles ``[lo, hi)`` from the identity: each tile's state (its max, the sum of
     ``p`` and ``p @ v``: tree reductions across the tile) merges into the running state by un-sum-renorm
     (the online-softmax step). Tiles outside the full keys ``[full_lo, full_hi)`` of a causal or windowed
-    fold multiply through :func:`contained_dot`. Returns ``(m, l, acc)``."""
+    fold multiply through :func:`contained_dot`. ``DOT_K > 0``: ``q k^T`` is formed ``DOT_K`` columns of
+    ``q`` and ``k`` at a time, read from memory (the FMA dot then holds a slice of its operands in
+    registers, not all of ``D``; its additions run in the same order). Returns ``(m, l, acc)``."""
     m_i, l_i, acc = _identity(BLOCK_M, BLOCK_DV)
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + offs_n0
-        k = _tf32(_load_rows(k_base, offs_n, skt, offs_d, Sb, D, EVEN_N), ROUND_TF32)
-        s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+        if DOT_K > 0:  # q k^T in chunks of DOT_K columns, each accumulated into the last
+            s = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for d0 in tl.static_range(0, BLOCK_D, DOT_K):
+                cols = d0 + tl.arange(0, DOT_K)
+                q_c = _tf32(_load_rows(q_base, offs_m, sqt, cols, Tb, D, False), ROUND_TF32)
+                k_c = _tf32(_load_rows(k_base, offs_n, skt, cols, Sb, D, EVEN_N), ROUND_TF32)
+                s = tl.dot(q_c, tl.trans(k_c), s, input_precision=PREC)
+            s = s * qk_scale
+        else:
+            k = _tf32(_load_rows(k_base, offs_n, skt, offs_d, Sb, D, EVEN_N), ROUND_TF32)
+            s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
         if CAUSAL or WINDOW > 0 or not EVEN_N:
             seen = _visible(offs_m, offs_n, Tb, Sb, CAUSAL, WINDOW)
             s = tl.where(seen, s, float("-inf"))
@@ -228,11 +240,13 @@ def _fwd_kernel(Q, K, V, O, LSE, WS_M, WS_L, WS_ACC, CU,
                 D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
                 VARLEN: tl.constexpr, NSPLIT: tl.constexpr, STORE_LSE: tl.constexpr, EVEN_N: tl.constexpr,
-                PREC: tl.constexpr, FRESH: tl.constexpr, ROUND_TF32: tl.constexpr, CHUNK: tl.constexpr):
+                PREC: tl.constexpr, FRESH: tl.constexpr, ROUND_TF32: tl.constexpr, CHUNK: tl.constexpr,
+                DOT_K: tl.constexpr):
     """One program: ``BLOCK_M`` queries of one head against key slice ``program_id(2)`` of ``NSPLIT``.
 
     ``FRESH``: each tile's ``W = p @ v`` is formed from zero and then merged (rather than accumulated
-    into the running sum inside the dot); ``CHUNK > 0``: fold in two levels of ``CHUNK`` tiles.
+    into the running sum inside the dot); ``CHUNK > 0``: fold in two levels of ``CHUNK`` tiles;
+    ``DOT_K > 0``: ``q k^T`` in column chunks (see :func:`_fold_tiles`).
     """
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -260,9 +274,9 @@ def _fwd_kernel(Q, K, V, O, LSE, WS_M, WS_L, WS_ACC, CU,
         hi = tl.minimum(hi, lo + per)
 
     if CHUNK == 0:
-        m_i, l_i, acc = _fold_tiles(q, k_base, v_base, skt, svt, lo, hi, full_lo, full_hi, offs_m, offs_n0, offs_d,
-                                    offs_dv, Tb, Sb, qk_scale, D, DV, BLOCK_M, BLOCK_N, BLOCK_DV, CAUSAL, WINDOW,
-                                    EVEN_N, PREC, FRESH, ROUND_TF32)
+        m_i, l_i, acc = _fold_tiles(q, q_base, sqt, k_base, v_base, skt, svt, lo, hi, full_lo, full_hi, offs_m, offs_n0, offs_d,
+                                    offs_dv, Tb, Sb, qk_scale, D, DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, CAUSAL,
+                                    WINDOW, EVEN_N, PREC, FRESH, ROUND_TF32, DOT_K)
     else:
         # Two levels: CHUNK tiles fold into a chunk state, and the chunk states into the total, so that
         # no accumulator sees more than max(CHUNK, n / (CHUNK * BLOCK_N)) sequential additions. The total's
@@ -273,10 +287,10 @@ def _fwd_kernel(Q, K, V, O, LSE, WS_M, WS_L, WS_ACC, CU,
         m_i, l_i, acc = _identity(BLOCK_M, BLOCK_DV)
         tl.store(w_ptrs, acc, mask=w_mask)
         for c0 in range(lo, hi, CHUNK * BLOCK_N):
-            m_c, l_c, acc_c = _fold_tiles(q, k_base, v_base, skt, svt, c0, tl.minimum(hi, c0 + CHUNK * BLOCK_N),
+            m_c, l_c, acc_c = _fold_tiles(q, q_base, sqt, k_base, v_base, skt, svt, c0, tl.minimum(hi, c0 + CHUNK * BLOCK_N),
                                           full_lo, full_hi, offs_m, offs_n0, offs_d, offs_dv, Tb, Sb, qk_scale, D,
-                                          DV, BLOCK_M, BLOCK_N, BLOCK_DV, CAUSAL, WINDOW, EVEN_N, PREC, FRESH,
-                                          ROUND_TF32)
+                                          DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, CAUSAL, WINDOW, EVEN_N, PREC,
+                                          FRESH, ROUND_TF32, DOT_K)
             tl.debug_barrier()
             m_i, l_i, w = _combine(m_i, l_i, tl.load(w_ptrs, mask=w_mask, other=0.0), m_c, l_c, acc_c)
             tl.store(w_ptrs, w, mask=w_mask)
@@ -516,15 +530,17 @@ def dot_precision(dtype: torch.dtype, precision: str) -> str:
     return precision if dtype == torch.float32 else "tf32"
 
 
+DOT_K = 8  # columns of q and k per FMA dot of strict fp32's q k^T
 CHUNK_TILES = 16  # tiles per chunk of the two-level fold (2 in the interpreter, so small tests reach it)
 
 
 def _numerics(dtype: torch.dtype, precision: str) -> dict:
     """Strict fp32 forms each tile's ``p @ v`` from zero and folds in two levels (its FMA dot would
-    otherwise add every key into one accumulator: error growing like n); TF32 rounds its operands."""
+    otherwise add every key into one accumulator: error growing like n), and forms ``q k^T`` in chunks of
+    :data:`DOT_K` columns (fewer operand registers: sm_90 spills less); TF32 rounds its operands."""
     strict = dtype == torch.float32 and precision == "ieee"
     chunk = 2 if interpreting() else CHUNK_TILES
-    return dict(FRESH=strict, CHUNK=chunk if strict else 0,
+    return dict(FRESH=strict, CHUNK=chunk if strict else 0, DOT_K=DOT_K if strict else 0,
                 ROUND_TF32=dtype == torch.float32 and precision == "tf32")
 
 
