@@ -1,6 +1,7 @@
 """Register use of the Triton kernels, compiled for a GPU on any machine (no GPU needed).
 
 ``python -m regattn.bench.registers parallax [--head-dims 128 256] [--kinds fwd dk] [--candidates]``
+``python -m regattn.bench.registers scan [--head-dims 64] [--kinds ieee tf32x3] [--candidates]``
 ``python -m regattn.bench.registers gatedfwa_gate``
 
 prints, for each kernel configuration of an op at its goal shape, what ``cuobjdump --dump-resource-usage``
@@ -8,6 +9,12 @@ reports for the cubin compiled for sm_90: ``REG`` (registers per thread, 255 at 
 stack frame per thread: spilled registers), ``LOCAL`` (local memory) and ``SHARED`` (bytes of shared
 memory the launch needs; an H100 has 227 KiB a block). A configuration with ``STACK > 0`` spills.
 ``--candidates`` screens the tile candidates of :data:`CANDIDATES` as well as the table's entry.
+
+``scan`` screens the forward kernel of the ELSA scan (one row per autotune config of each fp32 precision,
+``*`` marking them; ``--candidates`` adds :data:`SCAN_CANDIDATES`) at its goal shape B=1 H=16 T=16384
+non-causal, and reads the SASS of the hottest innermost loop: its instruction count, how many are
+``FFMA`` (and the FFMA share: the fp32 FMA pipe's density), ``HMMA`` (tensor core), and ``LDL``/``STL``
+(spill traffic inside the loop).
 
 The launches are the ops' own: the op's Python wrapper runs on ``meta`` tensors with the launch of each
 kernel captured instead of run, then compiled with Triton's own specialisation of those arguments.
@@ -32,6 +39,7 @@ from triton.runtime.jit import JITFunction, create_function_from_signature
 SM90 = GPUTarget("cuda", 90, 32)
 SM90_SHARED = 232448  # bytes of shared memory a block may use on an H100 (227 KiB)
 KINDS = ("fwd", "dq", "dk", "decode")
+SCAN_KINDS = ("ieee", "tf32x3", "tf32")  # the fp32 precisions of the scan's forward kernel
 HEAD_DIMS = (32, 64, 128, 256)
 # Tile candidates screened with --candidates: (rows of a program, streamed tile, num_warps) x num_stages. A
 # program of fwd and dq holds BLOCK_M query rows and streams BLOCK_N keys; one of dk holds BLOCK_N keys and
@@ -71,17 +79,46 @@ def compile_launch(kernel, args, kwargs, target=SM90):
     return triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target, options=options.__dict__)
 
 
-def resource_usage(compiled) -> dict:
-    """``REG``, ``STACK``, ``LOCAL`` (from cuobjdump) and ``SHARED`` (bytes) of a compiled kernel."""
+def cuobjdump(compiled, flag: str) -> str:
+    """What Triton's bundled ``cuobjdump flag`` prints for the cubin of a compiled kernel."""
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
         f.flush()
-        text = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True,
-                              check=True).stdout
+        return subprocess.run([tool, flag, f.name], capture_output=True, text=True, check=True).stdout
+
+
+def resource_usage(compiled) -> dict:
+    """``REG``, ``STACK``, ``LOCAL`` (from cuobjdump) and ``SHARED`` (bytes) of a compiled kernel."""
+    text = cuobjdump(compiled, "--dump-resource-usage")
     usage = {key: int(re.search(rf"\b{key}:(\d+)", text).group(1)) for key in ("REG", "STACK", "LOCAL")}
     usage["SHARED"] = compiled.metadata.shared
     return usage
+
+
+SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)\s*([^;]*);")
+
+
+def inner_loop(sass: str) -> dict:
+    """Instruction mix of the hottest loop of a kernel's SASS: of the loops (a backward ``BRA`` to its
+    head) that hold no other loop, the one of most instructions. ``loop``: its instruction count;
+    ``FFMA``, ``MMA`` (``HMMA`` and ``HGMMA``: tensor core), ``LDS``, ``LDL``/``STL`` (local memory:
+    spills): how many of each; ``FFMA%``: the FFMA share; ``FFMA/w``: FFMAs per 4-byte word read from
+    shared memory (an SM reads 32 words a cycle and retires 128 FFMAs: below 4 the loop waits on shared
+    memory, not on the FMA pipe)."""
+    code = [(int(a, 16), op, args) for a, op, args in SASS_LINE.findall(sass)]
+    loops = [(int(args.split()[-1], 16), addr) for addr, op, args in code
+             if op == "BRA" and args and int(args.split()[-1], 16) < addr]
+    innermost = [(a, b) for a, b in loops if not any(a <= c and d <= b and (c, d) != (a, b) for c, d in loops)]
+    if not innermost:
+        return {}
+    body = max(([op for addr, op, _ in code if a <= addr <= b] for a, b in innermost), key=len)
+    base = [op.split(".")[0] for op in body]
+    mix = {op: base.count(op) for op in ("FFMA", "LDS", "LDL", "STL")}
+    mix["MMA"] = base.count("HMMA") + base.count("HGMMA")
+    words = sum({"64": 2, "128": 4}.get(op.split(".")[-1], 1) for op in body if op.startswith("LDS"))
+    return dict(loop=len(body), **mix, **{"FFMA%": round(100 * mix["FFMA"] / len(body)),
+                                          "FFMA/w": round(mix["FFMA"] / max(words, 1), 1)})
 
 
 def parallax_launch(kind: str, head_dim: int, config: dict | None = None, *, B=4, T=8192, HQ=None, H=None,
@@ -138,6 +175,52 @@ def parallax_rows(head_dims=HEAD_DIMS, kinds=KINDS, candidates=False):
             yield dict(head_dim=D, kind=kind, table=config is None, **launch_settings(kwargs), **usage)
 
 
+# Forward tiles screened for the scan with --candidates: (BLOCK_M, BLOCK_N, num_warps) x num_stages. Fewer
+# threads per tile give each thread more outputs of a dot, so more FFMAs per operand read from shared memory.
+SCAN_CANDIDATES = [(m, n, w, s) for (m, n, w), s in itertools.product(
+    [(16, 64, 4), (16, 128, 4), (32, 32, 2), (32, 32, 4), (32, 64, 4), (32, 128, 4), (32, 64, 8), (32, 128, 8),
+     (64, 32, 2), (64, 64, 2), (128, 32, 4), (128, 64, 4), (64, 128, 4), (256, 64, 8)], (2, 3))]
+
+
+def scan_launch(precision: str, config, *, B=1, T=16384, H=16, D=64):
+    """The captured launch of the scan's forward kernel (fp32, non-causal, no lse: the benchmark's call)
+    with ``config`` (a ``triton.Config``) as its only tile choice."""
+    from regattn.ops.scan import kernels
+
+    family = kernels._family(torch.float32, precision)
+    saved = kernels.FWD_CONFIGS, kernels.AUTOTUNE
+    kernels.FWD_CONFIGS, kernels.AUTOTUNE = {family: [config]}, False
+    try:
+        q = torch.empty(B, T, H, D, device="meta")
+        with captured_launches() as launches:
+            kernels.forward(q, q, q, causal=False, window=None, scale=D ** -0.5, precision=precision,
+                            cu_seqlens=None, num_splits=1, need_lse=False)
+    finally:
+        kernels.FWD_CONFIGS, kernels.AUTOTUNE = saved
+    return launches[0]
+
+
+def scan_rows(head_dims=(64,), kinds=("ieee", "tf32x3"), candidates=False):
+    """One row per (head dim, precision, forward configuration): the autotune list's, then the candidates."""
+    from regattn.ops.scan import kernels
+
+    for D, precision in itertools.product(head_dims, kinds):
+        configs = [(c, True) for c in kernels.FWD_CONFIGS[kernels._family(torch.float32, precision)]]
+        if candidates:
+            configs += [(kernels._configs([c])[0], False) for c in SCAN_CANDIDATES]
+        for config, listed in configs:
+            kernel, args, kwargs = scan_launch(precision, config, D=D)
+            try:
+                compiled = compile_launch(kernel, args, kwargs)
+                usage = dict(**resource_usage(compiled), **inner_loop(cuobjdump(compiled, "-sass")))
+            except Exception as error:
+                usage = dict(error=str(error).splitlines()[0][:80])
+            yield dict(head_dim=D, kind=precision, table=listed, **launch_settings(kwargs), **usage)
+
+
+COLUMNS = ("head_dim", "kind", "BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "REG", "STACK", "LOCAL", "SHARED")
+
+
 # fp32 (B, T, H) of the gate scans: the bench's gate shapes, and heads fewer than a block.
 GATE_SHAPES = [(1, 8192, 16), (1, 65536, 64), (1, 65536, 128), (1, 8192, 3)]
 
@@ -158,23 +241,29 @@ def gate_rows(head_dims=None, kinds=None, candidates=False, *, shapes=GATE_SHAPE
                        table=True, **usage)
 
 
-OPS = {"parallax": parallax_rows, "gatedfwa_gate": gate_rows}
-COLUMNS = {"parallax": ("head_dim", "kind", "BLOCK_M", "BLOCK_N", "num_warps", "num_stages"),
-           "gatedfwa_gate": ("shape", "scan", "kernel", "BLOCK_T", "BLOCK_H", "num_warps")}
+USAGE = ("REG", "STACK", "LOCAL", "SHARED")
+OPS = {"parallax": (parallax_rows, KINDS, COLUMNS),
+       "scan": (scan_rows, ("ieee", "tf32x3"), COLUMNS + ("loop", "FFMA", "FFMA%", "FFMA/w", "LDS", "MMA", "LDL", "STL")),
+       "gatedfwa_gate": (gate_rows, (), ("shape", "scan", "kernel", "BLOCK_T", "BLOCK_H", "num_warps") + USAGE)}
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m regattn.bench.registers", description=__doc__.split("\n")[0])
     parser.add_argument("op", choices=sorted(OPS))
-    parser.add_argument("--head-dims", type=int, nargs="+", default=list(HEAD_DIMS))
-    parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
+    parser.add_argument("--head-dims", type=int, nargs="+", help="parallax: 32 64 128 256 by default; scan: 64")
+    parser.add_argument("--kinds", nargs="+", choices=KINDS + SCAN_KINDS,
+                        help=f"parallax: {', '.join(KINDS)} (all by default); scan: {', '.join(SCAN_KINDS)} "
+                             "(ieee and tf32x3 by default)")
     parser.add_argument("--candidates", action="store_true", help="screen the tile candidates too")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         parser.error("unset TRITON_INTERPRET: the kernels are compiled, not interpreted")
-    columns = COLUMNS[args.op] + ("REG", "STACK", "LOCAL", "SHARED")
+    rows, kinds, columns = OPS[args.op]
+    if args.kinds and not set(args.kinds) <= set(kinds if args.op != "scan" else SCAN_KINDS):
+        parser.error(f"--kinds: not kernels of {args.op}: {args.kinds}")
     print(" ".join(f"{c:>10}" for c in columns), " table")
-    for row in OPS[args.op](args.head_dims, args.kinds, args.candidates):
+    head_dims = args.head_dims or (list(HEAD_DIMS) if args.op == "parallax" else [64])
+    for row in rows(head_dims, args.kinds or kinds, args.candidates):
         cells = [f"{row.get(c, '-'):>10}" for c in columns]
         note = " *" if row["table"] else "  "
         if row.get("SHARED", 0) > SM90_SHARED:

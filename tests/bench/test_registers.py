@@ -37,3 +37,38 @@ def test_chunked_gate_scan_does_not_spill():
     assert sorted({r["kernel"] for r in rows}) == ["gate_chunked", "gate_chunked_bwd"] and len(rows) == 4
     for r in rows:
         assert r["STACK"] == 0 and r["LOCAL"] == 0 and 0 < r["REG"] <= 128, r
+
+
+SASS = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0010*/                   LDS.128 R4, [R2] ;
+        /*0020*/                   FFMA R8, R4, R5, R8 ;
+        /*0030*/              @!P0 BRA 0x10 ;
+        /*0040*/                   LDS R4, [R2] ;
+        /*0050*/                   FFMA R8, R4, R5, R8 ;
+        /*0060*/                   FFMA R9, R4, R5, R9 ;
+        /*0070*/                   STL [R1], R9 ;
+        /*0080*/               @P1 BRA 0x40 ;
+        /*0090*/                   BRA 0x10 ;
+        /*00a0*/                   BRA 0xa0;
+"""
+
+
+def test_inner_loop_is_the_longest_loop_holding_no_other():
+    # loops [0x10, 0x30] and [0x40, 0x80] hold none; [0x10, 0x90] holds both; 0xa0 branches to itself
+    mix = registers.inner_loop(SASS)
+    assert mix == {"loop": 5, "FFMA": 2, "LDS": 1, "LDL": 0, "STL": 1, "MMA": 0, "FFMA%": 40, "FFMA/w": 2.0}
+    assert registers.inner_loop("        /*0000*/                   EXIT ;") == {}
+
+
+@compiles
+@pytest.mark.parametrize("precision", ["ieee", "tf32x3"])
+def test_scan_forward_loop_uses_the_fma_pipe_only_in_strict_fp32(precision):
+    config = triton.Config({"BLOCK_M": 32, "BLOCK_N": 32}, num_warps=4, num_stages=2)
+    kernel, args, kwargs = registers.scan_launch(precision, config, T=256, H=2)
+    assert registers.launch_settings(kwargs) == dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=2)
+    mix = registers.inner_loop(registers.cuobjdump(registers.compile_launch(kernel, args, kwargs), "-sass"))
+    if precision == "ieee":  # fp32 arithmetic throughout: every product of the dots is an FFMA
+        assert mix["MMA"] == 0 and mix["FFMA"] >= 2 * 32 * 32 * 64 // 128
+    else:
+        assert mix["MMA"] > 0

@@ -165,19 +165,31 @@ def _combine(m_a, l_a, w_a, m_b, l_b, w_b):
 
 
 @triton.jit
-def _fold_tiles(q, k_base, v_base, skt, svt, lo, hi, full_lo, full_hi, offs_m, offs_n0, offs_d, offs_dv, Tb, Sb,
+def _fold_tiles(q, q_base, sqt, k_base, v_base, skt, svt, lo, hi, full_lo, full_hi, offs_m, offs_n0, offs_d, offs_dv, Tb, Sb,
                 qk_scale, D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, EVEN_N: tl.constexpr,
-                PREC: tl.constexpr, FRESH: tl.constexpr, ROUND_TF32: tl.constexpr):
+                BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
+                EVEN_N: tl.constexpr, PREC: tl.constexpr, FRESH: tl.constexpr, ROUND_TF32: tl.constexpr,
+                DOT_K: tl.constexpr):
     """Left fold of the key tiles ``[lo, hi)`` from the identity: each tile's state (its max, the sum of
     ``p`` and ``p @ v``: tree reductions across the tile) merges into the running state by un-sum-renorm
     (the online-softmax step). Tiles outside the full keys ``[full_lo, full_hi)`` of a causal or windowed
-    fold multiply through :func:`contained_dot`. Returns ``(m, l, acc)``."""
+    fold multiply through :func:`contained_dot`. ``DOT_K > 0``: ``q k^T`` is formed ``DOT_K`` columns of
+    ``q`` and ``k`` at a time, read from memory (the FMA dot then holds a slice of its operands in
+    registers, not all of ``D``; its additions run in the same order). Returns ``(m, l, acc)``."""
     m_i, l_i, acc = _identity(BLOCK_M, BLOCK_DV)
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + offs_n0
-        k = _tf32(_load_rows(k_base, offs_n, skt, offs_d, Sb, D, EVEN_N), ROUND_TF32)
-        s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+        if DOT_K > 0:  # q k^T in chunks of DOT_K columns, each accumulated into the last
+            s = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for d0 in tl.static_range(0, BLOCK_D, DOT_K):
+                cols = d0 + tl.arange(0, DOT_K)
+                q_c = _tf32(_load_rows(q_base, offs_m, sqt, cols, Tb, D, False), ROUND_TF32)
+                k_c = _tf32(_load_rows(k_base, offs_n, skt, cols, Sb, D, EVEN_N), ROUND_TF32)
+                s = tl.dot(q_c, tl.trans(k_c), s, input_precision=PREC)
+            s = s * qk_scale
+        else:
+            k = _tf32(_load_rows(k_base, offs_n, skt, offs_d, Sb, D, EVEN_N), ROUND_TF32)
+            s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
         if CAUSAL or WINDOW > 0 or not EVEN_N:
             seen = _visible(offs_m, offs_n, Tb, Sb, CAUSAL, WINDOW)
             s = tl.where(seen, s, float("-inf"))
@@ -203,6 +215,20 @@ def _store_output(O, LSE, acc, m, l, rows, bat, h, row0, sob, soh, sot, offs_m, 
         tl.store(LSE + rows, lse, mask=offs_m < Tb)
 
 
+@triton.jit
+def _parked_rows(O, WS_ACC, bat, h, row0, sob, soh, sot, rows, split, ws_stride, offs_m, offs_dv, Tb,
+                 DV: tl.constexpr, BLOCK_DV: tl.constexpr, NSPLIT: tl.constexpr):
+    """``(pointers, mask)`` of the fp32 rows a program's final ``W`` goes to: its output rows, or with
+    ``NSPLIT > 1`` its split's workspace (which no other program touches)."""
+    if NSPLIT == 1:
+        ptrs = _head_rows(O, bat, h, row0, sob, soh, sot) + offs_m[:, None].to(tl.int64) * sot + offs_dv[None, :]
+        mask = (offs_m < Tb)[:, None] & (offs_dv < DV)[None, :]
+    else:
+        ptrs = WS_ACC + (split.to(tl.int64) * ws_stride + rows)[:, None] * BLOCK_DV + offs_dv[None, :]
+        mask = (offs_m < Tb)[:, None] & (offs_dv < BLOCK_DV)[None, :]
+    return ptrs, mask
+
+
 @triton.heuristics({
     "EVEN_N": lambda a: (not a["VARLEN"]) and a["S"] % a["BLOCK_N"] == 0 and a["D"] == a["BLOCK_D"]
     and a["DV"] == a["BLOCK_DV"],
@@ -214,11 +240,13 @@ def _fwd_kernel(Q, K, V, O, LSE, WS_M, WS_L, WS_ACC, CU,
                 D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
                 VARLEN: tl.constexpr, NSPLIT: tl.constexpr, STORE_LSE: tl.constexpr, EVEN_N: tl.constexpr,
-                PREC: tl.constexpr, FRESH: tl.constexpr, ROUND_TF32: tl.constexpr, CHUNK: tl.constexpr):
+                PREC: tl.constexpr, FRESH: tl.constexpr, ROUND_TF32: tl.constexpr, CHUNK: tl.constexpr,
+                DOT_K: tl.constexpr):
     """One program: ``BLOCK_M`` queries of one head against key slice ``program_id(2)`` of ``NSPLIT``.
 
     ``FRESH``: each tile's ``W = p @ v`` is formed from zero and then merged (rather than accumulated
-    into the running sum inside the dot); ``CHUNK > 0``: fold in two levels of ``CHUNK`` tiles.
+    into the running sum inside the dot); ``CHUNK > 0``: fold in two levels of ``CHUNK`` tiles;
+    ``DOT_K > 0``: ``q k^T`` in column chunks (see :func:`_fold_tiles`).
     """
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -237,6 +265,7 @@ def _fwd_kernel(Q, K, V, O, LSE, WS_M, WS_L, WS_ACC, CU,
     v_base = _head_rows(V, bat, hk, row0, svb, svh, svt)
     q = _tf32(_load_rows(q_base, offs_m, sqt, offs_d, Tb, D, False), ROUND_TF32)
 
+    rows = _stats_rows(bat, h, HQ, T, row0) + offs_m
     lo, hi = _key_tiles(m0, Tb, Sb, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
     full_lo, full_hi = _full_keys(m0, Tb, Sb, BLOCK_M, CAUSAL, WINDOW)
     if NSPLIT > 1:
@@ -245,21 +274,29 @@ def _fwd_kernel(Q, K, V, O, LSE, WS_M, WS_L, WS_ACC, CU,
         hi = tl.minimum(hi, lo + per)
 
     if CHUNK == 0:
-        m_i, l_i, acc = _fold_tiles(q, k_base, v_base, skt, svt, lo, hi, full_lo, full_hi, offs_m, offs_n0, offs_d,
-                                    offs_dv, Tb, Sb, qk_scale, D, DV, BLOCK_M, BLOCK_N, BLOCK_DV, CAUSAL, WINDOW,
-                                    EVEN_N, PREC, FRESH, ROUND_TF32)
+        m_i, l_i, acc = _fold_tiles(q, q_base, sqt, k_base, v_base, skt, svt, lo, hi, full_lo, full_hi, offs_m, offs_n0, offs_d,
+                                    offs_dv, Tb, Sb, qk_scale, D, DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, CAUSAL,
+                                    WINDOW, EVEN_N, PREC, FRESH, ROUND_TF32, DOT_K)
     else:
         # Two levels: CHUNK tiles fold into a chunk state, and the chunk states into the total, so that
-        # no accumulator sees more than max(CHUNK, n / (CHUNK * BLOCK_N)) sequential additions.
+        # no accumulator sees more than max(CHUNK, n / (CHUNK * BLOCK_N)) sequential additions. The total's
+        # W parks in the (fp32) rows it ends in between chunks (the output, or this split's workspace), so
+        # the fold holds two [BLOCK_M, BLOCK_DV] accumulators in registers, not three.
+        w_ptrs, w_mask = _parked_rows(O, WS_ACC, bat, h, row0, sob, soh, sot, rows, split, ws_stride, offs_m,
+                                      offs_dv, Tb, DV, BLOCK_DV, NSPLIT)
         m_i, l_i, acc = _identity(BLOCK_M, BLOCK_DV)
+        tl.store(w_ptrs, acc, mask=w_mask)
         for c0 in range(lo, hi, CHUNK * BLOCK_N):
-            m_c, l_c, acc_c = _fold_tiles(q, k_base, v_base, skt, svt, c0, tl.minimum(hi, c0 + CHUNK * BLOCK_N),
+            m_c, l_c, acc_c = _fold_tiles(q, q_base, sqt, k_base, v_base, skt, svt, c0, tl.minimum(hi, c0 + CHUNK * BLOCK_N),
                                           full_lo, full_hi, offs_m, offs_n0, offs_d, offs_dv, Tb, Sb, qk_scale, D,
-                                          DV, BLOCK_M, BLOCK_N, BLOCK_DV, CAUSAL, WINDOW, EVEN_N, PREC, FRESH,
-                                          ROUND_TF32)
-            m_i, l_i, acc = _combine(m_i, l_i, acc, m_c, l_c, acc_c)
+                                          DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, CAUSAL, WINDOW, EVEN_N, PREC,
+                                          FRESH, ROUND_TF32, DOT_K)
+            tl.debug_barrier()
+            m_i, l_i, w = _combine(m_i, l_i, tl.load(w_ptrs, mask=w_mask, other=0.0), m_c, l_c, acc_c)
+            tl.store(w_ptrs, w, mask=w_mask)
+        tl.debug_barrier()
+        acc = tl.load(w_ptrs, mask=w_mask, other=0.0)
 
-    rows = _stats_rows(bat, h, HQ, T, row0) + offs_m
     if NSPLIT == 1:
         _store_output(O, LSE, acc, m_i, l_i, rows, bat, h, row0, sob, soh, sot, offs_m, offs_dv, Tb, DV, STORE_LSE)
     else:
@@ -433,12 +470,15 @@ def _configs(pairs):
     return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in pairs]
 
 
+# The last entries of "tensor" and "ieee" are tiles that compile for sm_90 without spilling (see
+# benchmarks/results/sm90-registers/scan.txt: ``python -m regattn.bench.registers scan --candidates``).
 FWD_CONFIGS = {
     "half": _configs([(128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3), (64, 64, 4, 3)]),
     "tensor": _configs([(128, 64, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3), (128, 32, 4, 3), (64, 32, 4, 2),
-                        (128, 128, 8, 2), (64, 128, 4, 2)]),
+                        (128, 128, 8, 2), (64, 128, 4, 2), (32, 64, 4, 2), (32, 64, 8, 3), (32, 128, 8, 2)]),
     "ieee": _configs([(64, 64, 4, 2), (128, 64, 8, 2), (128, 32, 8, 2), (64, 32, 4, 2), (32, 64, 4, 2),
-                      (64, 64, 8, 2), (32, 32, 4, 2), (64, 128, 8, 2)]),
+                      (64, 64, 8, 2), (32, 32, 4, 2), (64, 128, 8, 2), (128, 32, 8, 3), (64, 32, 4, 3),
+                      (32, 64, 4, 3), (32, 32, 2, 2)]),
 }
 BWD_CONFIGS = {
     "half": _configs([(64, 64, 4, 2), (128, 64, 8, 2), (64, 128, 8, 2)]),
@@ -493,15 +533,17 @@ def dot_precision(dtype: torch.dtype, precision: str) -> str:
     return precision if dtype == torch.float32 else "tf32"
 
 
+DOT_K = 8  # columns of q and k per FMA dot of strict fp32's q k^T
 CHUNK_TILES = 16  # tiles per chunk of the two-level fold (2 in the interpreter, so small tests reach it)
 
 
 def _numerics(dtype: torch.dtype, precision: str) -> dict:
     """Strict fp32 forms each tile's ``p @ v`` from zero and folds in two levels (its FMA dot would
-    otherwise add every key into one accumulator: error growing like n); TF32 rounds its operands."""
+    otherwise add every key into one accumulator: error growing like n), and forms ``q k^T`` in chunks of
+    :data:`DOT_K` columns (fewer operand registers: sm_90 spills less); TF32 rounds its operands."""
     strict = dtype == torch.float32 and precision == "ieee"
     chunk = 2 if interpreting() else CHUNK_TILES
-    return dict(FRESH=strict, CHUNK=chunk if strict else 0,
+    return dict(FRESH=strict, CHUNK=chunk if strict else 0, DOT_K=DOT_K if strict else 0,
                 ROUND_TF32=dtype == torch.float32 and precision == "tf32")
 
 
