@@ -7,9 +7,8 @@ what an eager caller pays and a graph removes; a call that cannot be captured (a
 it) gets the status ``not capturable``. Peak memory is ``torch.cuda.max_memory_allocated`` during
 one call, above what was allocated before it. A call slower than the timing window itself is timed
 by the median of three event-timed calls, the peak-memory call among them (do_bench would run it
-about ten times). On CPU (the smoke
-mode) the ``perf_counter`` calls made within the timing window give a median and no peak memory is
-read.
+about ten times). On CPU (the smoke mode) the ``perf_counter`` calls made within the timing window
+give a median and no peak memory is read.
 """
 from __future__ import annotations
 
