@@ -58,3 +58,17 @@ def no_host_reads():
             setattr(torch.Tensor, name, method)
         if mode is not None:
             torch.cuda.set_sync_debug_mode(mode)
+
+
+def decode_one_by_one(layer, x: torch.Tensor, prompt: int):
+    """``(outputs, cache)`` of ``layer.prefill`` on the first ``prompt`` tokens of ``x`` (none when 0: the
+    first ``step`` starts from no cache), then ``layer.step`` on each later token, outputs joined in time."""
+    cache, outs = None, []
+    if prompt:
+        y, cache = layer.prefill(x[:, :prompt])
+        outs.append(y)
+    for t in range(prompt, x.shape[1]):
+        y, cache = layer.step(x[:, t:t + 1], cache)
+        outs.append(y)
+    return torch.cat(outs, 1), cache
+

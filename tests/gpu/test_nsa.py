@@ -6,7 +6,7 @@ import torch
 
 from regattn.layers import GatedFWANSA
 from regattn.ops.nsa import nsa_attention
-from tests.helpers import randn, rel_err
+from tests.helpers import decode_one_by_one, randn, rel_err
 
 pytestmark = pytest.mark.gpu
 NSA = dict(block_cmp=32, stride_cmp=16, block_slc=64, topk=16)
@@ -41,9 +41,5 @@ def test_layer_decode_equals_forward():
     x = randn(2, 300, 256, device="cuda")
     with torch.no_grad():
         full = layer(x)
-        y, cache = layer.prefill(x[:, :100])
-        outs = [y]
-        for t in range(100, 300):
-            y, cache = layer.step(x[:, t:t + 1], cache)
-            outs.append(y)
-    assert rel_err(torch.cat(outs, 1), full) < 1e-10
+        decoded, _ = decode_one_by_one(layer, x, 100)
+    assert rel_err(decoded, full) < 1e-10

@@ -4,7 +4,7 @@ import torch
 
 from regattn import reference
 from regattn.layers import GatedFWA, GatedFWANSA
-from tests.helpers import randn, rel_err
+from tests.helpers import decode_one_by_one, randn, rel_err
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -149,15 +149,8 @@ def test_nsa_prefill_then_steps_equal_the_full_forward(prompt):
     layer = _nsa(rope=True)
     x = randn(2, 19, 32)
     full = layer(x)
-    if prompt:
-        y, cache = layer.prefill(x[:, :prompt])
-        outs = [y]
-    else:
-        cache, outs = None, []
-    for t in range(prompt, 19):
-        y, cache = layer.step(x[:, t:t + 1], cache)
-        outs.append(y)
-    assert rel_err(torch.cat(outs, 1), full) < 1e-12
+    decoded, cache = decode_one_by_one(layer, x, prompt)
+    assert rel_err(decoded, full) < 1e-12
     assert cache.k.shape[1] == 19 and cache.kc.shape[1] == (19 - 4) // 2 + 1 and cache.local.k.shape[1] == 4
 
 
