@@ -77,9 +77,12 @@ class _ContainedMatmul(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         w, x, seen = ctx.saved_tensors
-        dw = torch.where(seen, contained_scores(g, x), g.new_zeros(()))
-        dx = _masked_product(w.transpose(-1, -2), g, seen.transpose(-1, -2))
-        return dw.sum_to_size(w.shape), dx.sum_to_size(x.shape), None
+        # under autocast the forward multiplied in low precision; the backward runs outside it
+        dtype = torch.promote_types(torch.promote_types(w.dtype, x.dtype), g.dtype)
+        wc, xc, g = w.to(dtype), x.to(dtype), g.to(dtype)
+        dw = torch.where(seen, contained_scores(g, xc), g.new_zeros(()))
+        dx = _masked_product(wc.transpose(-1, -2), g, seen.transpose(-1, -2))
+        return dw.sum_to_size(w.shape).to(w.dtype), dx.sum_to_size(x.shape).to(x.dtype), None
 
 
 def contained_matmul(w: torch.Tensor, x: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:

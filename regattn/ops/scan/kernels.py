@@ -533,7 +533,7 @@ def dot_precision(dtype: torch.dtype, precision: str) -> str:
     return precision if dtype == torch.float32 else "tf32"
 
 
-DOT_K = 8  # columns of q and k per FMA dot of strict fp32's q k^T
+DOT_K = 16  # columns of q and k per FMA dot of strict fp32's q k^T (triton 3.6 needs K >= 16)
 CHUNK_TILES = 16  # tiles per chunk of the two-level fold (2 in the interpreter, so small tests reach it)
 
 
