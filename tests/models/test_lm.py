@@ -243,3 +243,16 @@ def test_gpu_kernels_generate_and_train_in_bf16(mixer):
         losses.append(loss.item())
     assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0] - 0.5, losses
 
+
+
+@pytest.mark.parametrize("mixer", LM_MIXERS)
+def test_backward_under_cpu_autocast(mixer):
+    """Under bf16 autocast the backward of every mixer runs (outside the autocast region, on gradients of
+    another dtype than the forward's products) and gives finite gradients."""
+    model = tiny(mixer, dim=64, window=16)
+    tokens = torch.randint(0, VOCAB, (2, 33))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(tokens[:, :-1], tokens[:, 1:])
+    loss.backward()
+    assert torch.isfinite(loss)
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
