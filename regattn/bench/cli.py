@@ -56,11 +56,12 @@ def parse_shapes(specs: list[str] | None, suite, cuda: bool, quick: bool = False
     return shapes
 
 
-def parse_peers(text: str | None, suite) -> tuple:
+def parse_peers(text: str | None, suite, quick: bool = False) -> tuple:
     """``--peers``: comma-separated names from :data:`regattn.bench.peers.PEERS` (``sdpa`` for every
-    SDPA backend), ``none``, or the suite's own list when not given."""
+    SDPA backend), ``none``, or the suite's own list when not given (with ``--quick`` its short list:
+    the main peers that need no autotuning of their own)."""
     if text is None:
-        return tuple(suite.PEERS)
+        return tuple(suite.QUICK_PEERS if quick else suite.PEERS)
     names = tuple(p.strip() for p in text.split(",") if p.strip() and p.strip() != "none")
     unknown = [p for p in names if p not in peer_names.PEERS and p != "sdpa"]
     if unknown:
@@ -75,7 +76,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("suite", help=f"one of {', '.join(suites.NAMES)}; 'all' for every suite; 'report' to "
                                  "write docs/PERFORMANCE.md from benchmarks/results")
     p.add_argument("--shapes", nargs="+", help="grid names (tiny, goal, quick, full) or KEY=V[/V...],... specs")
-    p.add_argument("--quick", action="store_true", help="the quick subset of the goal shapes")
+    p.add_argument("--quick", action="store_true",
+                   help="the quick subset of the goal shapes, against the suite's short list of peers")
     p.add_argument("--dtype", choices=sorted(DTYPES), help="input dtype (default bf16 on CUDA, fp32 on CPU)")
     p.add_argument("--peers", help=f"comma-separated peers ({', '.join(peer_names.PEERS)}, sdpa) or 'none'; "
                                    "default: the suite's own list")
@@ -100,7 +102,7 @@ def run_one(name: str, args, device: str) -> dict:
     suite = suites.get(name)
     cuda = device.startswith("cuda")
     dtype = args.dtype or ("bf16" if cuda else "fp32")
-    peers = parse_peers(args.peers, suite)
+    peers = parse_peers(args.peers, suite, args.quick)
     setup = Setup(dtype=DTYPES[dtype], device=device, backend=args.backend, peers=peers, rep_ms=args.rep_ms)
     shapes = parse_shapes(args.shapes, suite, cuda, args.quick)
     machine = results.machine_info(device)
@@ -145,7 +147,7 @@ def check_args(args) -> str:
         raise UsageError(f"--rep-ms: expected a positive number of milliseconds, got {args.rep_ms}")
     for name in suite_names(args.suite):
         suite = suites.get(name)
-        parse_peers(args.peers, suite)
+        parse_peers(args.peers, suite, args.quick)
         parse_shapes(args.shapes, suite, torch.device(device).type == "cuda", args.quick)
     return device
 

@@ -1,9 +1,10 @@
 """Run a suite: measure each case of each shape, check it against float64, give it its ratio to the main peer.
 
-A suite module has ``NAME``, ``PEERS`` (the peers it knows), ``MAIN`` (the op each mode is
-compared with: ``{mode: (op prefix, ...)}``, the first one measured wins), ``GRIDS`` (``"tiny"``
-for the CPU smoke mode, ``"goal"`` for the targets every GPU run measures, ``"quick"`` a subset
-of it, ``"full"`` a wider sweep: lists of shape dicts) and ``cases(shape, setup)``, which yields
+A suite module has ``NAME``, ``PEERS`` (the peers it knows), ``QUICK_PEERS`` (those of a
+``--quick`` run), ``MAIN`` (the op each mode is compared with: ``{mode: (op prefix, ...)}``, the
+first one measured wins), ``GRIDS`` (``"tiny"`` for the CPU smoke mode, ``"goal"`` for the targets
+every GPU run measures, ``"quick"`` a subset of it, ``"full"`` a wider sweep: lists of shape dicts)
+and ``cases(shape, setup)``, which yields
 ``(mode, Case)`` pairs. Cases of one shape share their inputs; each case is measured before the
 generator resumes, so a suite may replace its inputs between cases.
 """
@@ -22,6 +23,7 @@ from regattn.bench.check import Check
 from regattn.bench.peers import Unavailable
 from regattn.ops._common.checks import resolve_backend
 from regattn.bench.timing import Measurement, describe, measure
+from regattn.bench.tuning import autotuned
 
 
 @dataclass
@@ -177,13 +179,16 @@ def run_suite(suite, shapes: list[dict], setup: Setup, *, on_shape=None) -> list
             try:
                 start = time.perf_counter()
                 for mode, case in suite.cases(shape, setup):
-                    if case.call is None:
-                        m = Measurement(case.status)
-                    else:
-                        m = measure(timed(case.call, case.leaves, mode), cuda=setup.cuda, graph=case.graph,
-                                    rep_ms=setup.rep_ms)
+                    with autotuned() as tiles:
+                        if case.call is None:
+                            m = Measurement(case.status)
+                        else:
+                            m = measure(timed(case.call, case.leaves, mode), cuda=setup.cuda, graph=case.graph,
+                                        rep_ms=setup.rep_ms)
                     err = case_errors(case, mode) if m.status == "ok" else None
                     group.append(row_of(shape, mode, case, m, err))
+                    if case.ours and tiles:
+                        group[-1]["tiles"] = tiles
                     now = time.perf_counter()
                     group[-1]["wall_s"] = round(now - start, 2)  # making, timing and checking the case
                     start = now

@@ -98,6 +98,10 @@ def test_every_suite_declares_its_goal_and_quick_grids_and_main_peers():
         assert suite.GRIDS["goal"] and suite.GRIDS["quick"] and suite.GRIDS["tiny"]
         assert all(shape in suite.GRIDS["goal"] for shape in suite.GRIDS["quick"])
         assert suite.MAIN and all(isinstance(v, tuple) and v for v in suite.MAIN.values())
+        assert suite.QUICK_PEERS and set(suite.QUICK_PEERS) <= set(suite.PEERS)
+        assert cli.parse_peers(None, suite) == suite.PEERS
+        assert cli.parse_peers(None, suite, quick=True) == suite.QUICK_PEERS
+        assert cli.parse_peers("sdpa-flash", suite, quick=True) == ("sdpa-flash",)
 
 
 @pytest.fixture

@@ -29,7 +29,9 @@ def segments(cu_seqlens):
 
 
 def assert_within(names, got, exact, same=None, *, fixed=None, factor=2.0, slack=1e-3, cap=None, parts=()):
-    """Each ``got[i]`` against ``exact[i]``; ``parts``: ``(start, end)`` slices of dim 1 judged on their own."""
+    """Each ``got[i]`` against ``exact[i]``; ``parts``: ``(start, end)`` slices of dim 1 judged on their own.
+    Every output and part is judged before the test fails, and the message lists each one out of bounds."""
+    failures = []
     for i, (name, a, b) in enumerate(zip(names, got, exact)):
         for lo, hi in [(None, None), *parts]:
             err = rel_err(a[:, lo:hi], b[:, lo:hi])
@@ -39,5 +41,8 @@ def assert_within(names, got, exact, same=None, *, fixed=None, factor=2.0, slack
                 limit = factor * rel_err(same[i][:, lo:hi], b[:, lo:hi]) + slack
                 limit = limit if cap is None else min(limit, cap)
             where = "" if lo is None else f" (sequence {lo}:{hi})"
-            assert math.isfinite(limit), f"{name}{where}: the reference in low precision is not finite"
-            assert err <= limit, f"{name}{where}: error {err:.3g} > bound {limit:.3g}"
+            if not math.isfinite(limit):
+                failures.append(f"{name}{where}: the reference in low precision is not finite")
+            elif not err <= limit:
+                failures.append(f"{name}{where}: error {err:.3g} > bound {limit:.3g}")
+    assert not failures, "; ".join(failures)

@@ -13,6 +13,7 @@ from regattn.ops.decay.api import METHODS
 
 NAME = "decay"
 PEERS = ("fla", "copy", "reference")
+QUICK_PEERS = ("copy",)
 MAIN = {"fwd": ("fla:chunk_simple_gla",)}
 FLA = ("chunk_simple_gla", "chunk_lightning_attn")
 KERNELS = ("lightning2", "fleet", "causal_dot_product")  # methods with Triton kernels; the rest are torch forms

@@ -20,6 +20,7 @@ from regattn.ops.gatedfwa.gate import SCANS
 
 NAME = "gatedfwa"
 PEERS = ("sdpa-flash", "sdpa-cudnn", "flex", "fla", "copy")
+QUICK_PEERS = ("flex", "copy")
 MAIN = {"fwd": ("flex",), "fwd+bwd": ("flex",), "gate fwd": ("copy",), "gate fwd+bwd": ("copy",)}
 MODES = ("fwd", "fwd+bwd")
 ATTENTION = [dict(B=1, H=16, T=32768, D=128, w=512)]

@@ -11,6 +11,7 @@ from regattn.bench.runner import ours, randn, reference_case, sdpa_cases
 
 NAME = "lla"
 PEERS = ("sdpa-flash", "sdpa-cudnn", "reference")
+QUICK_PEERS = ("sdpa-cudnn",)
 MAIN = {"fwd": ("sdpa:cudnn",)}
 SCALING = "fig7"  # the report plots latency and memory against T for these rows
 LAM = 1.0

@@ -20,6 +20,7 @@ from regattn.ops.parallax import tiles
 
 NAME = "parallax"
 PEERS = ("sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "fla")
+QUICK_PEERS = ("sdpa-cudnn", "sdpa-flash")
 MAIN = {"fwd": ("sdpa:cudnn",), "fwd+bwd": ("sdpa:cudnn",), "decode": ("sdpa:",)}  # decode: the fastest SDPA
 MODES = ("fwd", "fwd+bwd")
 PREFILL = [dict(B=4, H=16, T=8192, D=128)]

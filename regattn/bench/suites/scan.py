@@ -15,6 +15,7 @@ from regattn.ops.scan.api import PRECISIONS
 
 NAME = "scan"
 PEERS = ("sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "sdpa-math")
+QUICK_PEERS = ("sdpa-efficient", "sdpa-flash")
 MAIN = {"fp32": ("sdpa:efficient",), "fp16": ("sdpa:flash",)}
 GOAL = [dict(B=1, H=16, T=16384, D=64)]
 GRIDS = {

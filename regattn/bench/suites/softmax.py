@@ -10,6 +10,7 @@ from regattn.bench.runner import flex_case, ours, randn, reference_case, sdpa_ca
 
 NAME = "softmax"
 PEERS = ("sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flex")
+QUICK_PEERS = ("sdpa-cudnn",)
 MAIN = {"fwd": ("sdpa:cudnn",), "fwd+bwd": ("sdpa:cudnn",)}
 MODES = ("fwd", "fwd+bwd")
 GOAL = [dict(B=4, H=16, T=8192, D=128)]
