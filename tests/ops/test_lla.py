@@ -185,6 +185,16 @@ def test_half_precision_forward():
     assert rel_err(out, ref) <= 2 * rel_err(low, ref) + 5e-3
 
 
+def test_half_precision_cg_keeps_its_krylov_vectors_in_fp32():
+    """fp16 inputs, CG run to convergence: the kernel's products split the fp32 CG vectors into two fp16
+    parts, so the solve's error stays near the output's own fp16 rounding (about 5e-4 here), not the
+    3x larger error of CG vectors rounded to fp16 in every product (1.5e-3 to 1.8e-3)."""
+    q, k, v = (randn(1, 100, 2, 32).half() for _ in range(3))
+    exact = reference.lla(q.double(), k.double(), v.double(), lam=1.0)
+    out = regattn.lla(q, k, v, lam=1.0, cg_iters=64, cg_tol=1e-7, backend="triton")
+    assert rel_err(out, exact) <= 1e-3
+
+
 def test_decode_matches_last_rows():
     q, k, v, lam = make(1, 20, 20, 2, 1, 8, 5, "query")
     full = reference.lla(q, k, v, lam=lam, window=9)

@@ -118,8 +118,8 @@ def sigma_matvec(p, q, q32, mt, omega, lam, m2, pos, K, stride_kn, stride_kd, lo
         kt = load_cols(K, offs_n, offs_d, stride_kn, stride_kd, S, D)
         w = tile_weights(q, kt, m2, pos, offs_n, S, qk_scale2, WINDOW, DPREC)
         if G == 1:
-            pk = tl.dot(pl, kt, input_precision=DPREC)
-            acc += tl.dot((w * pk).to(kt.dtype), tl.trans(kt), input_precision=DPREC)
+            pk = split_dot(p, kt, DPREC)
+            acc += split_dot(w * pk, tl.trans(kt), DPREC)
         else:
             blk = offs_d // blk_size
             for b in tl.static_range(G):
