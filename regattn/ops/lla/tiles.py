@@ -88,91 +88,141 @@ def one_minus_a(rho, kt, centre, inv_omega, delta, DPREC: tl.constexpr):
 
 
 @triton.jit
-def block_sums(a, offs_d, blk_size, G: tl.constexpr):
-    """Per-column sum of ``a [BM, BD]`` over the feature block the column belongs to (``G`` blocks)."""
-    if G == 1:
-        out = tl.sum(a, 1)[:, None] + tl.zeros_like(a)
-    else:
-        blk = offs_d // blk_size
-        out = tl.zeros_like(a)
-        for b in tl.static_range(G):
-            sel = (blk == b)[None, :]
-            out += tl.where(sel, tl.sum(tl.where(sel, a, 0.0), 1)[:, None], 0.0)
-    return out
+def block_columns(BLOCK_D: tl.constexpr, D, blk_size, G: tl.constexpr):
+    """Feature of each of the ``BLOCK_D`` kernel columns, ``D`` (masked) for padding: ``G`` column blocks of
+    ``BLOCK_D // G``, block ``b`` holding features ``[b g, (b + 1) g)`` (``g = blk_size``) then padding, so
+    that a reshape to ``[.., G, BLOCK_D // G]`` splits the features into their BD-LLA blocks."""
+    c = tl.arange(0, BLOCK_D)
+    width: tl.constexpr = BLOCK_D // G
+    return tl.where(c % width < blk_size, (c // width) * blk_size + c % width, D)
 
 
 @triton.jit
-def sigma_matvec(p, q, q32, mt, omega, lam, m2, pos, K, stride_kn, stride_kd, lo, hi, S, D, blk_size, qk_scale2,
-                 BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, WINDOW: tl.constexpr, G: tl.constexpr,
-                 DPREC: tl.constexpr):
-    """Eq. 13, one pass over the keys: ``Sigma_i p_i`` for a query tile, fp32 ``[BM, BD]``.
+def to_blocks(x, G: tl.constexpr):
+    """``[R, BD] -> [G, R, BD // G]``: column block ``b`` of ``x`` as ``x3[b]``."""
+    return tl.permute(tl.reshape(x, (x.shape[0], G, x.shape[1] // G)), (1, 0, 2))
+
+
+@triton.jit
+def from_blocks(x3):
+    """``[G, R, W] -> [R, G W]``, the inverse of ``to_blocks``."""
+    return tl.reshape(tl.permute(x3, (1, 0, 2)), (x3.shape[1], x3.shape[0] * x3.shape[2]))
+
+
+@triton.jit
+def widen(x):
+    """``[G, R, W] -> [G, R, 2 W]`` with a zero after each column."""
+    return tl.reshape(tl.join(x, tl.zeros_like(x)), (x.shape[0], x.shape[1], 2 * x.shape[2]))
+
+
+@triton.jit
+def pad_to_16(x):
+    """``[G, R, W] -> [G, R, max(W, 16)]`` with zeros interleaved (``W`` a power of two): ``tl.dot`` needs a
+    contraction of at least 16; both operands padded alike leave the products unchanged."""
+    if x.shape[2] < 16:
+        x = widen(x)
+    if x.shape[2] < 16:
+        x = widen(x)
+    if x.shape[2] < 16:
+        x = widen(x)
+    if x.shape[2] < 16:
+        x = widen(x)
+    return x
+
+
+@triton.jit
+def sigma_matvec(p, q, mt, omega, lam, m2, pos, K, stride_kn, stride_kd, lo, hi, S, D, feat, qk_scale2,
+                 BLOCK_N: tl.constexpr, WINDOW: tl.constexpr, DPREC: tl.constexpr):
+    """Eq. 13, one pass over the keys: ``Sigma_i p_i`` for a query tile, fp32 ``[G, BM, g]`` (``p``, ``mt``,
+    ``lam`` in the blocks of ``to_blocks``, ``feat`` the kernel columns' features).
 
     ``sum_j w_ij (k_j.p) k_j - (q.p) mu~ - (mu~.p) q + omega (q.p) q + lam p``, every inner product
-    within each of the ``G`` feature blocks (BD-LLA; ``G = 1`` is full LLA).
+    within each of the ``G`` feature blocks (BD-LLA; ``G = 1`` is full LLA): per key tile two products,
+    batched over the blocks for ``G > 1`` (the work of one full-width product; the first one's
+    contraction padded to 16).
     """
-    offs_d = tl.arange(0, BLOCK_D)
-    acc = tl.zeros(p.shape, dtype=tl.float32)
-    pl = p.to(q.dtype)
+    G: tl.constexpr = p.shape[0]
+    if G == 1:
+        pl = from_blocks(p).to(q.dtype)
+        acc = tl.zeros(pl.shape, tl.float32)
+    else:
+        pl = pad_to_16(p.to(q.dtype))
+        acc = tl.zeros(p.shape, tl.float32)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        kt = load_cols(K, offs_n, offs_d, stride_kn, stride_kd, S, D)
+        kt = load_cols(K, offs_n, feat, stride_kn, stride_kd, S, D)
         w = tile_weights(q, kt, m2, pos, offs_n, S, qk_scale2, WINDOW, DPREC)
         if G == 1:
             pk = tl.dot(pl, kt, input_precision=DPREC)
             acc += tl.dot((w * pk).to(kt.dtype), tl.trans(kt), input_precision=DPREC)
         else:
-            blk = offs_d // blk_size
-            for b in tl.static_range(G):
-                sel = blk == b
-                pk = tl.dot(tl.where(sel[None, :], pl, 0.0), kt, input_precision=DPREC)
-                acc += tl.dot((w * pk).to(kt.dtype), tl.trans(tl.where(sel[:, None], kt, 0.0)),
-                              input_precision=DPREC)
-    pq = block_sums(p * q32, offs_d, blk_size, G)
-    pm = block_sums(p * mt, offs_d, blk_size, G)
-    return acc - pq * mt - pm * q32 + omega[:, None] * pq * q32 + lam * p
+            k3 = to_blocks(tl.trans(kt), G)  # [G, BN, g]
+            pk = tl.dot(pl, tl.permute(pad_to_16(k3), (0, 2, 1)), input_precision=DPREC)  # [G, BM, BN]
+            acc += tl.dot((w[None, :, :] * pk).to(kt.dtype), k3, input_precision=DPREC)
+    if G == 1:
+        acc = to_blocks(acc, 1)
+    q3 = to_blocks(q.to(tl.float32), G)
+    pq = tl.sum(p * q3, 2, keep_dims=True)
+    pm = tl.sum(p * mt, 2, keep_dims=True)
+    return acc - pq * mt - pm * q3 + omega[None, :, None] * pq * q3 + lam * p
 
 
 @triton.jit
-def cg_solve(y, q, q32, mt, omega, lam, m2, pos, K, stride_kn, stride_kd, lo, hi, S, D, blk_size, qk_scale2,
-             iters, tol2, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, WINDOW: tl.constexpr,
-             G: tl.constexpr, DPREC: tl.constexpr):
-    """Algorithm 2: ``Sigma_i x_i = y_i`` for every row of the tile from ``x = 0``, fp32; with ``G`` feature
-    blocks (BD-LLA) one CG per block, exact after ``D / G`` iterations in exact arithmetic.
+def cg_solve(y, q, mt, omega, lam, m2, pos, K, stride_kn, stride_kd, lo, hi, S, D, feat, qk_scale2,
+             iters, tol2, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr, G: tl.constexpr, DPREC: tl.constexpr):
+    """Algorithm 2: ``Sigma_i x_i = y_i`` for every row of the tile from ``x = 0``, fp32 ``[BM, BD]``; with
+    ``G`` feature blocks (BD-LLA, columns laid out by ``block_columns``) one CG per block, exact after
+    ``D / G`` iterations in exact arithmetic.
 
     A system is active while ``||r||^2 > tol2 * ||y||^2`` (and > 0) and ``p.Sigma p > CURVATURE_FLOOR *
     lam_min |p|^2`` (``Sigma >= lam_min I`` exactly; rounding can break that for a nearly singular Sigma);
     inactive systems keep their iterate, so neither early convergence nor a breakdown divides by zero.
-    A tile whose systems are all done skips the key pass.
+    A tile whose systems are all done skips the key pass. The state is held as ``[G, BM, g]`` blocks, its
+    scalars as ``[G, BM, 1]`` (one per row and block).
     """
-    offs_d = tl.arange(0, BLOCK_D)
-    x = tl.zeros(y.shape, dtype=tl.float32)
-    r = y
-    p = y
-    # every scalar of the recurrence is per row and feature block, held at each of the block's columns
-    rr = block_sums(r * r, offs_d, blk_size, G)
+    curvature_floor = CURVATURE_FLOOR * smallest_ridge(lam, feat < D)[None, :, None]
+    mt = to_blocks(mt, G)
+    lam = to_blocks(lam, G)
+    r = to_blocks(y, G)
+    x = tl.zeros(r.shape, dtype=tl.float32)
+    p = r
+    rr = tl.sum(r * r, 2, keep_dims=True)
     bound = tol2 * rr
-    curvature_floor = CURVATURE_FLOOR * smallest_ridge(lam, D, BLOCK_D)[:, None]
     for _ in range(iters):
         active = (rr > bound) & (rr > 0.0)
-        if tl.sum(tl.sum(active.to(tl.int32), 1), 0) > 0:
-            sp = sigma_matvec(p, q, q32, mt, omega, lam, m2, pos, K, stride_kn, stride_kd, lo, hi, S, D,
-                              blk_size, qk_scale2, BLOCK_N, BLOCK_D, WINDOW, G, DPREC)
-            pap = block_sums(p * sp, offs_d, blk_size, G)
-            active = active & (pap > curvature_floor * block_sums(p * p, offs_d, blk_size, G))
+        if tl.max(tl.max(tl.max(active.to(tl.int32), 2), 1), 0) > 0:
+            sp = sigma_matvec(p, q, mt, omega, lam, m2, pos, K, stride_kn, stride_kd, lo, hi, S, D, feat,
+                              qk_scale2, BLOCK_N, WINDOW, DPREC)
+            pap = tl.sum(p * sp, 2, keep_dims=True)
+            active = active & (pap > curvature_floor * tl.sum(p * p, 2, keep_dims=True))
             alpha = tl.where(active, rr / tl.where(active, pap, 1.0), 0.0)
             x += alpha * p
             r -= alpha * sp
-            rr_new = block_sums(r * r, offs_d, blk_size, G)
+            rr_new = tl.sum(r * r, 2, keep_dims=True)
             beta = tl.where(active, rr_new / tl.where(active, rr, 1.0), 0.0)
             p = tl.where(active, r + beta * p, p)
             rr = tl.where(active, rr_new, rr)
-    return x
+    return from_blocks(x)
 
 
 @triton.jit
-def smallest_ridge(lam, D, BLOCK_D: tl.constexpr):
-    """``min_d lam_id`` of a ridge tile ``[BM, BD]`` over the ``D`` real columns, ``[BM]``."""
-    return tl.min(tl.where((tl.arange(0, BLOCK_D) < D)[None, :], lam, float("inf")), 1)
+def square_moments(w, k32, PREC: tl.constexpr):
+    """``sum_j w_ij k_jd^2`` on a tile, fp32 ``[BM, BD]`` (``k32`` fp32 ``[BN, BD]``): for the direct solves,
+    whose ``Sigma_dd`` subtracts ``2 q mu~`` and ``omega q^2`` from it, so ``PREC`` keeps fp32 accuracy."""
+    return tl.dot(w, k32 * k32, input_precision=PREC)
+
+
+@triton.jit
+def pair_moments(w, k32, PREC: tl.constexpr):
+    """``sum_j w_ij k_j,2d k_j,2d+1`` on a tile, fp32 ``[BM, BD // 2]``: the cross moments of feature pairs."""
+    ke, ko = pair_halves(k32)
+    return tl.dot(w, ke * ko, input_precision=PREC)
+
+
+@triton.jit
+def smallest_ridge(lam, real):
+    """``min_d lam_id`` of a ridge tile ``[BM, BD]`` over the columns where ``real [BD]`` holds, ``[BM]``."""
+    return tl.min(tl.where(real[None, :], lam, float("inf")), 1)
 
 
 @triton.jit
@@ -197,16 +247,25 @@ def swap_pairs(x, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
 
 
 @triton.jit
-def pair_solve(mu, sdiag, soff, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
-    """BD-LLA with 2 x 2 blocks: solve ``[[a, c], [c, b]] rho = mu`` for each feature pair (2d, 2d+1).
+def pair_halves(x):
+    """``(x[:, 0::2], x[:, 1::2])`` of ``x [R, BD]``: features ``2d`` and ``2d + 1``, ``[R, BD // 2]`` each."""
+    return tl.split(tl.reshape(x, (x.shape[0], x.shape[1] // 2, 2)))
 
-    ``sdiag`` holds ``Sigma_dd`` and ``soff`` holds ``Sigma_{d, d xor 1}`` at column ``d``.
+
+@triton.jit
+def pair_solve(mu, sdiag, kx, q32, mt, omega):
+    """BD-LLA with 2 x 2 blocks: solve ``[[a, c], [c, b]] rho = mu`` for each feature pair (2d, 2d+1), ``[BM, BD]``.
+
+    ``sdiag`` holds ``Sigma_dd`` at column ``d``; ``c = kx - q_2d mu~_2d+1 - q_2d+1 mu~_2d + omega q_2d q_2d+1``
+    from the pair moments ``kx [BM, BD // 2]`` (``pair_moments``).
     """
-    mu_e, mu_o = tl.split(tl.reshape(mu, (BLOCK_M, BLOCK_D // 2, 2)))
-    a, b = tl.split(tl.reshape(sdiag, (BLOCK_M, BLOCK_D // 2, 2)))
-    c, _ = tl.split(tl.reshape(soff, (BLOCK_M, BLOCK_D // 2, 2)))
+    q_e, q_o = pair_halves(q32)
+    m_e, m_o = pair_halves(mt)
+    c = kx - q_e * m_o - q_o * m_e + omega[:, None] * q_e * q_o
+    mu_e, mu_o = pair_halves(mu)
+    a, b = pair_halves(sdiag)
     det = a * b - c * c
     det = tl.where(det == 0.0, 1.0, det)
     rho_e = (b * mu_e - c * mu_o) / det
     rho_o = (a * mu_o - c * mu_e) / det
-    return tl.reshape(tl.join(rho_e, rho_o), (BLOCK_M, BLOCK_D))
+    return tl.reshape(tl.join(rho_e, rho_o), mu.shape)
