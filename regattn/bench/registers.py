@@ -220,25 +220,30 @@ def scan_rows(head_dims=(64,), kinds=("ieee", "tf32x3"), candidates=False):
 
 
 LLA_KINDS = {"pairs": 64, "diag": 128, "cg": None, "cg-g16": 16}  # kind -> blocks at D = 128 (scaled with D)
+LLA_CANDIDATES = [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=2) for m, n, w in
+                  [(16, 32, 4), (16, 64, 4), (32, 32, 4), (32, 32, 8), (32, 64, 8), (64, 32, 4), (128, 32, 8)]]
 
 
 def lla_rows(head_dims=(128,), kinds=tuple(LLA_KINDS), candidates=False, *, B=4, T=8192, H=16):
-    """One row per (head dim, solver) of the LLA forward kernel at the bench's shape, bf16, cg_iters=8:
+    """One row per (head dim, solver, tiles) of the LLA forward kernel at the bench's shape, bf16, cg_iters=8:
     direct solves of 2 x 2 (``pairs``) and 1 x 1 blocks (``diag``), CG (``cg``) and CG over 16 feature
-    blocks (``cg-g16``; ``candidates`` does not apply)."""
-    from regattn.ops.lla.forward import lla_forward
+    blocks (``cg-g16``); the table's tiles, then :data:`LLA_CANDIDATES`."""
+    from unittest import mock
 
-    for D, kind in itertools.product(head_dims, kinds):
+    from regattn.ops.lla import forward
+
+    for D, kind, config in itertools.product(head_dims, kinds, [None] + (LLA_CANDIDATES if candidates else [])):
         q = torch.empty(B, T, H, D, device="meta", dtype=torch.bfloat16)
         blocks = LLA_KINDS[kind] and LLA_KINDS[kind] * D // 128
-        with captured_launches() as launches:
-            lla_forward(q, q, q, 0.5, scale=D ** -0.5, window=None, blocks=blocks, cg_iters=8, cg_tol=1e-6)
+        tiles = mock.patch.object(forward, "forward_blocks", lambda *a: dict(config)) if config else mock.MagicMock()
+        with captured_launches() as launches, tiles:
+            forward.lla_forward(q, q, q, 0.5, scale=D ** -0.5, window=None, blocks=blocks, cg_iters=8, cg_tol=1e-6)
         kernel, args, kwargs = launches[0]
         try:
             usage = resource_usage(compile_launch(kernel, args, kwargs))
         except Exception as error:
             usage = dict(error=str(error).splitlines()[0][:80])
-        yield dict(head_dim=D, kind=kind, table=True, **launch_settings(kwargs), **usage)
+        yield dict(head_dim=D, kind=kind, table=config is None, **launch_settings(kwargs), **usage)
 
 
 COLUMNS = ("head_dim", "kind", "BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "REG", "STACK", "LOCAL", "SHARED")

@@ -135,6 +135,44 @@ def test_block_diagonal_cg_solves_each_block_on_its_own():
     assert rel_err(out, exact) < 1e-3
 
 
+@pytest.mark.parametrize("D,T,window", [(32, 37, None), (64, 100, 23), (24, 37, 9)])
+@pytest.mark.parametrize("size", [1, 2, 8])
+def test_block_diagonal_at_awkward_sizes(D, T, window, size, monkeypatch):
+    """BD-LLA with blocks of 1 and 2 features (direct solves, fused backward) and of 8 (one CG per block,
+    batched over the blocks; D = 24 gives 3 blocks, laid out as 4 in the kernel) in fp32 against float64,
+    forward and backward. CG runs twice as many iterations as a block has features: with exactly 8 fp32
+    rounding leaves ~1e-4 (the torch backend's CG too), with 12 it is exact to rounding."""
+    monkeypatch.setattr("regattn.ops.lla.api.BLOCK_BACKWARD_CHUNK", 32)
+    blocks = D // size
+    q, k, v, lam = make(1, T, T, 2, 1, D, 6, "dim")
+    do = randn(1, T, 2, 6)
+    ref, ref_grads = grads_of(lambda *a: reference.lla(*a[:3], lam=a[3], blocks=blocks, window=window),
+                              q, k, v, lam, do)
+    out, got = grads_of(lambda *a: regattn.lla(*a[:3], lam=a[3], blocks=blocks, window=window,
+                                               cg_iters=2 * size if size > 2 else None, cg_tol=0.0,
+                                               backend="triton"),
+                        q.float(), k.float(), v.float(), lam.float(), do)
+    ref32, ref32_grads = float32_forms(q, k, v, lam, do, window=window, blocks=blocks)
+    assert within_float32_rule(out, ref, ref32)
+    for name, g, r, r32 in zip(("dq", "dk", "dv", "dlam"), got, ref_grads, ref32_grads):
+        assert within_float32_rule(g, r, r32), name
+
+
+@pytest.mark.parametrize("size", [1, 2, 8])
+def test_block_diagonal_half_precision_forward(size):
+    """fp16 BD-LLA (direct solves with their second moments in three tf32 products on a GPU; CG per block):
+    error to float64 within 2x the reference run on fp16 inputs plus slack, as for full LLA."""
+    D, T = 32, 37
+    q, k, v, lam = make(1, T, T, 2, 1, D, 8, "query")
+    ref = reference.lla(q, k, v, lam=lam, blocks=D // size, window=19)
+    half = [x.half() for x in (q, k, v)]
+    low = reference.lla(*half, lam=lam.half(), blocks=D // size, window=19)
+    out = regattn.lla(*half, lam=lam.half(), blocks=D // size, window=19, cg_iters=2 * size if size > 2 else None,
+                      cg_tol=0.0, backend="triton")
+    assert out.dtype == torch.float16
+    assert rel_err(out, ref) <= 2 * rel_err(low, ref) + 5e-3
+
+
 @pytest.mark.parametrize("lam_kind,blocks", [("query", None), ("dim", None), ("dim", 2)])
 def test_truncated_cg_gradient_is_the_same_on_both_backends(lam_kind, blocks, monkeypatch):
     """With cg_iters = 2 (far from converged, for full LLA and BD-LLA with blocks of 4) both backends give

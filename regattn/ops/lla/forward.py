@@ -17,8 +17,8 @@ from regattn.ops._common.attention_tiles import (
     LOG2E, dot_precision, head_block, interpreting, online_softmax_step, visible_mask,
 )
 from regattn.ops.lla.tiles import (
-    block_columns, cg_solve, guarded_denominator, key_products, load_cols, load_rows, pair_moments, pair_solve,
-    query_head, query_key_tiles, smallest_ridge, split_dot, square_moments, tile_weights,
+    block_columns, cg_solve, guarded_denominator, halves_dot, load_cols, load_rows, pair_moments, pair_solve,
+    query_head, query_key_tiles, smallest_ridge, split_dot, split_halves, square_moments, tile_weights,
 )
 
 SOLVER_CG, SOLVER_DIAG, SOLVER_PAIRS = 0, 1, 2  # the kernel's SOLVER values
@@ -69,10 +69,11 @@ def lla_fwd_kernel(Q, K, V, LAM, O, RHO, DELTA, M2, ARGMAX, OMEGA, CENTRE,
     mu = mt - omega[:, None] * q32
     lam = load_rows(LAM + b * slb + h * slh, offs_m, feat, slt, sld, T, D).to(tl.float32)
     lam = tl.where((offs_m < T)[:, None], lam, 1.0)  # padding rows get a well-posed system
+    lam_min = smallest_ridge(lam, feat < D)
 
     # the solve: rho = Sigma^-1 mu
     if SOLVER == 0:  # conjugate gradients
-        rho = cg_solve(mu, q, mt, omega, lam, m2, pos, Kb, sks, skd, lo, hi, S, D, feat, qk_scale2,
+        rho = cg_solve(mu, q, mt, omega, lam, lam_min, m2, pos, Kb, sks, skd, lo, hi, S, D, feat, qk_scale2,
                        iters, tol2, BLOCK_N, WINDOW, G, DPREC)
     else:
         sdiag = kk - 2.0 * q32 * mt + omega[:, None] * q32 * q32 + lam
@@ -80,7 +81,7 @@ def lla_fwd_kernel(Q, K, V, LAM, O, RHO, DELTA, M2, ARGMAX, OMEGA, CENTRE,
             rho = mu / tl.where(sdiag == 0.0, 1.0, sdiag)
         else:
             rho = pair_solve(mu, sdiag, kx, q32, mt, omega)
-    delta = guarded_denominator(omega - tl.sum(mu * rho, 1), omega, mu, smallest_ridge(lam, feat < D),
+    delta = guarded_denominator(omega - tl.sum(mu * rho, 1), omega, mu, lam_min,
                                 SOLVER == 0 and G == 1)
 
     # pass 3: o_i = sum_j w_ij (1 - z_ij.rho_i) v_j / delta_i
@@ -88,6 +89,11 @@ def lla_fwd_kernel(Q, K, V, LAM, O, RHO, DELTA, M2, ARGMAX, OMEGA, CENTRE,
     # with kbar_i.rho_i = sum_j w_ij (k_j.rho_i) / omega_i from the same products and weights (as rounded for the
     # product with V): the weighted mean of the values never passes through delta, which cancels when lam is
     # small against |z|^2, and a row with one-hot weights gets exactly its top value (see tiles.one_minus_a)
+    # rho leaves the registers before the pass: its half-precision parts are all the products need
+    row_ok = offs_m < T
+    rho_ptrs = RHO + ((b * T + offs_m[:, None]) * HQ + h) * D + feat[None, :]
+    tl.store(rho_ptrs, rho, mask=row_ok[:, None] & (feat < D)[None, :])
+    rho_hi, rho_lo = split_halves(rho, q.dtype)
     wv = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
     wkv = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
     wsum = tl.zeros((BLOCK_M,), tl.float32)
@@ -97,7 +103,7 @@ def lla_fwd_kernel(Q, K, V, LAM, O, RHO, DELTA, M2, ARGMAX, OMEGA, CENTRE,
         kt = load_cols(Kb, offs_n, feat, sks, skd, S, D)
         v = load_rows(Vb, offs_n, offs_dv, svs, svd, S, DV)
         w = tile_weights(q, kt, m2, pos, offs_n, S, qk_scale2, WINDOW, DPREC).to(v.dtype)
-        wkr = w.to(tl.float32) * key_products(rho, kt, DPREC)
+        wkr = w.to(tl.float32) * halves_dot(rho_hi, rho_lo, kt, DPREC)  # w_ij k_j.rho_i
         wsum += tl.sum(w.to(tl.float32), 1)
         wk += tl.sum(wkr, 1)
         wv += tl.dot(w, v, input_precision=DPREC)
@@ -106,11 +112,8 @@ def lla_fwd_kernel(Q, K, V, LAM, O, RHO, DELTA, M2, ARGMAX, OMEGA, CENTRE,
     centre = wk * inv_omega
     acc = wv * inv_omega[:, None] - (wkv - centre[:, None] * wv) / delta[:, None]
 
-    row_ok = offs_m < T
     o_ptrs = O + b * sob + h * soh + offs_m[:, None] * sot + offs_dv[None, :] * sod
     tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=row_ok[:, None] & (offs_dv < DV)[None, :])
-    rho_ptrs = RHO + ((b * T + offs_m[:, None]) * HQ + h) * D + feat[None, :]
-    tl.store(rho_ptrs, rho, mask=row_ok[:, None] & (feat < D)[None, :])
     stat = (b * HQ + h) * T + offs_m
     tl.store(DELTA + stat, delta, mask=row_ok)
     tl.store(M2 + stat, m2, mask=row_ok)
@@ -153,17 +156,20 @@ def moment_precision(dtype: torch.dtype) -> str:
 
 
 def forward_blocks(T: int, D: int, dtype: torch.dtype, G: int = 1) -> dict:
-    """Tile sizes: small in the interpreter; on a GPU 64 x 64 tiles (the CG state is three fp32 tiles),
-    64 x 16 for CG over ``G > 1`` feature blocks (its product holds ``G`` weight tiles), 16-row query tiles
-    for a few new tokens (decode)."""
+    """Tile sizes: small in the interpreter; on a GPU 32 x 32 tiles on 8 warps for D > 64 (sm_90 screen,
+    ``python -m regattn.bench.registers lla``: 64 x 64 spilled 0.8-3 KB a thread in every solver, since a
+    64-row wgmma tile on 8 warps is held twice; 32 x 32 spills 24-328 bytes), 64 x 64 for D <= 64, and a
+    streamed tile of 16 for fp32 CG over ``G > 1`` feature blocks (its product holds ``G`` weight tiles)."""
     if interpreting():
         return dict(BLOCK_M=16, BLOCK_N=16, num_warps=1, num_stages=1)
     if dtype == torch.float32:
         cfg = dict(BLOCK_M=32, BLOCK_N=32 if G == 1 else 16, num_warps=4, num_stages=2)
+    elif D > 64:
+        cfg = dict(BLOCK_M=32, BLOCK_N=32, num_warps=8, num_stages=2)
     elif G > 1:
-        cfg = dict(BLOCK_M=64, BLOCK_N=16, num_warps=8, num_stages=2)
+        cfg = dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=2)
     else:
-        cfg = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4 if D <= 64 else 8, num_stages=2)
+        cfg = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)
     cfg["BLOCK_M"] = min(cfg["BLOCK_M"], max(16, triton.next_power_of_2(T)))
     return cfg
 

@@ -58,14 +58,27 @@ def tile_weights(q, kt, m2, pos, offs_n, S, qk_scale2, WINDOW: tl.constexpr, DPR
 
 
 @triton.jit
+def split_halves(x, dtype: tl.constexpr):
+    """``(hi, lo)`` in ``dtype`` with ``hi + lo ~ x`` for fp32 ``x`` (``lo`` unused for fp32, see ``halves_dot``)."""
+    hi = x.to(dtype)
+    return hi, (x - hi.to(tl.float32)).to(dtype)
+
+
+@triton.jit
+def halves_dot(hi, lo, y, DPREC: tl.constexpr):
+    """``(hi + lo) @ y`` from the parts of ``split_halves``: two products for fp16/bf16 ``y``, one for fp32."""
+    xy = tl.dot(hi, y, input_precision=DPREC)
+    if y.dtype != tl.float32:
+        xy += tl.dot(lo, y, input_precision=DPREC)
+    return xy
+
+
+@triton.jit
 def split_dot(x, y, DPREC: tl.constexpr):
     """``x @ y`` for fp32 ``x`` and ``y`` in the input dtype; with fp16/bf16 ``y``, ``x`` is split into a high
     and a low half-precision part (two products), so later cancellations do not see a half-precision ``x``."""
-    xy = tl.dot(x.to(y.dtype), y, input_precision=DPREC)
-    if y.dtype != tl.float32:
-        lo = x - x.to(y.dtype).to(tl.float32)
-        xy += tl.dot(lo.to(y.dtype), y, input_precision=DPREC)
-    return xy
+    hi, lo = split_halves(x, y.dtype)
+    return halves_dot(hi, lo, y, DPREC)
 
 
 @triton.jit
@@ -131,78 +144,86 @@ def pad_to_16(x):
 
 
 @triton.jit
+def block_sums(a, G: tl.constexpr):
+    """Per-row sums of ``a [BM, BD]`` over each of its ``G`` column blocks (``to_blocks``): ``[BM, 1]`` for
+    ``G = 1``, else held at every column of the block, ``[BM, BD]``."""
+    if G == 1:
+        out = tl.sum(a, 1, keep_dims=True)
+    else:
+        a3 = tl.reshape(a, (a.shape[0], G, a.shape[1] // G))
+        out = tl.reshape(tl.broadcast_to(tl.sum(a3, 2, keep_dims=True), a3.shape), a.shape)
+    return out
+
+
+@triton.jit
 def sigma_matvec(p, q, mt, omega, lam, m2, pos, K, stride_kn, stride_kd, lo, hi, S, D, feat, qk_scale2,
-                 BLOCK_N: tl.constexpr, WINDOW: tl.constexpr, DPREC: tl.constexpr):
-    """Eq. 13, one pass over the keys: ``Sigma_i p_i`` for a query tile, fp32 ``[G, BM, g]`` (``p``, ``mt``,
-    ``lam`` in the blocks of ``to_blocks``, ``feat`` the kernel columns' features).
+                 BLOCK_N: tl.constexpr, WINDOW: tl.constexpr, G: tl.constexpr, DPREC: tl.constexpr):
+    """Eq. 13, one pass over the keys: ``Sigma_i p_i`` for a query tile, fp32 ``[BM, BD]`` (``feat``: the
+    kernel columns' features, see ``block_columns``).
 
     ``sum_j w_ij (k_j.p) k_j - (q.p) mu~ - (mu~.p) q + omega (q.p) q + lam p``, every inner product
     within each of the ``G`` feature blocks (BD-LLA; ``G = 1`` is full LLA): per key tile two products,
-    batched over the blocks for ``G > 1`` (the work of one full-width product; the first one's
+    for ``G > 1`` batched over the blocks (the work of one full-width product; the first one's
     contraction padded to 16).
     """
-    G: tl.constexpr = p.shape[0]
     if G == 1:
-        pl = from_blocks(p).to(q.dtype)
-        acc = tl.zeros(pl.shape, tl.float32)
-    else:
-        pl = pad_to_16(p.to(q.dtype))
         acc = tl.zeros(p.shape, tl.float32)
+    else:
+        pb = pad_to_16(to_blocks(p, G).to(q.dtype))  # [G, BM, >= 16]
+        acc = tl.zeros((G, p.shape[0], p.shape[1] // G), tl.float32)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         kt = load_cols(K, offs_n, feat, stride_kn, stride_kd, S, D)
         w = tile_weights(q, kt, m2, pos, offs_n, S, qk_scale2, WINDOW, DPREC)
         if G == 1:
-            pk = tl.dot(pl, kt, input_precision=DPREC)
+            pk = tl.dot(p.to(kt.dtype), kt, input_precision=DPREC)
             acc += tl.dot((w * pk).to(kt.dtype), tl.trans(kt), input_precision=DPREC)
         else:
             k3 = to_blocks(tl.trans(kt), G)  # [G, BN, g]
-            pk = tl.dot(pl, tl.permute(pad_to_16(k3), (0, 2, 1)), input_precision=DPREC)  # [G, BM, BN]
+            pk = tl.dot(pb, tl.permute(pad_to_16(k3), (0, 2, 1)), input_precision=DPREC)  # [G, BM, BN]
             acc += tl.dot((w[None, :, :] * pk).to(kt.dtype), k3, input_precision=DPREC)
-    if G == 1:
-        acc = to_blocks(acc, 1)
-    q3 = to_blocks(q.to(tl.float32), G)
-    pq = tl.sum(p * q3, 2, keep_dims=True)
-    pm = tl.sum(p * mt, 2, keep_dims=True)
-    return acc - pq * mt - pm * q3 + omega[None, :, None] * pq * q3 + lam * p
+    if G > 1:
+        acc = from_blocks(acc)
+    q32 = q.to(tl.float32)
+    pq = block_sums(p * q32, G)
+    pm = block_sums(p * mt, G)
+    return acc - pq * mt - pm * q32 + omega[:, None] * pq * q32 + lam * p
 
 
 @triton.jit
-def cg_solve(y, q, mt, omega, lam, m2, pos, K, stride_kn, stride_kd, lo, hi, S, D, feat, qk_scale2,
+def cg_solve(y, q, mt, omega, lam, lam_min, m2, pos, K, stride_kn, stride_kd, lo, hi, S, D, feat, qk_scale2,
              iters, tol2, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr, G: tl.constexpr, DPREC: tl.constexpr):
     """Algorithm 2: ``Sigma_i x_i = y_i`` for every row of the tile from ``x = 0``, fp32 ``[BM, BD]``; with
     ``G`` feature blocks (BD-LLA, columns laid out by ``block_columns``) one CG per block, exact after
     ``D / G`` iterations in exact arithmetic.
 
     A system is active while ``||r||^2 > tol2 * ||y||^2`` (and > 0) and ``p.Sigma p > CURVATURE_FLOOR *
-    lam_min |p|^2`` (``Sigma >= lam_min I`` exactly; rounding can break that for a nearly singular Sigma);
-    inactive systems keep their iterate, so neither early convergence nor a breakdown divides by zero.
-    A tile whose systems are all done skips the key pass. The state is held as ``[G, BM, g]`` blocks, its
-    scalars as ``[G, BM, 1]`` (one per row and block).
+    lam_min |p|^2`` (``Sigma >= lam_min I`` exactly, ``lam_min`` the smallest ridge of the row; rounding can
+    break that for a nearly singular Sigma); inactive systems keep their iterate, so neither early
+    convergence nor a breakdown divides by zero. A tile whose systems are all done skips the key pass.
+    The scalars of the recurrence are per row and block (``block_sums``).
     """
-    curvature_floor = CURVATURE_FLOOR * smallest_ridge(lam, feat < D)[None, :, None]
-    mt = to_blocks(mt, G)
-    lam = to_blocks(lam, G)
-    r = to_blocks(y, G)
-    x = tl.zeros(r.shape, dtype=tl.float32)
-    p = r
-    rr = tl.sum(r * r, 2, keep_dims=True)
+    x = tl.zeros(y.shape, dtype=tl.float32)
+    r = y
+    p = y
+    rr = block_sums(r * r, G)
     bound = tol2 * rr
+    curvature_floor = CURVATURE_FLOOR * lam_min[:, None]
     for _ in range(iters):
         active = (rr > bound) & (rr > 0.0)
-        if tl.max(tl.max(tl.max(active.to(tl.int32), 2), 1), 0) > 0:
+        if tl.max(tl.max(active.to(tl.int32), 1), 0) > 0:
             sp = sigma_matvec(p, q, mt, omega, lam, m2, pos, K, stride_kn, stride_kd, lo, hi, S, D, feat,
-                              qk_scale2, BLOCK_N, WINDOW, DPREC)
-            pap = tl.sum(p * sp, 2, keep_dims=True)
-            active = active & (pap > curvature_floor * tl.sum(p * p, 2, keep_dims=True))
+                              qk_scale2, BLOCK_N, WINDOW, G, DPREC)
+            pap = block_sums(p * sp, G)
+            active = active & (pap > curvature_floor * block_sums(p * p, G))
             alpha = tl.where(active, rr / tl.where(active, pap, 1.0), 0.0)
             x += alpha * p
             r -= alpha * sp
-            rr_new = tl.sum(r * r, 2, keep_dims=True)
+            rr_new = block_sums(r * r, G)
             beta = tl.where(active, rr_new / tl.where(active, rr, 1.0), 0.0)
             p = tl.where(active, r + beta * p, p)
             rr = tl.where(active, rr_new, rr)
-    return from_blocks(x)
+    return x
 
 
 @triton.jit
