@@ -221,13 +221,14 @@ def scan_rows(head_dims=(64,), kinds=("ieee", "tf32x3"), candidates=False):
 
 LLA_KINDS = {"pairs": 64, "diag": 128, "cg": None, "cg-g16": 16}  # kind -> blocks at D = 128 (scaled with D)
 LLA_CANDIDATES = [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=2) for m, n, w in
-                  [(16, 32, 4), (16, 64, 4), (32, 32, 4), (32, 32, 8), (32, 64, 8), (64, 32, 4), (128, 32, 8)]]
+                  [(16, 32, 4), (32, 16, 8), (32, 32, 4), (32, 32, 8), (32, 64, 8), (64, 32, 4), (64, 64, 8), (128, 32, 8)]]
 
 
 def lla_rows(head_dims=(128,), kinds=tuple(LLA_KINDS), candidates=False, *, B=4, T=8192, H=16):
     """One row per (head dim, solver, tiles) of the LLA forward kernel at the bench's shape, bf16, cg_iters=8:
     direct solves of 2 x 2 (``pairs``) and 1 x 1 blocks (``diag``), CG (``cg``) and CG over 16 feature
-    blocks (``cg-g16``); the table's tiles, then :data:`LLA_CANDIDATES`."""
+    blocks (``cg-g16``); the table's tiles, then :data:`LLA_CANDIDATES`; with the hottest loop's instruction mix
+    (as for ``scan``)."""
     from unittest import mock
 
     from regattn.ops.lla import forward
@@ -240,7 +241,8 @@ def lla_rows(head_dims=(128,), kinds=tuple(LLA_KINDS), candidates=False, *, B=4,
             forward.lla_forward(q, q, q, 0.5, scale=D ** -0.5, window=None, blocks=blocks, cg_iters=8, cg_tol=1e-6)
         kernel, args, kwargs = launches[0]
         try:
-            usage = resource_usage(compile_launch(kernel, args, kwargs))
+            compiled = compile_launch(kernel, args, kwargs)
+            usage = dict(**resource_usage(compiled), **inner_loop(cuobjdump(compiled, "-sass")))
         except Exception as error:
             usage = dict(error=str(error).splitlines()[0][:80])
         yield dict(head_dim=D, kind=kind, table=config is None, **launch_settings(kwargs), **usage)
@@ -272,7 +274,7 @@ def gate_rows(head_dims=None, kinds=None, candidates=False, *, shapes=GATE_SHAPE
 USAGE = ("REG", "STACK", "LOCAL", "SHARED")
 OPS = {"parallax": (parallax_rows, KINDS, COLUMNS),
        "scan": (scan_rows, ("ieee", "tf32x3"), COLUMNS + ("loop", "FFMA", "FFMA%", "FFMA/w", "LDS", "MMA", "LDL", "STL")),
-       "lla": (lla_rows, tuple(LLA_KINDS), COLUMNS),
+       "lla": (lla_rows, tuple(LLA_KINDS), COLUMNS + ("loop", "MMA", "LDL", "STL")),
        "gatedfwa_gate": (gate_rows, (), ("shape", "scan", "kernel", "BLOCK_T", "BLOCK_H", "num_warps") + USAGE)}
 
 

@@ -155,17 +155,19 @@ def moment_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32x3"
 
 
-def forward_blocks(T: int, D: int, dtype: torch.dtype, G: int = 1) -> dict:
-    """Tile sizes: small in the interpreter; on a GPU 32 x 32 tiles on 8 warps for D > 64 (sm_90 screen,
-    ``python -m regattn.bench.registers lla``: 64 x 64 spilled 0.8-3 KB a thread in every solver, since a
-    64-row wgmma tile on 8 warps is held twice; 32 x 32 spills 24-328 bytes), 64 x 64 for D <= 64, and a
-    streamed tile of 16 for fp32 CG over ``G > 1`` feature blocks (its product holds ``G`` weight tiles)."""
+def forward_blocks(T: int, D: int, dtype: torch.dtype, solver: int = SOLVER_CG, G: int = 1) -> dict:
+    """Tile sizes: small in the interpreter; on a GPU for D > 64, 32-row tiles on 8 warps streaming 32 keys
+    (16 for 2 x 2 blocks and for CG over ``G > 1`` feature blocks, whose product holds ``G`` weight tiles):
+    the sm_90 screen (``python -m regattn.bench.registers lla --candidates``) found 64 x 64 on 8 warps
+    spilling 0.8-3 KB a thread in every solver (a 64-row wgmma tile on 8 warps is held twice) and these
+    free of spills in their key loops; 64 x 64 for D <= 64."""
     if interpreting():
         return dict(BLOCK_M=16, BLOCK_N=16, num_warps=1, num_stages=1)
+    narrow = solver == SOLVER_PAIRS or G > 1
     if dtype == torch.float32:
-        cfg = dict(BLOCK_M=32, BLOCK_N=32 if G == 1 else 16, num_warps=4, num_stages=2)
+        cfg = dict(BLOCK_M=32, BLOCK_N=16 if G > 1 else 32, num_warps=4, num_stages=2)
     elif D > 64:
-        cfg = dict(BLOCK_M=32, BLOCK_N=32, num_warps=8, num_stages=2)
+        cfg = dict(BLOCK_M=32, BLOCK_N=16 if narrow else 32, num_warps=8, num_stages=2)
     elif G > 1:
         cfg = dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=2)
     else:
@@ -191,7 +193,7 @@ def lla_forward(q, k, v, lam, *, scale: float, window, blocks, cg_iters: int, cg
     omega, centre = torch.empty_like(delta), torch.empty_like(delta)
     lam4 = lam_tensor(lam, q)
     kernel_blocks, block_d = column_blocks(D, G)
-    cfg = forward_blocks(T, D, q.dtype, G)
+    cfg = forward_blocks(T, D, q.dtype, solver, G)
     grid = (triton.cdiv(T, cfg["BLOCK_M"]), B * HQ)
     lla_fwd_kernel[grid](
         q, k, v, lam4, o, rho, delta, m2, argmax, omega, centre,

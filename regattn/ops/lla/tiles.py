@@ -144,33 +144,37 @@ def pad_to_16(x):
 
 
 @triton.jit
-def block_sums(a, G: tl.constexpr):
-    """Per-row sums of ``a [BM, BD]`` over each of its ``G`` column blocks (``to_blocks``): ``[BM, 1]`` for
-    ``G = 1``, else held at every column of the block, ``[BM, BD]``."""
+def blocked(x, G: tl.constexpr):
+    """``x [R, BD]`` in the form the CG state takes: itself for ``G = 1``, else ``to_blocks``."""
+    if G > 1:
+        x = to_blocks(x, G)
+    return x
+
+
+@triton.jit
+def per_row(v, G: tl.constexpr):
+    """A per-row vector ``[BM]`` broadcastable against the CG state (``blocked``)."""
     if G == 1:
-        out = tl.sum(a, 1, keep_dims=True)
+        out = v[:, None]
     else:
-        a3 = tl.reshape(a, (a.shape[0], G, a.shape[1] // G))
-        out = tl.reshape(tl.broadcast_to(tl.sum(a3, 2, keep_dims=True), a3.shape), a.shape)
+        out = v[None, :, None]
     return out
 
 
 @triton.jit
 def sigma_matvec(p, q, mt, omega, lam, m2, pos, K, stride_kn, stride_kd, lo, hi, S, D, feat, qk_scale2,
                  BLOCK_N: tl.constexpr, WINDOW: tl.constexpr, G: tl.constexpr, DPREC: tl.constexpr):
-    """Eq. 13, one pass over the keys: ``Sigma_i p_i`` for a query tile, fp32 ``[BM, BD]`` (``feat``: the
-    kernel columns' features, see ``block_columns``).
+    """Eq. 13, one pass over the keys: ``Sigma_i p_i`` for a query tile, fp32, ``p``, ``mt``, ``lam`` and the
+    result in the form of ``blocked`` (``feat``: the kernel columns' features, see ``block_columns``).
 
     ``sum_j w_ij (k_j.p) k_j - (q.p) mu~ - (mu~.p) q + omega (q.p) q + lam p``, every inner product
     within each of the ``G`` feature blocks (BD-LLA; ``G = 1`` is full LLA): per key tile two products,
     for ``G > 1`` batched over the blocks (the work of one full-width product; the first one's
     contraction padded to 16).
     """
-    if G == 1:
-        acc = tl.zeros(p.shape, tl.float32)
-    else:
-        pb = pad_to_16(to_blocks(p, G).to(q.dtype))  # [G, BM, >= 16]
-        acc = tl.zeros((G, p.shape[0], p.shape[1] // G), tl.float32)
+    if G > 1:
+        pb = pad_to_16(p.to(q.dtype))  # [G, BM, >= 16]
+    acc = tl.zeros(p.shape, tl.float32)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         kt = load_cols(K, offs_n, feat, stride_kn, stride_kd, S, D)
@@ -182,12 +186,10 @@ def sigma_matvec(p, q, mt, omega, lam, m2, pos, K, stride_kn, stride_kd, lo, hi,
             k3 = to_blocks(tl.trans(kt), G)  # [G, BN, g]
             pk = tl.dot(pb, tl.permute(pad_to_16(k3), (0, 2, 1)), input_precision=DPREC)  # [G, BM, BN]
             acc += tl.dot((w[None, :, :] * pk).to(kt.dtype), k3, input_precision=DPREC)
-    if G > 1:
-        acc = from_blocks(acc)
-    q32 = q.to(tl.float32)
-    pq = block_sums(p * q32, G)
-    pm = block_sums(p * mt, G)
-    return acc - pq * mt - pm * q32 + omega[:, None] * pq * q32 + lam * p
+    q32 = blocked(q.to(tl.float32), G)
+    pq = tl.sum(p * q32, -1, keep_dims=True)
+    pm = tl.sum(p * mt, -1, keep_dims=True)
+    return acc - pq * mt - pm * q32 + per_row(omega, G) * pq * q32 + lam * p
 
 
 @triton.jit
@@ -201,28 +203,33 @@ def cg_solve(y, q, mt, omega, lam, lam_min, m2, pos, K, stride_kn, stride_kd, lo
     lam_min |p|^2`` (``Sigma >= lam_min I`` exactly, ``lam_min`` the smallest ridge of the row; rounding can
     break that for a nearly singular Sigma); inactive systems keep their iterate, so neither early
     convergence nor a breakdown divides by zero. A tile whose systems are all done skips the key pass.
-    The scalars of the recurrence are per row and block (``block_sums``).
+    The state is held as ``blocked``: ``[BM, BD]`` for ``G = 1``, ``[G, BM, g]`` blocks otherwise, and the
+    scalars of the recurrence once per row and block (sums over the last axis).
     """
-    x = tl.zeros(y.shape, dtype=tl.float32)
-    r = y
-    p = y
-    rr = block_sums(r * r, G)
+    mt = blocked(mt, G)
+    lam = blocked(lam, G)
+    r = blocked(y, G)
+    x = tl.zeros(r.shape, dtype=tl.float32)
+    p = r
+    rr = tl.sum(r * r, -1, keep_dims=True)
     bound = tol2 * rr
-    curvature_floor = CURVATURE_FLOOR * lam_min[:, None]
+    curvature_floor = CURVATURE_FLOOR * per_row(lam_min, G)
     for _ in range(iters):
         active = (rr > bound) & (rr > 0.0)
-        if tl.max(tl.max(active.to(tl.int32), 1), 0) > 0:
+        if tl.max(tl.ravel(active.to(tl.int32)), 0) > 0:
             sp = sigma_matvec(p, q, mt, omega, lam, m2, pos, K, stride_kn, stride_kd, lo, hi, S, D, feat,
                               qk_scale2, BLOCK_N, WINDOW, G, DPREC)
-            pap = block_sums(p * sp, G)
-            active = active & (pap > curvature_floor * block_sums(p * p, G))
+            pap = tl.sum(p * sp, -1, keep_dims=True)
+            active = active & (pap > curvature_floor * tl.sum(p * p, -1, keep_dims=True))
             alpha = tl.where(active, rr / tl.where(active, pap, 1.0), 0.0)
             x += alpha * p
             r -= alpha * sp
-            rr_new = block_sums(r * r, G)
+            rr_new = tl.sum(r * r, -1, keep_dims=True)
             beta = tl.where(active, rr_new / tl.where(active, rr, 1.0), 0.0)
             p = tl.where(active, r + beta * p, p)
             rr = tl.where(active, rr_new, rr)
+    if G > 1:
+        x = from_blocks(x)
     return x
 
 
