@@ -3,7 +3,7 @@
 ``python -m regattn.bench.registers parallax [--head-dims 128 256] [--kinds fwd dk] [--candidates]``
 ``python -m regattn.bench.registers scan [--head-dims 64] [--kinds ieee tf32x3] [--candidates]``
 ``python -m regattn.bench.registers gatedfwa_gate``
-``python -m regattn.bench.registers lla [--head-dims 128] [--kinds pairs diag cg cg-g16]``
+``python -m regattn.bench.registers lla [--head-dims 128] [--kinds pairs diag cg cg-g16] [--candidates]``
 
 prints, for each kernel configuration of an op at its goal shape, what ``cuobjdump --dump-resource-usage``
 reports for the cubin compiled for sm_90: ``REG`` (registers per thread, 255 at most), ``STACK`` (bytes of
@@ -220,8 +220,8 @@ def scan_rows(head_dims=(64,), kinds=("ieee", "tf32x3"), candidates=False):
 
 
 LLA_KINDS = {"pairs": 64, "diag": 128, "cg": None, "cg-g16": 16}  # kind -> blocks at D = 128 (scaled with D)
-LLA_CANDIDATES = [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=2) for m, n, w in
-                  [(16, 32, 4), (32, 16, 8), (32, 32, 4), (32, 32, 8), (32, 64, 8), (64, 32, 4), (64, 64, 8), (128, 32, 8)]]
+LLA_TILES = [(16, 32, 4), (32, 16, 8), (32, 32, 4), (32, 32, 8), (32, 64, 8), (64, 32, 4), (64, 64, 8), (128, 32, 8)]
+LLA_CANDIDATES = [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=2) for m, n, w in LLA_TILES]
 
 
 def lla_rows(head_dims=(128,), kinds=tuple(LLA_KINDS), candidates=False, *, B=4, T=8192, H=16):
@@ -236,7 +236,7 @@ def lla_rows(head_dims=(128,), kinds=tuple(LLA_KINDS), candidates=False, *, B=4,
     for D, kind, config in itertools.product(head_dims, kinds, [None] + (LLA_CANDIDATES if candidates else [])):
         q = torch.empty(B, T, H, D, device="meta", dtype=torch.bfloat16)
         blocks = LLA_KINDS[kind] and LLA_KINDS[kind] * D // 128
-        tiles = mock.patch.object(forward, "forward_blocks", lambda *a: dict(config)) if config else mock.MagicMock()
+        tiles = mock.patch.object(forward, "forward_blocks", lambda *a: dict(config)) if config else contextlib.nullcontext()
         with captured_launches() as launches, tiles:
             forward.lla_forward(q, q, q, 0.5, scale=D ** -0.5, window=None, blocks=blocks, cg_iters=8, cg_tol=1e-6)
         kernel, args, kwargs = launches[0]
@@ -281,10 +281,10 @@ OPS = {"parallax": (parallax_rows, KINDS, COLUMNS),
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m regattn.bench.registers", description=__doc__.split("\n")[0])
     parser.add_argument("op", choices=sorted(OPS))
-    parser.add_argument("--head-dims", type=int, nargs="+", help="parallax: 32 64 128 256 by default; scan: 64")
+    parser.add_argument("--head-dims", type=int, nargs="+", help="parallax: 32 64 128 256 by default; scan: 64; lla: 128")
     parser.add_argument("--kinds", nargs="+", choices=KINDS + SCAN_KINDS + tuple(LLA_KINDS),
                         help=f"parallax: {', '.join(KINDS)} (all by default); scan: {', '.join(SCAN_KINDS)} "
-                             "(ieee and tf32x3 by default)")
+                             f"(ieee and tf32x3 by default); lla: {', '.join(LLA_KINDS)} (all by default)")
     parser.add_argument("--candidates", action="store_true", help="screen the tile candidates too")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":

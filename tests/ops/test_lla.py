@@ -4,6 +4,7 @@ import torch
 
 import regattn
 from regattn import reference
+from regattn.ops.lla.forward import lla_forward
 from regattn.reference.lla import lla_blocks_uncentred, lla_matrix_free
 from tests.helpers import randn, rel_err
 
@@ -171,6 +172,26 @@ def test_block_diagonal_half_precision_forward(size):
                       cg_tol=0.0, backend="triton")
     assert out.dtype == torch.float16
     assert rel_err(out, ref) <= 2 * rel_err(low, ref) + 5e-3
+
+
+@pytest.mark.parametrize("size", [1, 2])
+def test_direct_solves_keep_fp32_precision_with_half_inputs(size):
+    """fp16 inputs, keys off-centre (``Sigma_dd`` cancels ``2 q mu~`` against the second moments): the direct
+    solves' ``rho`` stays within fp32 rounding of float64 on the same inputs. ``mu~`` from fp16-rounded
+    weights gave 8e-5 (centred) and 6e-4 (here)."""
+    B, T, HQ, D = 1, 64, 2, 32
+    q, k, v, lam = make(B, T, T, HQ, 1, D, 8, "query", seed=5)
+    q, k, v, lam = (q + 3.0).half(), (k + 3.0).half(), v.half(), lam.half()
+    _, rho, *_ = lla_forward(q, k, v, lam, scale=D ** -0.5, window=None, blocks=D // size, cg_iters=1, cg_tol=0.0)
+    qd, kd = q.double().transpose(1, 2), k.double().transpose(1, 2).expand(-1, HQ, -1, -1)  # [B, HQ, T, D]
+    s = (qd @ kd.transpose(-1, -2) * D ** -0.5).masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
+    w = torch.exp(s - s.amax(-1, keepdim=True))
+    z = kd[:, :, None] - qd[:, :, :, None]  # [B, HQ, T, S, D]
+    block = torch.block_diag(*[torch.ones(size, size, dtype=torch.float64)] * (D // size))
+    sigma = torch.einsum("bhts,bhtsd,bhtse->bhtde", w, z, z) * block
+    sigma = sigma + torch.diag_embed(lam.double().transpose(1, 2)[..., None].expand(-1, -1, -1, D))
+    exact = torch.linalg.solve(sigma, torch.einsum("bhts,bhtsd->bhtd", w, z)).transpose(1, 2)
+    assert rel_err(rho, exact) < 1e-5
 
 
 @pytest.mark.parametrize("lam_kind,blocks", [("query", None), ("dim", None), ("dim", 2)])

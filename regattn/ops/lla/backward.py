@@ -33,7 +33,7 @@ from regattn.ops._common.attention_tiles import LOG2E, dot_precision, head_block
 from regattn.ops.lla.forward import lam_tensor, moment_precision
 from regattn.ops.lla.tiles import (
     cg_solve, load_cols, load_rows, one_minus_a, pair_moments, pair_solve, query_head, query_key_tiles, relmm_tile,
-    smallest_ridge, square_moments, swap_pairs, tile_weights,
+    smallest_ridge, split_dot, square_moments, swap_pairs, tile_weights,
 )
 
 
@@ -108,7 +108,10 @@ def lla_bwd_q_kernel(Q, K, V, LAM, DO, RHO, DELTA, M2, OMEGA, CENTRE, DQ, U, BET
         c = gamma * w / delta_safe[:, None]
         s = w * one_minus_a(rho, kt, centre, inv_omega, delta_safe, DPREC) / delta_safe[:, None]
         k = tl.trans(kt)
-        mt += tl.dot(w.to(k.dtype), k, input_precision=DPREC)
+        if BD == 0:
+            mt += tl.dot(w.to(k.dtype), k, input_precision=DPREC)
+        else:  # as in the forward: Sigma_dd cancels 2 q mu~ against the second moments
+            mt += split_dot(w, k, DPREC)
         ck += tl.dot(c.to(k.dtype), k, input_precision=DPREC)
         csum += tl.sum(c, 1)
         gs += tl.sum(gamma * s, 1)
@@ -129,7 +132,8 @@ def lla_bwd_q_kernel(Q, K, V, LAM, DO, RHO, DELTA, M2, OMEGA, CENTRE, DQ, U, BET
         u = pair_solve(y, sdiag, kx, q32, mt, omega)
     else:  # u = Sigma^-1 (y - beta mu) + beta rho: equal to Sigma^-1 y when rho = Sigma^-1 mu, and with a
         # truncated CG rho the implicit gradient at that rho (the adjoint Sigma^-1 dL/drho by the same CG)
-        u = cg_solve(y - beta[:, None] * mu, q, mt, omega, lam, smallest_ridge(lam, offs_d < D), m2, pos, Kb, sks, skd, lo, hi, S, D, offs_d,
+        u = cg_solve(y - beta[:, None] * mu, q, mt, omega, lam, smallest_ridge(lam, offs_d < D), m2, pos, Kb, sks,
+                     skd, lo, hi, S, D, offs_d,
                      qk_scale2, iters, tol2, BLOCK_N, WINDOW, 1, DPREC) + beta[:, None] * rho
     dmu = 2.0 * beta[:, None] * rho - u
     hd = rho * (u - beta[:, None] * rho)  # diagonal of the masked dL/dSigma

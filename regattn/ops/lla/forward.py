@@ -59,8 +59,11 @@ def lla_fwd_kernel(Q, K, V, LAM, O, RHO, DELTA, M2, ARGMAX, OMEGA, CENTRE,
         arg = tl.where(tile_max > m2, tl.argmax(s2, 1).to(tl.int32) + start_n, arg)
         m2, omega, w, alpha = online_softmax_step(m2, omega, s2)
         k = tl.trans(kt)
-        mt = mt * alpha[:, None] + tl.dot(w.to(k.dtype), k, input_precision=DPREC)
-        if SOLVER != 0:  # direct solves need the second moments
+        if SOLVER == 0:
+            mt = mt * alpha[:, None] + tl.dot(w.to(k.dtype), k, input_precision=DPREC)
+        else:  # direct solves need the second moments, and Sigma_dd cancels 2 q mu~ against them: mu~ from
+            # weights split in two half-precision parts (bf16 weights alone leave ~1e-4 to 1e-2 in Sigma_dd)
+            mt = mt * alpha[:, None] + split_dot(w, k, DPREC)
             kk = kk * alpha[:, None] + square_moments(w, k.to(tl.float32), MPREC)
         if SOLVER == 2:  # 2 x 2 blocks: the cross moments of feature pairs
             kx = kx * alpha[:, None] + pair_moments(w, k.to(tl.float32), MPREC)
