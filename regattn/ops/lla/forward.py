@@ -159,22 +159,18 @@ def moment_precision(dtype: torch.dtype) -> str:
 
 
 def forward_blocks(T: int, D: int, dtype: torch.dtype, solver: int = SOLVER_CG, G: int = 1) -> dict:
-    """Tile sizes: small in the interpreter; on a GPU for D > 64, 32-row tiles on 8 warps streaming 32 keys
-    (16 for 2 x 2 blocks and for CG over ``G > 1`` feature blocks, whose product holds ``G`` weight tiles):
-    the sm_90 screen (``python -m regattn.bench.registers lla --candidates``) found 64 x 64 on 8 warps
-    spilling 0.8-3 KB a thread in every solver (a 64-row wgmma tile on 8 warps is held twice) and these
-    free of spills in their key loops; 64 x 64 for D <= 64."""
+    """Tile sizes: small in the interpreter; on a GPU 32-row tiles on 8 warps streaming 32 keys (16 for 2 x 2
+    blocks and for CG over ``G > 1`` feature blocks, whose product holds ``G`` weight tiles): the sm_90 screen
+    (``python -m regattn.bench.registers lla --candidates``, D = 64 and 128) found 64 x 64 spilling 0.2-3.6 KB a
+    thread in every solver (on 8 warps a 64-row wgmma tile is held twice) and these tiles free of spills in
+    their key loops."""
     if interpreting():
         return dict(BLOCK_M=16, BLOCK_N=16, num_warps=1, num_stages=1)
     narrow = solver == SOLVER_PAIRS or G > 1
     if dtype == torch.float32:
         cfg = dict(BLOCK_M=32, BLOCK_N=16 if G > 1 else 32, num_warps=4, num_stages=2)
-    elif D > 64:
-        cfg = dict(BLOCK_M=32, BLOCK_N=16 if narrow else 32, num_warps=8, num_stages=2)
-    elif G > 1:
-        cfg = dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=2)
     else:
-        cfg = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)
+        cfg = dict(BLOCK_M=32, BLOCK_N=16 if narrow else 32, num_warps=8, num_stages=2)
     cfg["BLOCK_M"] = min(cfg["BLOCK_M"], max(16, triton.next_power_of_2(T)))
     return cfg
 
