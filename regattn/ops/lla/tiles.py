@@ -169,8 +169,8 @@ def sigma_matvec(p, q, mt, omega, lam, m2, pos, K, stride_kn, stride_kd, lo, hi,
 
     ``sum_j w_ij (k_j.p) k_j - (q.p) mu~ - (mu~.p) q + omega (q.p) q + lam p``, every inner product
     within each of the ``G`` feature blocks (BD-LLA; ``G = 1`` is full LLA): per key tile two products,
-    for ``G > 1`` batched over the blocks (the work of one full-width product; the first one's
-    contraction padded to 16).
+    for ``G > 1`` batched over the blocks, the work of full-width products (twice that for the first one
+    where blocks narrower than 16 are padded to 16).
     """
     if G > 1:
         pb = pad_to_16(p.to(q.dtype))  # [G, BM, >= 16]
