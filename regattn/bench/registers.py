@@ -3,6 +3,7 @@
 ``python -m regattn.bench.registers parallax [--head-dims 128 256] [--kinds fwd dk] [--candidates]``
 ``python -m regattn.bench.registers scan [--head-dims 64] [--kinds ieee tf32x3] [--candidates]``
 ``python -m regattn.bench.registers gatedfwa_gate``
+``python -m regattn.bench.registers lla [--head-dims 128] [--kinds pairs diag cg cg-g16] [--candidates]``
 
 prints, for each kernel configuration of an op at its goal shape, what ``cuobjdump --dump-resource-usage``
 reports for the cubin compiled for sm_90: ``REG`` (registers per thread, 255 at most), ``STACK`` (bytes of
@@ -218,6 +219,35 @@ def scan_rows(head_dims=(64,), kinds=("ieee", "tf32x3"), candidates=False):
             yield dict(head_dim=D, kind=precision, table=listed, **launch_settings(kwargs), **usage)
 
 
+LLA_KINDS = {"pairs": 64, "diag": 128, "cg": None, "cg-g16": 16}  # kind -> blocks at D = 128 (scaled with D)
+LLA_TILES = [(16, 32, 4), (32, 16, 8), (32, 32, 4), (32, 32, 8), (32, 64, 8), (64, 32, 4), (64, 64, 8), (128, 32, 8)]
+LLA_CANDIDATES = [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=2) for m, n, w in LLA_TILES]
+
+
+def lla_rows(head_dims=(128,), kinds=tuple(LLA_KINDS), candidates=False, *, B=4, T=8192, H=16):
+    """One row per (head dim, solver, tiles) of the LLA forward kernel at the bench's shape, bf16, cg_iters=8:
+    direct solves of 2 x 2 (``pairs``) and 1 x 1 blocks (``diag``), CG (``cg``) and CG over 16 feature
+    blocks (``cg-g16``); the table's tiles, then :data:`LLA_CANDIDATES`; with the hottest loop's instruction mix
+    (as for ``scan``)."""
+    from unittest import mock
+
+    from regattn.ops.lla import forward
+
+    for D, kind, config in itertools.product(head_dims, kinds, [None] + (LLA_CANDIDATES if candidates else [])):
+        q = torch.empty(B, T, H, D, device="meta", dtype=torch.bfloat16)
+        blocks = LLA_KINDS[kind] and LLA_KINDS[kind] * D // 128
+        tiles = mock.patch.object(forward, "forward_blocks", lambda *a: dict(config)) if config else contextlib.nullcontext()
+        with captured_launches() as launches, tiles:
+            forward.lla_forward(q, q, q, 0.5, scale=D ** -0.5, window=None, blocks=blocks, cg_iters=8, cg_tol=1e-6)
+        kernel, args, kwargs = launches[0]
+        try:
+            compiled = compile_launch(kernel, args, kwargs)
+            usage = dict(**resource_usage(compiled), **inner_loop(cuobjdump(compiled, "-sass")))
+        except Exception as error:
+            usage = dict(error=str(error).splitlines()[0][:80])
+        yield dict(head_dim=D, kind=kind, table=config is None, **launch_settings(kwargs), **usage)
+
+
 COLUMNS = ("head_dim", "kind", "BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "REG", "STACK", "LOCAL", "SHARED")
 
 
@@ -244,16 +274,17 @@ def gate_rows(head_dims=None, kinds=None, candidates=False, *, shapes=GATE_SHAPE
 USAGE = ("REG", "STACK", "LOCAL", "SHARED")
 OPS = {"parallax": (parallax_rows, KINDS, COLUMNS),
        "scan": (scan_rows, ("ieee", "tf32x3"), COLUMNS + ("loop", "FFMA", "FFMA%", "FFMA/w", "LDS", "MMA", "LDL", "STL")),
+       "lla": (lla_rows, tuple(LLA_KINDS), COLUMNS + ("loop", "MMA", "LDL", "STL")),
        "gatedfwa_gate": (gate_rows, (), ("shape", "scan", "kernel", "BLOCK_T", "BLOCK_H", "num_warps") + USAGE)}
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m regattn.bench.registers", description=__doc__.split("\n")[0])
     parser.add_argument("op", choices=sorted(OPS))
-    parser.add_argument("--head-dims", type=int, nargs="+", help="parallax: 32 64 128 256 by default; scan: 64")
-    parser.add_argument("--kinds", nargs="+", choices=KINDS + SCAN_KINDS,
+    parser.add_argument("--head-dims", type=int, nargs="+", help="parallax: 32 64 128 256 by default; scan: 64; lla: 128")
+    parser.add_argument("--kinds", nargs="+", choices=KINDS + SCAN_KINDS + tuple(LLA_KINDS),
                         help=f"parallax: {', '.join(KINDS)} (all by default); scan: {', '.join(SCAN_KINDS)} "
-                             "(ieee and tf32x3 by default)")
+                             f"(ieee and tf32x3 by default); lla: {', '.join(LLA_KINDS)} (all by default)")
     parser.add_argument("--candidates", action="store_true", help="screen the tile candidates too")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
@@ -262,7 +293,7 @@ def main(argv=None) -> int:
     if args.kinds and not set(args.kinds) <= set(kinds if args.op != "scan" else SCAN_KINDS):
         parser.error(f"--kinds: not kernels of {args.op}: {args.kinds}")
     print(" ".join(f"{c:>10}" for c in columns), " table")
-    head_dims = args.head_dims or (list(HEAD_DIMS) if args.op == "parallax" else [64])
+    head_dims = args.head_dims or {"parallax": list(HEAD_DIMS), "lla": [128]}.get(args.op, [64])
     for row in rows(head_dims, args.kinds or kinds, args.candidates):
         cells = [f"{row.get(c, '-'):>10}" for c in columns]
         note = " *" if row["table"] else "  "

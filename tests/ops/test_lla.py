@@ -4,6 +4,7 @@ import torch
 
 import regattn
 from regattn import reference
+from regattn.ops.lla.forward import lla_forward
 from regattn.reference.lla import lla_blocks_uncentred, lla_matrix_free
 from tests.helpers import randn, rel_err
 
@@ -135,6 +136,64 @@ def test_block_diagonal_cg_solves_each_block_on_its_own():
     assert rel_err(out, exact) < 1e-3
 
 
+@pytest.mark.parametrize("D,T,window", [(32, 37, None), (64, 100, 23), (24, 37, 9)])
+@pytest.mark.parametrize("size", [1, 2, 8])
+def test_block_diagonal_at_awkward_sizes(D, T, window, size, monkeypatch):
+    """BD-LLA with blocks of 1 and 2 features (direct solves, fused backward) and of 8 (one CG per block,
+    batched over the blocks; D = 24 gives 3 blocks, laid out as 4 in the kernel) in fp32 against float64,
+    forward and backward. CG runs twice as many iterations as a block has features: with exactly 8 fp32
+    rounding leaves ~1e-4 (the torch backend's CG too), with 12 it is exact to rounding."""
+    monkeypatch.setattr("regattn.ops.lla.api.BLOCK_BACKWARD_CHUNK", 32)
+    blocks = D // size
+    q, k, v, lam = make(1, T, T, 2, 1, D, 6, "dim")
+    do = randn(1, T, 2, 6)
+    ref, ref_grads = grads_of(lambda *a: reference.lla(*a[:3], lam=a[3], blocks=blocks, window=window),
+                              q, k, v, lam, do)
+    out, got = grads_of(lambda *a: regattn.lla(*a[:3], lam=a[3], blocks=blocks, window=window,
+                                               cg_iters=2 * size if size > 2 else None, cg_tol=0.0,
+                                               backend="triton"),
+                        q.float(), k.float(), v.float(), lam.float(), do)
+    ref32, ref32_grads = float32_forms(q, k, v, lam, do, window=window, blocks=blocks)
+    assert within_float32_rule(out, ref, ref32)
+    for name, g, r, r32 in zip(("dq", "dk", "dv", "dlam"), got, ref_grads, ref32_grads):
+        assert within_float32_rule(g, r, r32), name
+
+
+@pytest.mark.parametrize("size", [1, 2, 8])
+def test_block_diagonal_half_precision_forward(size):
+    """fp16 BD-LLA (direct solves with their second moments in three tf32 products on a GPU; CG per block):
+    error to float64 within 2x the reference run on fp16 inputs plus slack, as for full LLA."""
+    D, T = 32, 37
+    q, k, v, lam = make(1, T, T, 2, 1, D, 8, "query")
+    ref = reference.lla(q, k, v, lam=lam, blocks=D // size, window=19)
+    half = [x.half() for x in (q, k, v)]
+    low = reference.lla(*half, lam=lam.half(), blocks=D // size, window=19)
+    out = regattn.lla(*half, lam=lam.half(), blocks=D // size, window=19, cg_iters=2 * size if size > 2 else None,
+                      cg_tol=0.0, backend="triton")
+    assert out.dtype == torch.float16
+    assert rel_err(out, ref) <= 2 * rel_err(low, ref) + 5e-3
+
+
+@pytest.mark.parametrize("size", [1, 2])
+def test_direct_solves_keep_fp32_precision_with_half_inputs(size):
+    """fp16 inputs, keys off-centre (``Sigma_dd`` cancels ``2 q mu~`` against the second moments): the direct
+    solves' ``rho`` stays within fp32 rounding of float64 on the same inputs. ``mu~`` from fp16-rounded
+    weights gave 8e-5 (centred) and 6e-4 (here)."""
+    B, T, HQ, D = 1, 64, 2, 32
+    q, k, v, lam = make(B, T, T, HQ, 1, D, 8, "query", seed=5)
+    q, k, v, lam = (q + 3.0).half(), (k + 3.0).half(), v.half(), lam.half()
+    _, rho, *_ = lla_forward(q, k, v, lam, scale=D ** -0.5, window=None, blocks=D // size, cg_iters=1, cg_tol=0.0)
+    qd, kd = q.double().transpose(1, 2), k.double().transpose(1, 2).expand(-1, HQ, -1, -1)  # [B, HQ, T, D]
+    s = (qd @ kd.transpose(-1, -2) * D ** -0.5).masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
+    w = torch.exp(s - s.amax(-1, keepdim=True))
+    z = kd[:, :, None] - qd[:, :, :, None]  # [B, HQ, T, S, D]
+    block = torch.block_diag(*[torch.ones(size, size, dtype=torch.float64)] * (D // size))
+    sigma = torch.einsum("bhts,bhtsd,bhtse->bhtde", w, z, z) * block
+    sigma = sigma + torch.diag_embed(lam.double().transpose(1, 2)[..., None].expand(-1, -1, -1, D))
+    exact = torch.linalg.solve(sigma, torch.einsum("bhts,bhtsd->bhtd", w, z)).transpose(1, 2)
+    assert rel_err(rho, exact) < 1e-5
+
+
 @pytest.mark.parametrize("lam_kind,blocks", [("query", None), ("dim", None), ("dim", 2)])
 def test_truncated_cg_gradient_is_the_same_on_both_backends(lam_kind, blocks, monkeypatch):
     """With cg_iters = 2 (far from converged, for full LLA and BD-LLA with blocks of 4) both backends give
@@ -186,9 +245,9 @@ def test_half_precision_forward():
 
 
 def test_half_precision_cg_keeps_its_krylov_vectors_in_fp32():
-    """fp16 inputs, CG run to convergence: the kernel's products split the fp32 CG vectors into two fp16
-    parts, so the solve's error stays near the output's own fp16 rounding (about 5e-4 here), not the
-    3x larger error of CG vectors rounded to fp16 in every product (1.5e-3 to 1.8e-3)."""
+    """fp16 inputs, CG run to convergence: the kernel's products split the fp32 CG vectors (and the weights
+    of mu~) into two fp16 parts, so the solve's error stays near the output's own fp16 rounding (about
+    3e-4 here), not the 5x larger error of vectors rounded to fp16 in every product (1.5e-3 to 1.8e-3)."""
     q, k, v = (randn(1, 100, 2, 32).half() for _ in range(3))
     exact = reference.lla(q.double(), k.double(), v.double(), lam=1.0)
     out = regattn.lla(q, k, v, lam=1.0, cg_iters=64, cg_tol=1e-7, backend="triton")

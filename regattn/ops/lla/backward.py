@@ -30,10 +30,10 @@ import triton
 import triton.language as tl
 
 from regattn.ops._common.attention_tiles import LOG2E, dot_precision, head_block, interpreting
-from regattn.ops.lla.forward import lam_tensor
+from regattn.ops.lla.forward import lam_tensor, moment_precision
 from regattn.ops.lla.tiles import (
-    cg_solve, load_cols, load_rows, one_minus_a, pair_solve, query_head, query_key_tiles, relmm_tile, swap_pairs,
-    tile_weights,
+    cg_solve, load_cols, load_rows, one_minus_a, pair_moments, pair_solve, query_head, query_key_tiles, relmm_tile,
+    smallest_ridge, split_dot, square_moments, swap_pairs, tile_weights,
 )
 
 
@@ -65,7 +65,7 @@ def lla_bwd_q_kernel(Q, K, V, LAM, DO, RHO, DELTA, M2, OMEGA, CENTRE, DQ, U, BET
                      sdb, sdt, sdh, sdd,
                      T, S, HQ, GROUPS, D, DV, scale, qk_scale2, iters, tol2,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-                     WINDOW: tl.constexpr, BD: tl.constexpr, DPREC: tl.constexpr):
+                     WINDOW: tl.constexpr, BD: tl.constexpr, DPREC: tl.constexpr, MPREC: tl.constexpr):
     start_m, b, h, hk = query_head(HQ, GROUPS, BLOCK_M)
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -97,7 +97,7 @@ def lla_bwd_q_kernel(Q, K, V, LAM, DO, RHO, DELTA, M2, OMEGA, CENTRE, DQ, U, BET
     csum = tl.zeros((BLOCK_M,), tl.float32)
     gs = tl.zeros((BLOCK_M,), tl.float32)
     kk = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
-    kx = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    kx = tl.zeros((BLOCK_M, BLOCK_D // 2), tl.float32)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         kt = load_cols(Kb, offs_n, offs_d, sks, skd, S, D)
@@ -108,16 +108,14 @@ def lla_bwd_q_kernel(Q, K, V, LAM, DO, RHO, DELTA, M2, OMEGA, CENTRE, DQ, U, BET
         c = gamma * w / delta_safe[:, None]
         s = w * one_minus_a(rho, kt, centre, inv_omega, delta_safe, DPREC) / delta_safe[:, None]
         k = tl.trans(kt)
-        mt += tl.dot(w.to(k.dtype), k, input_precision=DPREC)
+        mt += split_dot(w, k, DPREC)  # as in the forward: mu~ enters cancelling differences
         ck += tl.dot(c.to(k.dtype), k, input_precision=DPREC)
         csum += tl.sum(c, 1)
         gs += tl.sum(gamma * s, 1)
         if BD > 0:
-            k32 = k.to(tl.float32)
-            kk += tl.dot(w, k32 * k32, input_precision="ieee")
+            kk += square_moments(w, k.to(tl.float32), MPREC)
         if BD == 2:
-            ks32 = load_rows(Kb, offs_n, offs_d ^ 1, sks, skd, S, D).to(tl.float32)
-            kx += tl.dot(w, k32 * ks32, input_precision="ieee")
+            kx += pair_moments(w, k.to(tl.float32), MPREC)
     beta = gs / delta_safe
 
     # the second solve (eq. 37) and dmu (eq. 38)
@@ -128,12 +126,12 @@ def lla_bwd_q_kernel(Q, K, V, LAM, DO, RHO, DELTA, M2, OMEGA, CENTRE, DQ, U, BET
     if BD == 1:
         u = y / tl.where(sdiag == 0.0, 1.0, sdiag)
     elif BD == 2:
-        soff = kx - qs32 * mt - q32 * swap_pairs(mt, BLOCK_M, BLOCK_D) + omega[:, None] * q32 * qs32
-        u = pair_solve(y, sdiag, soff, BLOCK_M, BLOCK_D)
+        u = pair_solve(y, sdiag, kx, q32, mt, omega)
     else:  # u = Sigma^-1 (y - beta mu) + beta rho: equal to Sigma^-1 y when rho = Sigma^-1 mu, and with a
         # truncated CG rho the implicit gradient at that rho (the adjoint Sigma^-1 dL/drho by the same CG)
-        u = cg_solve(y - beta[:, None] * mu, q, q32, mt, omega, lam, m2, pos, Kb, sks, skd, lo, hi, S, D, D,
-                     qk_scale2, iters, tol2, BLOCK_N, BLOCK_D, WINDOW, 1, DPREC) + beta[:, None] * rho
+        u = cg_solve(y - beta[:, None] * mu, q, mt, omega, lam, smallest_ridge(lam, offs_d < D), m2, pos, Kb, sks,
+                     skd, lo, hi, S, D, offs_d,
+                     qk_scale2, iters, tol2, BLOCK_N, WINDOW, 1, DPREC) + beta[:, None] * rho
     dmu = 2.0 * beta[:, None] * rho - u
     hd = rho * (u - beta[:, None] * rho)  # diagonal of the masked dL/dSigma
     h1 = rho * (swap_pairs(u, BLOCK_M, BLOCK_D) - beta[:, None] * swap_pairs(rho, BLOCK_M, BLOCK_D))
@@ -312,7 +310,8 @@ def lla_backward(do, q, k, v, lam, rho, delta, m2, argmax, omega, centre, *, sca
     lla_bwd_q_kernel[(triton.cdiv(T, cfg["BLOCK_M"]), B * HQ)](
         q, k, v, lam4, do, rho, delta, m2, omega, centre, dq, u, beta, dm,
         *q.stride(), *k.stride(), *v.stride(), *lam4.stride(), *do.stride(),
-        T, S, HQ, HQ // H, D, DV, scale, scale * LOG2E, cg_iters, cg_tol ** 2, **common)
+        T, S, HQ, HQ // H, D, DV, scale, scale * LOG2E, cg_iters, cg_tol ** 2, MPREC=moment_precision(q.dtype),
+        **common)
     lla_bwd_kv_kernel[(triton.cdiv(S, cfg["BLOCK_N"]), B * H)](
         q, k, v, do, rho, u, delta, m2, omega, centre, beta, dk, dv,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(),

@@ -17,8 +17,8 @@ from regattn.ops._common.attention_tiles import (
     LOG2E, dot_precision, head_block, interpreting, online_softmax_step, visible_mask,
 )
 from regattn.ops.lla.tiles import (
-    cg_solve, guarded_denominator, key_products, load_cols, load_rows, pair_solve, query_head, query_key_tiles,
-    smallest_ridge, split_dot, swap_pairs, tile_weights,
+    block_columns, cg_solve, guarded_denominator, halves_dot, load_cols, load_rows, pair_moments, pair_solve,
+    query_head, query_key_tiles, smallest_ridge, split_dot, split_halves, square_moments, tile_weights,
 )
 
 SOLVER_CG, SOLVER_DIAG, SOLVER_PAIRS = 0, 1, 2  # the kernel's SOLVER values
@@ -30,19 +30,17 @@ def lla_fwd_kernel(Q, K, V, LAM, O, RHO, DELTA, M2, ARGMAX, OMEGA, CENTRE,
                    sob, sot, soh, sod,
                    T, S, HQ, GROUPS, D, DV, blk_size, qk_scale2, iters, tol2,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-                   WINDOW: tl.constexpr, SOLVER: tl.constexpr, G: tl.constexpr, DPREC: tl.constexpr):
+                   WINDOW: tl.constexpr, SOLVER: tl.constexpr, G: tl.constexpr, DPREC: tl.constexpr,
+                   MPREC: tl.constexpr):
     start_m, b, h, hk = query_head(HQ, GROUPS, BLOCK_M)
     offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
+    feat = block_columns(BLOCK_D, D, blk_size, G)  # the feature of each column (D: padding)
     offs_dv = tl.arange(0, BLOCK_DV)
     pos = offs_m + S - T
     Qb = Q + b * sqb + h * sqh
     Kb = K + b * skb + hk * skh
     Vb = V + b * svb + hk * svh
-    q = load_rows(Qb, offs_m, offs_d, sqt, sqd, T, D)
-    q32 = q.to(tl.float32)
-    lam = load_rows(LAM + b * slb + h * slh, offs_m, offs_d, slt, sld, T, D).to(tl.float32)
-    lam = tl.where((offs_m < T)[:, None], lam, 1.0)  # padding rows get a well-posed system
+    q = load_rows(Qb, offs_m, feat, sqt, sqd, T, D)
     lo, hi = query_key_tiles(start_m, T, S, BLOCK_M, BLOCK_N, WINDOW)
 
     # pass 1: online maximum (and where it is), omega, mu~ (and the second moments for direct solves)
@@ -51,40 +49,41 @@ def lla_fwd_kernel(Q, K, V, LAM, O, RHO, DELTA, M2, ARGMAX, OMEGA, CENTRE,
     omega = tl.zeros((BLOCK_M,), tl.float32)
     mt = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     kk = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
-    kx = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    kx = tl.zeros((BLOCK_M, BLOCK_D // 2), tl.float32)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        kt = load_cols(Kb, offs_n, offs_d, sks, skd, S, D)
+        kt = load_cols(Kb, offs_n, feat, sks, skd, S, D)
         s2 = tl.dot(q, kt, input_precision=DPREC) * qk_scale2
         s2 = tl.where(visible_mask(pos, offs_n, S, True, WINDOW), s2, float("-inf"))
         tile_max = tl.max(s2, 1)
         arg = tl.where(tile_max > m2, tl.argmax(s2, 1).to(tl.int32) + start_n, arg)
         m2, omega, w, alpha = online_softmax_step(m2, omega, s2)
         k = tl.trans(kt)
-        mt = mt * alpha[:, None] + tl.dot(w.to(k.dtype), k, input_precision=DPREC)
+        # mu~ from weights split in two half-precision parts: mu = mu~ - omega q cancels, and the direct
+        # solves' Sigma_dd cancels 2 q mu~ against the second moments (bf16 weights alone leave ~1e-4 to 1e-2)
+        mt = mt * alpha[:, None] + split_dot(w, k, DPREC)
         if SOLVER != 0:  # direct solves need the second moments
-            k32 = k.to(tl.float32)
-            kk = kk * alpha[:, None] + tl.dot(w, k32 * k32, input_precision="ieee")
-        if SOLVER == 2:  # 2 x 2 blocks: the cross moment with the partner feature
-            ks = load_rows(Kb, offs_n, offs_d ^ 1, sks, skd, S, D).to(tl.float32)
-            kx = kx * alpha[:, None] + tl.dot(w, k32 * ks, input_precision="ieee")
+            kk = kk * alpha[:, None] + square_moments(w, k.to(tl.float32), MPREC)
+        if SOLVER == 2:  # 2 x 2 blocks: the cross moments of feature pairs
+            kx = kx * alpha[:, None] + pair_moments(w, k.to(tl.float32), MPREC)
     m2 = tl.where(m2 == float("-inf"), 0.0, m2)
+    q32 = q.to(tl.float32)
     mu = mt - omega[:, None] * q32
+    lam = load_rows(LAM + b * slb + h * slh, offs_m, feat, slt, sld, T, D).to(tl.float32)
+    lam = tl.where((offs_m < T)[:, None], lam, 1.0)  # padding rows get a well-posed system
+    lam_min = smallest_ridge(lam, feat < D)
 
     # the solve: rho = Sigma^-1 mu
     if SOLVER == 0:  # conjugate gradients
-        rho = cg_solve(mu, q, q32, mt, omega, lam, m2, pos, Kb, sks, skd, lo, hi, S, D, blk_size, qk_scale2,
-                       iters, tol2, BLOCK_N, BLOCK_D, WINDOW, G, DPREC)
+        rho = cg_solve(mu, q, mt, omega, lam, lam_min, m2, pos, Kb, sks, skd, lo, hi, S, D, feat, qk_scale2,
+                       iters, tol2, BLOCK_N, WINDOW, G, DPREC)
     else:
         sdiag = kk - 2.0 * q32 * mt + omega[:, None] * q32 * q32 + lam
         if SOLVER == 1:  # 1 x 1 blocks
             rho = mu / tl.where(sdiag == 0.0, 1.0, sdiag)
         else:
-            qs = load_rows(Qb, offs_m, offs_d ^ 1, sqt, sqd, T, D).to(tl.float32)
-            mts = swap_pairs(mt, BLOCK_M, BLOCK_D)  # mu~ at the partner column d xor 1
-            soff = kx - qs * mt - q32 * mts + omega[:, None] * q32 * qs
-            rho = pair_solve(mu, sdiag, soff, BLOCK_M, BLOCK_D)
-    delta = guarded_denominator(omega - tl.sum(mu * rho, 1), omega, mu, smallest_ridge(lam, D, BLOCK_D),
+            rho = pair_solve(mu, sdiag, kx, q32, mt, omega)
+    delta = guarded_denominator(omega - tl.sum(mu * rho, 1), omega, mu, lam_min,
                                 SOLVER == 0 and G == 1)
 
     # pass 3: o_i = sum_j w_ij (1 - z_ij.rho_i) v_j / delta_i
@@ -92,16 +91,21 @@ def lla_fwd_kernel(Q, K, V, LAM, O, RHO, DELTA, M2, ARGMAX, OMEGA, CENTRE,
     # with kbar_i.rho_i = sum_j w_ij (k_j.rho_i) / omega_i from the same products and weights (as rounded for the
     # product with V): the weighted mean of the values never passes through delta, which cancels when lam is
     # small against |z|^2, and a row with one-hot weights gets exactly its top value (see tiles.one_minus_a)
+    # rho leaves the registers before the pass: its half-precision parts are all the products need
+    row_ok = offs_m < T
+    rho_ptrs = RHO + ((b * T + offs_m[:, None]) * HQ + h) * D + feat[None, :]
+    tl.store(rho_ptrs, rho, mask=row_ok[:, None] & (feat < D)[None, :])
+    rho_hi, rho_lo = split_halves(rho, q.dtype)
     wv = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
     wkv = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
     wsum = tl.zeros((BLOCK_M,), tl.float32)
     wk = tl.zeros((BLOCK_M,), tl.float32)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        kt = load_cols(Kb, offs_n, offs_d, sks, skd, S, D)
+        kt = load_cols(Kb, offs_n, feat, sks, skd, S, D)
         v = load_rows(Vb, offs_n, offs_dv, svs, svd, S, DV)
         w = tile_weights(q, kt, m2, pos, offs_n, S, qk_scale2, WINDOW, DPREC).to(v.dtype)
-        wkr = w.to(tl.float32) * key_products(rho, kt, DPREC)
+        wkr = w.to(tl.float32) * halves_dot(rho_hi, rho_lo, kt, DPREC)  # w_ij k_j.rho_i
         wsum += tl.sum(w.to(tl.float32), 1)
         wk += tl.sum(wkr, 1)
         wv += tl.dot(w, v, input_precision=DPREC)
@@ -110,11 +114,8 @@ def lla_fwd_kernel(Q, K, V, LAM, O, RHO, DELTA, M2, ARGMAX, OMEGA, CENTRE,
     centre = wk * inv_omega
     acc = wv * inv_omega[:, None] - (wkv - centre[:, None] * wv) / delta[:, None]
 
-    row_ok = offs_m < T
     o_ptrs = O + b * sob + h * soh + offs_m[:, None] * sot + offs_dv[None, :] * sod
     tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=row_ok[:, None] & (offs_dv < DV)[None, :])
-    rho_ptrs = RHO + ((b * T + offs_m[:, None]) * HQ + h) * D + offs_d[None, :]
-    tl.store(rho_ptrs, rho, mask=row_ok[:, None] & (offs_d < D)[None, :])
     stat = (b * HQ + h) * T + offs_m
     tl.store(DELTA + stat, delta, mask=row_ok)
     tl.store(M2 + stat, m2, mask=row_ok)
@@ -141,15 +142,34 @@ def solver_for(blocks, D: int) -> tuple[int, int]:
     return SOLVER_CG, 1 if blocks is None else blocks
 
 
-def forward_blocks(T: int, D: int, dtype: torch.dtype) -> dict:
-    """Tile sizes: small in the interpreter; on a GPU 64 x 64 tiles (the CG state is three fp32 tiles),
-    16-row query tiles for a few new tokens (decode)."""
+def column_blocks(D: int, G: int) -> tuple[int, int]:
+    """``(kernel blocks, BLOCK_D)`` for ``G`` feature blocks: ``G`` and each block's width rounded up to powers
+    of two (see ``tiles.block_columns``), ``BLOCK_D >= 16``."""
+    if G == 1:
+        return 1, head_block(D)
+    blocks = triton.next_power_of_2(G)
+    return blocks, max(16, blocks * triton.next_power_of_2(D // G))
+
+
+def moment_precision(dtype: torch.dtype) -> str:
+    """Products of the direct solves' second moments: exact for fp32 inputs, else three tf32 products on the
+    tensor cores (about fp32 accuracy: ``Sigma_dd`` is formed by cancellation from them)."""
+    return "ieee" if dtype == torch.float32 else "tf32x3"
+
+
+def forward_blocks(T: int, D: int, dtype: torch.dtype, solver: int = SOLVER_CG, G: int = 1) -> dict:
+    """Tile sizes: small in the interpreter; on a GPU 32-row tiles on 8 warps streaming 32 keys (16 for 2 x 2
+    blocks and for CG over ``G > 1`` feature blocks, whose product holds ``G`` weight tiles): the sm_90 screen
+    (``python -m regattn.bench.registers lla --candidates``, D = 64 and 128) found 64 x 64 spilling 0.2-3.6 KB a
+    thread in every solver (on 8 warps a 64-row wgmma tile is held twice) and these tiles free of spills in
+    their key loops."""
     if interpreting():
         return dict(BLOCK_M=16, BLOCK_N=16, num_warps=1, num_stages=1)
+    narrow = solver == SOLVER_PAIRS or G > 1
     if dtype == torch.float32:
-        cfg = dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=2)
+        cfg = dict(BLOCK_M=32, BLOCK_N=16 if G > 1 else 32, num_warps=4, num_stages=2)
     else:
-        cfg = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4 if D <= 64 else 8, num_stages=2)
+        cfg = dict(BLOCK_M=32, BLOCK_N=16 if narrow else 32, num_warps=8, num_stages=2)
     cfg["BLOCK_M"] = min(cfg["BLOCK_M"], max(16, triton.next_power_of_2(T)))
     return cfg
 
@@ -170,13 +190,15 @@ def lla_forward(q, k, v, lam, *, scale: float, window, blocks, cg_iters: int, cg
     argmax = torch.empty(B, HQ, T, device=q.device, dtype=torch.int32)
     omega, centre = torch.empty_like(delta), torch.empty_like(delta)
     lam4 = lam_tensor(lam, q)
-    cfg = forward_blocks(T, D, q.dtype)
+    kernel_blocks, block_d = column_blocks(D, G)
+    cfg = forward_blocks(T, D, q.dtype, solver, G)
     grid = (triton.cdiv(T, cfg["BLOCK_M"]), B * HQ)
     lla_fwd_kernel[grid](
         q, k, v, lam4, o, rho, delta, m2, argmax, omega, centre,
         *q.stride(), *k.stride(), *v.stride(), *lam4.stride(), *o.stride(),
         T, S, HQ, HQ // H, D, DV, D // G, scale * LOG2E, cg_iters, cg_tol ** 2,
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=head_block(D), BLOCK_DV=head_block(DV),
-        WINDOW=window or 0, SOLVER=solver, G=G, DPREC=dot_precision(q.dtype),
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=block_d, BLOCK_DV=head_block(DV),
+        WINDOW=window or 0, SOLVER=solver, G=kernel_blocks, DPREC=dot_precision(q.dtype),
+        MPREC=moment_precision(q.dtype),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return o, rho, delta, m2, argmax, omega, centre

@@ -58,14 +58,27 @@ def tile_weights(q, kt, m2, pos, offs_n, S, qk_scale2, WINDOW: tl.constexpr, DPR
 
 
 @triton.jit
+def split_halves(x, dtype: tl.constexpr):
+    """``(hi, lo)`` in ``dtype`` with ``hi + lo ~ x`` for fp32 ``x`` (``lo`` unused for fp32, see ``halves_dot``)."""
+    hi = x.to(dtype)
+    return hi, (x - hi.to(tl.float32)).to(dtype)
+
+
+@triton.jit
+def halves_dot(hi, lo, y, DPREC: tl.constexpr):
+    """``(hi + lo) @ y`` from the parts of ``split_halves``: two products for fp16/bf16 ``y``, one for fp32."""
+    xy = tl.dot(hi, y, input_precision=DPREC)
+    if y.dtype != tl.float32:
+        xy += tl.dot(lo, y, input_precision=DPREC)
+    return xy
+
+
+@triton.jit
 def split_dot(x, y, DPREC: tl.constexpr):
     """``x @ y`` for fp32 ``x`` and ``y`` in the input dtype; with fp16/bf16 ``y``, ``x`` is split into a high
     and a low half-precision part (two products), so later cancellations do not see a half-precision ``x``."""
-    xy = tl.dot(x.to(y.dtype), y, input_precision=DPREC)
-    if y.dtype != tl.float32:
-        lo = x - x.to(y.dtype).to(tl.float32)
-        xy += tl.dot(lo.to(y.dtype), y, input_precision=DPREC)
-    return xy
+    hi, lo = split_halves(x, y.dtype)
+    return halves_dot(hi, lo, y, DPREC)
 
 
 @triton.jit
@@ -88,91 +101,156 @@ def one_minus_a(rho, kt, centre, inv_omega, delta, DPREC: tl.constexpr):
 
 
 @triton.jit
-def block_sums(a, offs_d, blk_size, G: tl.constexpr):
-    """Per-column sum of ``a [BM, BD]`` over the feature block the column belongs to (``G`` blocks)."""
-    if G == 1:
-        out = tl.sum(a, 1)[:, None] + tl.zeros_like(a)
-    else:
-        blk = offs_d // blk_size
-        out = tl.zeros_like(a)
-        for b in tl.static_range(G):
-            sel = (blk == b)[None, :]
-            out += tl.where(sel, tl.sum(tl.where(sel, a, 0.0), 1)[:, None], 0.0)
-    return out
+def block_columns(BLOCK_D: tl.constexpr, D, blk_size, G: tl.constexpr):
+    """Feature of each of the ``BLOCK_D`` kernel columns, ``D`` (masked) for padding: ``G`` column blocks of
+    ``BLOCK_D // G``, block ``b`` holding features ``[b g, (b + 1) g)`` (``g = blk_size``) then padding, so
+    that a reshape to ``[.., G, BLOCK_D // G]`` splits the features into their BD-LLA blocks."""
+    c = tl.arange(0, BLOCK_D)
+    width: tl.constexpr = BLOCK_D // G
+    return tl.where(c % width < blk_size, (c // width) * blk_size + c % width, D)
 
 
 @triton.jit
-def sigma_matvec(p, q, q32, mt, omega, lam, m2, pos, K, stride_kn, stride_kd, lo, hi, S, D, blk_size, qk_scale2,
-                 BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, WINDOW: tl.constexpr, G: tl.constexpr,
-                 DPREC: tl.constexpr):
-    """Eq. 13, one pass over the keys: ``Sigma_i p_i`` for a query tile, fp32 ``[BM, BD]``.
-
-    ``sum_j w_ij (k_j.p) k_j - (q.p) mu~ - (mu~.p) q + omega (q.p) q + lam p``, every inner product
-    within each of the ``G`` feature blocks (BD-LLA; ``G = 1`` is full LLA).
-    """
-    offs_d = tl.arange(0, BLOCK_D)
-    acc = tl.zeros(p.shape, dtype=tl.float32)
-    pl = p.to(q.dtype)
-    for start_n in range(lo, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        kt = load_cols(K, offs_n, offs_d, stride_kn, stride_kd, S, D)
-        w = tile_weights(q, kt, m2, pos, offs_n, S, qk_scale2, WINDOW, DPREC)
-        if G == 1:
-            pk = split_dot(p, kt, DPREC)
-            acc += split_dot(w * pk, tl.trans(kt), DPREC)
-        else:
-            blk = offs_d // blk_size
-            for b in tl.static_range(G):
-                sel = blk == b
-                pk = tl.dot(tl.where(sel[None, :], pl, 0.0), kt, input_precision=DPREC)
-                acc += tl.dot((w * pk).to(kt.dtype), tl.trans(tl.where(sel[:, None], kt, 0.0)),
-                              input_precision=DPREC)
-    pq = block_sums(p * q32, offs_d, blk_size, G)
-    pm = block_sums(p * mt, offs_d, blk_size, G)
-    return acc - pq * mt - pm * q32 + omega[:, None] * pq * q32 + lam * p
+def to_blocks(x, G: tl.constexpr):
+    """``[R, BD] -> [G, R, BD // G]``: column block ``b`` of ``x`` as ``x3[b]``."""
+    return tl.permute(tl.reshape(x, (x.shape[0], G, x.shape[1] // G)), (1, 0, 2))
 
 
 @triton.jit
-def cg_solve(y, q, q32, mt, omega, lam, m2, pos, K, stride_kn, stride_kd, lo, hi, S, D, blk_size, qk_scale2,
-             iters, tol2, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, WINDOW: tl.constexpr,
-             G: tl.constexpr, DPREC: tl.constexpr):
-    """Algorithm 2: ``Sigma_i x_i = y_i`` for every row of the tile from ``x = 0``, fp32; with ``G`` feature
-    blocks (BD-LLA) one CG per block, exact after ``D / G`` iterations in exact arithmetic.
+def from_blocks(x3):
+    """``[G, R, W] -> [R, G W]``, the inverse of ``to_blocks``."""
+    return tl.reshape(tl.permute(x3, (1, 0, 2)), (x3.shape[1], x3.shape[0] * x3.shape[2]))
 
-    A system is active while ``||r||^2 > tol2 * ||y||^2`` (and > 0) and ``p.Sigma p > CURVATURE_FLOOR *
-    lam_min |p|^2`` (``Sigma >= lam_min I`` exactly; rounding can break that for a nearly singular Sigma);
-    inactive systems keep their iterate, so neither early convergence nor a breakdown divides by zero.
-    A tile whose systems are all done skips the key pass.
-    """
-    offs_d = tl.arange(0, BLOCK_D)
-    x = tl.zeros(y.shape, dtype=tl.float32)
-    r = y
-    p = y
-    # every scalar of the recurrence is per row and feature block, held at each of the block's columns
-    rr = block_sums(r * r, offs_d, blk_size, G)
-    bound = tol2 * rr
-    curvature_floor = CURVATURE_FLOOR * smallest_ridge(lam, D, BLOCK_D)[:, None]
-    for _ in range(iters):
-        active = (rr > bound) & (rr > 0.0)
-        if tl.sum(tl.sum(active.to(tl.int32), 1), 0) > 0:
-            sp = sigma_matvec(p, q, q32, mt, omega, lam, m2, pos, K, stride_kn, stride_kd, lo, hi, S, D,
-                              blk_size, qk_scale2, BLOCK_N, BLOCK_D, WINDOW, G, DPREC)
-            pap = block_sums(p * sp, offs_d, blk_size, G)
-            active = active & (pap > curvature_floor * block_sums(p * p, offs_d, blk_size, G))
-            alpha = tl.where(active, rr / tl.where(active, pap, 1.0), 0.0)
-            x += alpha * p
-            r -= alpha * sp
-            rr_new = block_sums(r * r, offs_d, blk_size, G)
-            beta = tl.where(active, rr_new / tl.where(active, rr, 1.0), 0.0)
-            p = tl.where(active, r + beta * p, p)
-            rr = tl.where(active, rr_new, rr)
+
+@triton.jit
+def widen(x):
+    """``[G, R, W] -> [G, R, 2 W]`` with a zero after each column."""
+    return tl.reshape(tl.join(x, tl.zeros_like(x)), (x.shape[0], x.shape[1], 2 * x.shape[2]))
+
+
+@triton.jit
+def pad_to_16(x):
+    """``[G, R, W] -> [G, R, max(W, 16)]`` with zeros interleaved (``W`` a power of two): ``tl.dot`` needs a
+    contraction of at least 16; both operands padded alike leave the products unchanged."""
+    if x.shape[2] < 16:
+        x = widen(x)
+    if x.shape[2] < 16:
+        x = widen(x)
+    if x.shape[2] < 16:
+        x = widen(x)
+    if x.shape[2] < 16:
+        x = widen(x)
     return x
 
 
 @triton.jit
-def smallest_ridge(lam, D, BLOCK_D: tl.constexpr):
-    """``min_d lam_id`` of a ridge tile ``[BM, BD]`` over the ``D`` real columns, ``[BM]``."""
-    return tl.min(tl.where((tl.arange(0, BLOCK_D) < D)[None, :], lam, float("inf")), 1)
+def blocked(x, G: tl.constexpr):
+    """``x [R, BD]`` in the form the CG state takes: itself for ``G = 1``, else ``to_blocks``."""
+    if G > 1:
+        x = to_blocks(x, G)
+    return x
+
+
+@triton.jit
+def per_row(v, G: tl.constexpr):
+    """A per-row vector ``[BM]`` broadcastable against the CG state (``blocked``)."""
+    if G == 1:
+        out = v[:, None]
+    else:
+        out = v[None, :, None]
+    return out
+
+
+@triton.jit
+def sigma_matvec(p, q, mt, omega, lam, m2, pos, K, stride_kn, stride_kd, lo, hi, S, D, feat, qk_scale2,
+                 BLOCK_N: tl.constexpr, WINDOW: tl.constexpr, G: tl.constexpr, DPREC: tl.constexpr):
+    """Eq. 13, one pass over the keys: ``Sigma_i p_i`` for a query tile, fp32, ``p``, ``mt``, ``lam`` and the
+    result in the form of ``blocked`` (``feat``: the kernel columns' features, see ``block_columns``).
+
+    ``sum_j w_ij (k_j.p) k_j - (q.p) mu~ - (mu~.p) q + omega (q.p) q + lam p``, every inner product
+    within each of the ``G`` feature blocks (BD-LLA; ``G = 1`` is full LLA): per key tile two products,
+    for ``G > 1`` batched over the blocks, the work of full-width products (twice that for the first one
+    where blocks narrower than 16 are padded to 16).
+    """
+    if G > 1:
+        pb = pad_to_16(p.to(q.dtype))  # [G, BM, >= 16]
+    acc = tl.zeros(p.shape, tl.float32)
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        kt = load_cols(K, offs_n, feat, stride_kn, stride_kd, S, D)
+        w = tile_weights(q, kt, m2, pos, offs_n, S, qk_scale2, WINDOW, DPREC)
+        if G == 1:  # the fp32 vector and products in two half-precision parts each (see split_dot)
+            pk = split_dot(p, kt, DPREC)
+            acc += split_dot(w * pk, tl.trans(kt), DPREC)
+        else:
+            k3 = to_blocks(tl.trans(kt), G)  # [G, BN, g]
+            pk = tl.dot(pb, tl.permute(pad_to_16(k3), (0, 2, 1)), input_precision=DPREC)  # [G, BM, BN]
+            acc += tl.dot((w[None, :, :] * pk).to(kt.dtype), k3, input_precision=DPREC)
+    q32 = blocked(q.to(tl.float32), G)
+    pq = tl.sum(p * q32, -1, keep_dims=True)
+    pm = tl.sum(p * mt, -1, keep_dims=True)
+    return acc - pq * mt - pm * q32 + per_row(omega, G) * pq * q32 + lam * p
+
+
+@triton.jit
+def cg_solve(y, q, mt, omega, lam, lam_min, m2, pos, K, stride_kn, stride_kd, lo, hi, S, D, feat, qk_scale2,
+             iters, tol2, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr, G: tl.constexpr, DPREC: tl.constexpr):
+    """Algorithm 2: ``Sigma_i x_i = y_i`` for every row of the tile from ``x = 0``, fp32 ``[BM, BD]``; with
+    ``G`` feature blocks (BD-LLA, columns laid out by ``block_columns``) one CG per block, exact after
+    ``D / G`` iterations in exact arithmetic.
+
+    A system is active while ``||r||^2 > tol2 * ||y||^2`` (and > 0) and ``p.Sigma p > CURVATURE_FLOOR *
+    lam_min |p|^2`` (``Sigma >= lam_min I`` exactly, ``lam_min`` the smallest ridge of the row; rounding can
+    break that for a nearly singular Sigma); inactive systems keep their iterate, so neither early
+    convergence nor a breakdown divides by zero. A tile whose systems are all done skips the key pass.
+    The state is held as ``blocked``: ``[BM, BD]`` for ``G = 1``, ``[G, BM, g]`` blocks otherwise, and the
+    scalars of the recurrence once per row and block (sums over the last axis).
+    """
+    mt = blocked(mt, G)
+    lam = blocked(lam, G)
+    r = blocked(y, G)
+    x = tl.zeros(r.shape, dtype=tl.float32)
+    p = r
+    rr = tl.sum(r * r, -1, keep_dims=True)
+    bound = tol2 * rr
+    curvature_floor = CURVATURE_FLOOR * per_row(lam_min, G)
+    for _ in range(iters):
+        active = (rr > bound) & (rr > 0.0)
+        if tl.max(tl.ravel(active.to(tl.int32)), 0) > 0:
+            sp = sigma_matvec(p, q, mt, omega, lam, m2, pos, K, stride_kn, stride_kd, lo, hi, S, D, feat,
+                              qk_scale2, BLOCK_N, WINDOW, G, DPREC)
+            pap = tl.sum(p * sp, -1, keep_dims=True)
+            active = active & (pap > curvature_floor * tl.sum(p * p, -1, keep_dims=True))
+            alpha = tl.where(active, rr / tl.where(active, pap, 1.0), 0.0)
+            x += alpha * p
+            r -= alpha * sp
+            rr_new = tl.sum(r * r, -1, keep_dims=True)
+            beta = tl.where(active, rr_new / tl.where(active, rr, 1.0), 0.0)
+            p = tl.where(active, r + beta * p, p)
+            rr = tl.where(active, rr_new, rr)
+    if G > 1:
+        x = from_blocks(x)
+    return x
+
+
+@triton.jit
+def square_moments(w, k32, PREC: tl.constexpr):
+    """``sum_j w_ij k_jd^2`` on a tile, fp32 ``[BM, BD]`` (``k32`` fp32 ``[BN, BD]``): for the direct solves,
+    whose ``Sigma_dd`` subtracts ``2 q mu~`` and ``omega q^2`` from it, so ``PREC`` keeps fp32 accuracy."""
+    return tl.dot(w, k32 * k32, input_precision=PREC)
+
+
+@triton.jit
+def pair_moments(w, k32, PREC: tl.constexpr):
+    """``sum_j w_ij k_j,2d k_j,2d+1`` on a tile, fp32 ``[BM, BD // 2]``: the cross moments of feature pairs."""
+    ke, ko = pair_halves(k32)
+    return tl.dot(w, ke * ko, input_precision=PREC)
+
+
+@triton.jit
+def smallest_ridge(lam, real):
+    """``min_d lam_id`` of a ridge tile ``[BM, BD]`` over the columns where ``real [BD]`` holds, ``[BM]``."""
+    return tl.min(tl.where(real[None, :], lam, float("inf")), 1)
 
 
 @triton.jit
@@ -197,16 +275,25 @@ def swap_pairs(x, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
 
 
 @triton.jit
-def pair_solve(mu, sdiag, soff, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
-    """BD-LLA with 2 x 2 blocks: solve ``[[a, c], [c, b]] rho = mu`` for each feature pair (2d, 2d+1).
+def pair_halves(x):
+    """``(x[:, 0::2], x[:, 1::2])`` of ``x [R, BD]``: features ``2d`` and ``2d + 1``, ``[R, BD // 2]`` each."""
+    return tl.split(tl.reshape(x, (x.shape[0], x.shape[1] // 2, 2)))
 
-    ``sdiag`` holds ``Sigma_dd`` and ``soff`` holds ``Sigma_{d, d xor 1}`` at column ``d``.
+
+@triton.jit
+def pair_solve(mu, sdiag, kx, q32, mt, omega):
+    """BD-LLA with 2 x 2 blocks: solve ``[[a, c], [c, b]] rho = mu`` for each feature pair (2d, 2d+1), ``[BM, BD]``.
+
+    ``sdiag`` holds ``Sigma_dd`` at column ``d``; ``c = kx - q_2d mu~_2d+1 - q_2d+1 mu~_2d + omega q_2d q_2d+1``
+    from the pair moments ``kx [BM, BD // 2]`` (``pair_moments``).
     """
-    mu_e, mu_o = tl.split(tl.reshape(mu, (BLOCK_M, BLOCK_D // 2, 2)))
-    a, b = tl.split(tl.reshape(sdiag, (BLOCK_M, BLOCK_D // 2, 2)))
-    c, _ = tl.split(tl.reshape(soff, (BLOCK_M, BLOCK_D // 2, 2)))
+    q_e, q_o = pair_halves(q32)
+    m_e, m_o = pair_halves(mt)
+    c = kx - q_e * m_o - q_o * m_e + omega[:, None] * q_e * q_o
+    mu_e, mu_o = pair_halves(mu)
+    a, b = pair_halves(sdiag)
     det = a * b - c * c
     det = tl.where(det == 0.0, 1.0, det)
     rho_e = (b * mu_e - c * mu_o) / det
     rho_o = (a * mu_o - c * mu_e) / det
-    return tl.reshape(tl.join(rho_e, rho_o), (BLOCK_M, BLOCK_D))
+    return tl.reshape(tl.join(rho_e, rho_o), mu.shape)
