@@ -19,6 +19,11 @@ non-causal, and reads the SASS of the hottest innermost loop: its instruction co
 
 The launches are the ops' own: the op's Python wrapper runs on ``meta`` tensors with the launch of each
 kernel captured instead of run, then compiled with Triton's own specialisation of those arguments.
+
+The compile is the installed Triton's. A GPU machine may run another version (one that refuses what
+this one accepts: ``tl.dot`` with K < 16 compiles with triton 3.9, not 3.6): to compile with it, install
+it into a folder of its own (``pip install --no-deps --target DIR triton==3.6.0``) and run this module
+with ``DIR`` first on ``PYTHONPATH``.
 """
 from __future__ import annotations
 
