@@ -424,8 +424,10 @@ def report(result: dict, out: str, name: str) -> str:
         json.dump({k: v for k, v in result.items() if k != "model"}, f, indent=1)
     if result["final"]:
         rate = result["tokens_per_second"]
+        peak = result["peak_memory_mib"]
         print(f"{name}: val ppl {result['final']['ppl']:.3f} ({'-' if rate is None else f'{rate:.0f}'} tok/s, "
-              f"{result['parameters']} parameters, {result['world_size']} rank(s))")
+              f"{result['parameters']} parameters, {result['world_size']} rank(s)"
+              f"{'' if peak is None else f', peak {max(peak):.0f} MiB a rank'})")
     if "sample" in result:
         print(result["sample"]["prompt"] + "|" + result["sample"]["continuation"])
     print(f"wrote {path}")

@@ -6,8 +6,8 @@ For each mixer, the same ``regattn.train lm`` run on 1 process and on N processe
 rank (so N times the tokens per step), each launched by ``torch.distributed.run --standalone``: FSDP2 on
 NCCL with CUDA, on gloo without. Every other flag is an ``lm`` flag and goes to both runs after the
 scaling defaults, which it overrides: dim 1024, 16 layers, 8 heads of 128, 4096-token sequences,
-gatedfwa's window 512 (its paper's language-model setting), activation checkpointing and :data:`STEPS`
-steps, with lm's bf16 autocast (CUDA), Muon and batch per rank.
+gatedfwa's window 512 (its paper's language-model setting), 8 sequences per rank, activation
+checkpointing and :data:`STEPS` steps, with lm's bf16 autocast (CUDA) and Muon.
 ``--tiny`` puts a model of width 32 and 2 layers on 16-token sequences for a few steps in their place
 (seconds a run on the CPU). ``--mixer``, ``--compare`` and ``--checkpoint`` are not taken: the harness
 sets the mixer, and a checkpoint would make the second run resume the first.
@@ -40,9 +40,9 @@ from regattn.train import checks, lm
 from regattn.usage import UsageError
 
 MIXERS = ("parallax", "gatedfwa", "softmax")
-STEPS = 300
+STEPS = 200
 DEFAULTS = ["--dim", "1024", "--layers", "16", "--heads", "8", "--seq-len", "4096", "--window", "512",
-            "--activation-checkpointing", "--steps", str(STEPS)]
+            "--batch-size", "8", "--activation-checkpointing", "--steps", str(STEPS)]
 TINY = ["--dim", "32", "--layers", "2", "--heads", "2", "--seq-len", "16", "--batch-size", "2", "--steps", "4",
         "--log-every", "1", "--eval-tokens", "256", "--max-bytes", "200000", "--window", "8", "--activation-checkpointing"]
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -63,7 +63,7 @@ class Plan:
 
     def identity(self) -> dict:
         """What rows of one file share: the lm configuration but the mixer, and the number of processes."""
-        config = {k: v for k, v in dataclasses.asdict(self.config).items() if k not in ("mixer", "progress")}
+        config = {k: v for k, v in dataclasses.asdict(self.config).items() if k != "mixer"}
         return {"lm": config, "nproc": self.nproc}
 
 

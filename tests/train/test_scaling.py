@@ -105,6 +105,7 @@ def test_default_configuration(tmp_path):
     plan = scaling.parse_args(["--out", str(tmp_path / "scaling.json")])
     c = plan.config
     assert (c.dim, c.layers, c.seq_len, c.steps, c.optimizer) == (1024, 16, 4096, scaling.STEPS, "muon")
+    assert (c.heads, c.window, c.batch_size) == (8, 512, 8)
     assert c.activation_checkpointing and c.amp and plan.mixers == ["parallax", "gatedfwa", "softmax"]
     assert plan.nproc == 2
 
