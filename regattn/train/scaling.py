@@ -18,7 +18,8 @@ first), speedup = tokens/s(N) / tokens/s(1), efficiency = speedup / N, peak memo
 the CPU), the final training loss, the validation perplexity and the loss curves. Beside it the table
 (``.md``) and the training loss of 1 and N processes, a panel per mixer (``-curves.png``). Rows of other
 mixers in a file already there with the same configuration are kept, so the mixers may be run one
-command at a time. A run that fails is recorded with its exit status; the command then exits 1.
+command at a time; the files are written again after each mixer. A run that fails is recorded with its
+exit status; the command then exits 1.
 
 NVLink multicast stays off in the runs' environment (NCCL, PyTorch symmetric memory, NVSHMEM): a job that
 uses it can take a shared host's GPUs out of service.
@@ -45,6 +46,8 @@ DEFAULTS = ["--dim", "1024", "--layers", "16", "--heads", "8", "--seq-len", "409
             "--batch-size", "8", "--activation-checkpointing", "--steps", str(STEPS)]
 TINY = ["--dim", "32", "--layers", "2", "--heads", "2", "--seq-len", "16", "--batch-size", "2", "--steps", "4",
         "--log-every", "1", "--eval-tokens", "256", "--max-bytes", "200000", "--window", "8", "--activation-checkpointing"]
+REFUSED = {"--mixer": "it sets the mixer of each run from --mixers", "--compare": "give the mixers as --mixers",
+           "--checkpoint": "the N-process run would resume the 1-process one"}
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
@@ -76,9 +79,9 @@ def parse_args(argv=None) -> Plan:
     p.add_argument("--tiny", action="store_true", help="a tiny model for a few steps (checks the harness)")
     p.add_argument("--out", default=None, help="result JSON (default benchmarks/results/<device>x<N>/scaling.json)")
     args, rest = p.parse_known_args(argv)
-    taken = [a for a in rest if a.split("=")[0] in ("--mixer", "--compare", "--checkpoint")]
-    if taken:
-        raise UsageError(f"{taken[0].split('=')[0]}: set by the scaling harness (use --mixers), got {taken[0]!r}")
+    for arg in rest:
+        if arg.split("=")[0] in REFUSED:
+            raise UsageError(f"{arg.split('=')[0]}: not taken by the scaling harness: {REFUSED[arg.split('=')[0]]}")
     lm_argv = (TINY if args.tiny else DEFAULTS) + rest
     config, _ = lm.parse_args(lm_argv + ["--quiet"])
     checks.at_least("--nproc", args.nproc, 2)
@@ -88,7 +91,7 @@ def parse_args(argv=None) -> Plan:
     for name in mixers:
         lm.check_model(dataclasses.replace(config, mixer=name), "--mixers")
     checks.at_least("--eval-tokens", config.eval_tokens, args.nproc * config.seq_len)
-    cuda = torch.cuda.is_available() and config.device in ("auto", "cuda")
+    cuda = torch.cuda.is_available() and (config.device == "auto" or config.device.startswith("cuda"))
     if cuda and args.nproc > torch.cuda.device_count():
         raise UsageError(f"--nproc: expected at most the {torch.cuda.device_count()} CUDA device(s) of this machine, "
                          f"got {args.nproc}")
@@ -190,11 +193,12 @@ def main(argv=None) -> int:
     plan = parse_args(argv)
     rows = [r for r in read_rows(plan) if r["mixer"] not in plan.mixers]
     with tempfile.TemporaryDirectory() as folder:
-        for mixer in plan.mixers:
+        for mixer in plan.mixers:                 # written after each mixer: a stopped command keeps those done
             rows += [row(mixer, n, launch(plan, mixer, n, folder)) for n in (1, plan.nproc)]
-    add_speedups(rows)
-    result = make_result("scaling", plan.machine, plan.identity(), rows)
+            add_speedups(rows)
+            result = make_result("scaling", plan.machine, plan.identity(), rows)
+            paths = write_outputs(result, plan.out)
     print(table(result))
-    for path in write_outputs(result, plan.out):
+    for path in paths:
         print(f"wrote {path}")
     return 1 if any("error" in r for r in rows) else 0
