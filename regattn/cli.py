@@ -18,6 +18,7 @@ COMMANDS = {
     "sweep": ("regattn.train.sweep", "mixers x learning rates x seeds on a task; best lr, mean over seeds; JSON and plots"),
     "analyze": ("regattn.analysis.cli", "diagnostics of a checkpoint per layer: COR, Corr, CPA, ranks, circuits, scores"),
     "lm": ("regattn.train.lm", "train a decoder LM (any mixer per layer) on the standard-library byte corpus; torchrun-ready"),
+    "scaling": ("regattn.train.scaling", "the LM's throughput on 1 and N processes (FSDP2) per mixer; JSON, table, curves"),
 }
 
 

@@ -244,15 +244,17 @@ def train_step(model, opt, config: LMTrainConfig, corpus: TextCorpus, step: int,
 
 def train_lm(config: LMTrainConfig, *, corpus: TextCorpus | None = None, stop_at: int | None = None,
              log=print) -> dict:
-    """Run (or resume) LM training; returns config, corpus info, history, final perplexity, throughput
-    (``tokens_per_second``: all ranks' tokens per second of optimizer steps, see :func:`steady_rate`)
-    and the model.
+    """Run (or resume) LM training; returns config, corpus info, world size and batch per rank, history,
+    final perplexity, throughput (``tokens_per_second``: all ranks' tokens per second of optimizer steps,
+    see :func:`steady_rate`), peak memory per rank (:func:`peak_memory_mib`) and the model.
 
     stop_at: leave after that many steps in total (a checkpoint, when set, is written there).
     The progress bar shows the latest training loss and validation perplexity; without it (``progress``
     off) ``log`` gets them as lines.
     """
     rt = setup_runtime(config.device)
+    if rt.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(rt.device)
     corpus = corpus or stdlib_corpus(config.max_bytes)
     model = build_model(config, rt)
     opt = build_optimizer(model, config.optimizer, lr=config.lr, weight_decay=config.weight_decay)
@@ -292,10 +294,10 @@ def train_lm(config: LMTrainConfig, *, corpus: TextCorpus | None = None, stop_at
                             dict(step=step, history=history, config=dataclasses.asdict(config)), rt)
     bar.close()
     result = dict(config=dataclasses.asdict(config), corpus=corpus.info, metric="ppl", world_size=rt.world,
-                  rank=rt.rank, device=str(rt.device),
+                  batch_size_per_rank=config.batch_size, rank=rt.rank, device=str(rt.device),
                   parameters=sum(p.numel() for p in model.parameters()), steps=step, history=history,
                   final=history["eval"][-1] if history["eval"] else None,
-                  tokens_per_second=steady_rate(rates), model=model)
+                  tokens_per_second=steady_rate(rates), peak_memory_mib=peak_memory_mib(rt), model=model)
     if config.sample_tokens and not rt.distributed:
         result["sample"] = sample_text(model, corpus, config.sample_tokens, rt)
     return result
@@ -306,6 +308,19 @@ def steady_rate(rates: list[float]) -> float | None:
     when there are others; None when no step ran."""
     rates = rates[1:] if len(rates) > 1 else rates
     return statistics.median(rates) if rates else None
+
+
+def peak_memory_mib(rt: Runtime) -> list[float] | None:
+    """Each rank's peak CUDA memory held by tensors since the run began (``torch.cuda.max_memory_allocated``),
+    in MiB, in rank order; None on the CPU."""
+    if rt.device.type != "cuda":
+        return None
+    peak = torch.tensor([torch.cuda.max_memory_allocated(rt.device) / 2 ** 20], dtype=torch.float64, device=rt.device)
+    peaks = [peak]
+    if rt.distributed:
+        peaks = [torch.empty_like(peak) for _ in range(rt.world)]
+        dist.all_gather(peaks, peak)
+    return torch.cat(peaks).tolist()
 
 
 def sample_text(model: DecoderLM, corpus: TextCorpus, n: int, rt: Runtime, prompt_len: int = 64) -> dict:
@@ -409,8 +424,10 @@ def report(result: dict, out: str, name: str) -> str:
         json.dump({k: v for k, v in result.items() if k != "model"}, f, indent=1)
     if result["final"]:
         rate = result["tokens_per_second"]
+        peak = result["peak_memory_mib"]
         print(f"{name}: val ppl {result['final']['ppl']:.3f} ({'-' if rate is None else f'{rate:.0f}'} tok/s, "
-              f"{result['parameters']} parameters, {result['world_size']} rank(s))")
+              f"{result['parameters']} parameters, {result['world_size']} rank(s)"
+              f"{'' if peak is None else f', peak {max(peak):.0f} MiB a rank'})")
     if "sample" in result:
         print(result["sample"]["prompt"] + "|" + result["sample"]["continuation"])
     print(f"wrote {path}")

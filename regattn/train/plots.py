@@ -1,4 +1,5 @@
-"""Plots of training results: curves per mixer, and the sweep's metric against the varied setting."""
+"""Plots of training results: curves per mixer, the sweep's metric against the varied setting, and the loss
+curves of the scaling runs."""
 from __future__ import annotations
 
 import numpy as np
@@ -42,6 +43,30 @@ def plot_curves(runs_by_label: dict[str, list[dict]], path: str, *, title: str =
     if runs_by_label and next(iter(runs_by_label.values()))[0]["metric"] == "mse":
         ax_test.set_yscale("log")
     ax_test.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_scaling(rows: list[dict], path: str, *, title: str = "") -> None:
+    """Training loss against the step of each scaling row (:mod:`regattn.train.scaling`): a panel per mixer,
+    a line per number of processes."""
+    from regattn.train.scaling import processes
+
+    plt = _pyplot()
+    mixers = list(dict.fromkeys(r["mixer"] for r in rows))
+    fig, axes = plt.subplots(1, max(1, len(mixers)), figsize=(4 * max(1, len(mixers)), 3.4), squeeze=False)
+    for ax, mixer in zip(axes[0], mixers):
+        for r in rows:
+            if r["mixer"] == mixer and "history" in r:
+                train = r["history"]["train"]
+                ax.plot([t["step"] for t in train], [t["loss"] for t in train], label=processes(r["world_size"]))
+        ax.set_title(mixer)
+        ax.set_xlabel("step")
+        ax.set_ylabel("train loss")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
