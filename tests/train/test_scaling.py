@@ -19,17 +19,17 @@ def env() -> dict:
     return dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
 
 
-def test_command_runs_each_mixer_on_one_and_two_processes(tmp_path):
+def test_command_runs_a_mixer_on_one_and_two_processes(tmp_path):
+    """End to end on gloo (one mixer: the rows of several are kept by the bookkeeping tested below)."""
     out = tmp_path / "results" / "scaling.json"
-    cmd = [sys.executable, "-m", "regattn.train", "scaling", "--tiny", "--mixers", "softmax,parallax", "--nproc", "2",
+    cmd = [sys.executable, "-m", "regattn.train", "scaling", "--tiny", "--mixers", "parallax", "--nproc", "2",
            "--device", "cpu", "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env(), cwd=tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     result = json.loads(out.read_text())
     assert result["suite"] == "scaling" and result["machine"]["device"] == "cpu"
     assert result["config"]["nproc"] == 2 and result["config"]["lm"]["activation_checkpointing"]
-    assert [(r["mixer"], r["world_size"]) for r in result["rows"]] == [
-        ("softmax", 1), ("softmax", 2), ("parallax", 1), ("parallax", 2)]
+    assert [(r["mixer"], r["world_size"]) for r in result["rows"]] == [("parallax", 1), ("parallax", 2)]
     for r in result["rows"]:
         assert r["batch_size_per_rank"] == 2 and r["peak_memory_mib"] is None and r["steps"] == 4
         assert r["tokens_per_second"] > 0 and r["speedup"] > 0
@@ -39,7 +39,7 @@ def test_command_runs_each_mixer_on_one_and_two_processes(tmp_path):
         assert r["final_loss"] == r["history"]["train"][-1]["loss"] and math.isfinite(r["final"]["ppl"])
     assert all(r["speedup"] == 1.0 for r in result["rows"] if r["world_size"] == 1)
     table = (tmp_path / "results" / "scaling.md").read_text()
-    assert table.count("| softmax |") == table.count("| parallax |") == 2
+    assert table.count("| parallax |") == 2
     assert (tmp_path / "results" / "scaling-curves.png").stat().st_size > 0
 
 
