@@ -129,7 +129,7 @@ def suite_results(root: Path) -> list[dict]:
 
 
 INTRO = ("Each table lists what one `regattn bench SUITE` run measured, rows in the order run (the goal shapes "
-         "first): the median time of `triton.testing.do_bench` (decode also inside a CUDA graph: "
+         "first): the median time of `triton.testing.do_bench` (decode and the gate scan also inside a CUDA graph: "
          "`do_bench_cudagraph`), the ratio to the suite's main peer measured in the same process on the same "
          "inputs (below 1.00x: faster), TFLOP/s and GB/s by the problem's counts (`regattn.bench.counts`), the "
          "peak memory of one call above its inputs, and the largest relative error of the output and every "

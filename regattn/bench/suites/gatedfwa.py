@@ -54,7 +54,9 @@ def gate_cases(shape, setup):
 
     Each scan is timed as the layers call it (:func:`gate_dispatch`, no value check); the public
     :func:`regattn.gatedfwa_gate` once more with its eager value check (three reductions over h and beta
-    and a device sync), which rows before the chunked scan included in every scan's time."""
+    and a device sync), which rows before the chunked scan included in every scan's time. On a GPU the
+    chunked scan and the copy once more inside a CUDA graph: at these sizes the eager forward and
+    backward launches' host work can exceed the kernels' time."""
     B, T, H = shape["B"], shape["T"], shape["H"]
     h, beta = gate_inputs(setup, B, T, H, dtype=torch.float32, grad=True)
     where = Slice(kv_heads=H)
@@ -72,8 +74,15 @@ def gate_cases(shape, setup):
                          lambda: regattn.gatedfwa_gate(h, beta, backend=setup.backend), [h, beta],
                          tag="[one_pass, value check]", check=truth, **n)
         yield from reference_case(setup, mode, lambda: reference.gatedfwa_gate(h, beta), [h, beta], check=truth, **n)
+        copy = lambda: peers.copy_floor(nbytes, setup.device)  # noqa: E731
         if peers.wanted(setup.peers, "copy"):
-            yield mode, build("copy (memory floor)", lambda: peers.copy_floor(nbytes, setup.device), bytes=nbytes)
+            yield mode, build("copy (memory floor)", copy, bytes=nbytes)
+        if setup.cuda:  # the kernels' own time: a CUDA graph takes the launches' host work away
+            yield mode, ours(gate_dispatch, h, setup,
+                             lambda: gate_dispatch(h, beta, eps=1e-6, scan="chunked", backend=setup.backend),
+                             [h, beta], tag="[chunked]", check=truth, graph=True, **n)
+            if peers.wanted(setup.peers, "copy"):
+                yield mode, build("copy (memory floor)", copy, bytes=nbytes, graph=True)
 
 
 def fla_forgetting(q, k, v, u, window):
