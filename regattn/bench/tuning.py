@@ -34,7 +34,7 @@ def autotuned():
         entry = record.setdefault(getattr(self, "base_fn", self.fn).__name__, {})
         entry["best"] = config_label(self.best_config)
         timings = getattr(self, "configs_timings", None)
-        if timings is not None and timings is not before:
+        if isinstance(timings, dict) and timings is not before:  # (a disk-cached tuning holds a list)
             entry["ms"] = {config_label(c): median_ms(t) for c, t in timings.items()}
         return out
 
