@@ -12,6 +12,12 @@ def _pyplot():
     return plt
 
 
+def _save(plt, fig, path: str) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def _mean_curve(runs: list[dict], part: str, key: str) -> tuple[np.ndarray, np.ndarray]:
     """Steps and the seed-mean of ``history[part][*][key]`` (runs share their step grid)."""
     curves = [[row[key] for row in r["history"][part]] for r in runs]
@@ -44,9 +50,7 @@ def plot_curves(runs_by_label: dict[str, list[dict]], path: str, *, title: str =
         ax_test.set_yscale("log")
     ax_test.legend(fontsize=8)
     fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(plt, fig, path)
 
 
 def plot_scaling(rows: list[dict], path: str, *, title: str = "") -> None:
@@ -68,9 +72,7 @@ def plot_scaling(rows: list[dict], path: str, *, title: str = "") -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(plt, fig, path)
 
 
 def plot_sweep(summary: dict, path: str, *, xlabel: str, metric: str, title: str = "") -> None:
@@ -90,9 +92,7 @@ def plot_sweep(summary: dict, path: str, *, xlabel: str, metric: str, title: str
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     ax.set_title(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(plt, fig, path)
 
 
 def plot_diagnostics(run: dict, path: str, *, title: str = "") -> list[str]:
@@ -115,7 +115,5 @@ def plot_diagnostics(run: dict, path: str, *, title: str = "") -> list[str]:
         ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=8)
     fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(plt, fig, path)
     return keys
