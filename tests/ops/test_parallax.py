@@ -64,6 +64,22 @@ def test_forward_backward_fp32(interpret, B, T, S, HQ, H, D, Dv, causal, window)
     _check(q, r, k, v, causal=causal, window=window)
 
 
+@pytest.mark.parametrize("B,T,S,HQ,H,D,Dv,causal,window", [CASES[0], CASES[2], CASES[3], CASES[5]])
+def test_backward_key_tiles_of_gpu_shape(interpret, monkeypatch, B, T, S, HQ, H, D, Dv, causal, window):
+    """The dK/dV pass with more streamed rows than the interpreter's default: its partially masked tiles
+    then take half as many rows as the others (the GPU tiles' layout)."""
+    from regattn.ops.parallax import backward
+
+    default = backward.bwd_config
+
+    def config(D, Dv, groups, dtype, kind):
+        return dict(default(D, Dv, groups, dtype, kind), **(dict(BLOCK_M=32, BLOCK_N=32) if kind == "dk" else {}))
+
+    monkeypatch.setattr(backward, "bwd_config", config)
+    q, r, k, v = _inputs(B, T, S, HQ, H, D, Dv, torch.float32)
+    _check(q, r, k, v, causal=causal, window=window)
+
+
 @pytest.mark.parametrize("D,Dv,window", [(32, 32, None), (64, 48, 9), (128, 128, None), (256, 256, 6)])
 def test_head_dims(interpret, D, Dv, window):
     """Every head dim of the tile table, GQA and T not a tile multiple, forward and backward."""

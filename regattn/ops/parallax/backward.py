@@ -144,23 +144,29 @@ def _dk_tile(k, v, Q, R, DO, LSE, TAU, BETA, TBAR, t0, h, qlen, off, start, bb, 
     dot_ = tl.load(DO + (start + t)[None, :] * so_t + hq[None, :] * so_h + offs_dv[:, None],
                    mask=row_ok[None, :] & (offs_dv[:, None] < DV), other=0.0)
     lse, tau, beta, tbar = load_row_scalars(LSE, TAU, BETA, TBAR, (bb * HQ + hq) * T + start + t, row_ok)
+    # Each product is formed just before its use and the dV update is made before ``a`` is, so fewer
+    # [N, M] tiles are live at once. Where MASK, contained_dot counts only the pairs seen (it selects
+    # the hidden ones to 0, whatever non-finite values they hold).
     s1 = tl.dot(k, qt, input_precision=PRECISION) * qk_scale  # [N, M]
-    tt = tl.dot(k, rt, input_precision=PRECISION)
-    a = tl.dot(v, dot_, input_precision=PRECISION)
-    if MASK:  # every score branch: hidden pairs give exact zeros
+    if MASK:
         seen = visible_t(j, t + off, klen, window, CAUSAL, HAS_WINDOW)
         s1 = tl.where(seen, s1, float("-inf"))
-        tt = tl.where(seen, tt, 0.0)
-        a = tl.where(seen, a, 0.0)
-    p, g1, g2 = _coefficients(s1, tt, a, lse[None, :], tau[None, :], beta[None, :], tbar[None, :])
-    w = p * (1.0 + tbar[None, :] - tt)
+    p = tl.math.exp2(s1 - lse[None, :])
+    tt = tl.dot(k, rt, input_precision=PRECISION)
+    pe = p * (tbar[None, :] - tt)  # p (tbar - t): dV's weight is p + pe
     if MASK:  # a non-finite query, probe or dO row reaches only the keys it sees
-        dv = contained_dot(dv, w, tl.trans(dot_), seen, PRECISION)
-        dk = contained_dot(dk, g1 * scale, tl.trans(qt), seen, PRECISION)
+        dv = contained_dot(dv, p + pe, tl.trans(dot_), seen, PRECISION)
+    else:
+        dv += tl.dot((p + pe).to(v.dtype), tl.trans(dot_), input_precision=PRECISION)
+    a = tl.dot(v, dot_, input_precision=PRECISION)
+    delta = a - beta[None, :]
+    g1 = (p * (a - tau[None, :]) + pe * delta) * scale
+    g2 = -p * delta
+    if MASK:
+        dk = contained_dot(dk, g1, tl.trans(qt), seen, PRECISION)
         dk = contained_dot(dk, g2, tl.trans(rt), seen, PRECISION)
     else:
-        dv += tl.dot(w.to(v.dtype), tl.trans(dot_), input_precision=PRECISION)
-        dk += tl.dot((g1 * scale).to(k.dtype), tl.trans(qt), input_precision=PRECISION)
+        dk += tl.dot(g1.to(k.dtype), tl.trans(qt), input_precision=PRECISION)
         dk += tl.dot(g2.to(k.dtype), tl.trans(rt), input_precision=PRECISION)
     return dk, dv
 
@@ -185,12 +191,15 @@ def _parallax_bwd_dk_kernel(
     kv_ok = j < klen
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    k_off = bb * sk_b + (start + j)[:, None] * sk_t + h * sk_h + offs_d[None, :]
-    v_off = bb * sv_b + (start + j)[:, None] * sv_t + h * sv_h + offs_dv[None, :]
+    # scalar bases and 32-bit offsets within the tile: less to hold through the loops for the final stores
+    k_base = bb * sk_b + (start + j0) * sk_t + h * sk_h
+    v_base = bb * sv_b + (start + j0) * sv_t + h * sv_h
+    k_off = tl.arange(0, BLOCK_N)[:, None] * sk_t + offs_d[None, :]
+    v_off = tl.arange(0, BLOCK_N)[:, None] * sv_t + offs_dv[None, :]
     kmask = kv_ok[:, None] & (offs_d[None, :] < D)
     vmask = kv_ok[:, None] & (offs_dv[None, :] < DV)
-    k = tl.load(K + k_off, mask=kmask, other=0.0)
-    v = tl.load(V + v_off, mask=vmask, other=0.0)
+    k = tl.load(K + k_base + k_off, mask=kmask, other=0.0)
+    v = tl.load(V + v_base + v_off, mask=vmask, other=0.0)
     Q += bb * sq_b
     R += bb * sq_b
     DO += bb * so_b
@@ -198,20 +207,23 @@ def _parallax_bwd_dk_kernel(
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
 
     lo, a, b, hi = query_range(j0, j0 + BLOCK_N - 1, qlen, off, window, BLOCK_T, CAUSAL, HAS_WINDOW)
-    for t0 in range(lo, a, BLOCK_T):
+    # partially masked tiles take half as many rows at a time: their NaN containment holds more registers
+    MASKED_M: tl.constexpr = max(BLOCK_M // 2, 16, GP)
+    MASKED_T: tl.constexpr = MASKED_M // GP
+    for t0 in range(lo, a, MASKED_T):
         dk, dv = _dk_tile(k, v, Q, R, DO, LSE, TAU, BETA, TBAR, t0, h, qlen, off, start, bb, j, klen, window,
                           sq_t, sq_h, so_t, so_h, HQ, T, dk, dv, scale, qk_scale, offs_d, offs_dv, D, DV,
-                          G, GP, BLOCK_M, True, CAUSAL, HAS_WINDOW, PRECISION)
+                          G, GP, MASKED_M, True, CAUSAL, HAS_WINDOW, PRECISION)
     for t0 in range(a, b, BLOCK_T):
         dk, dv = _dk_tile(k, v, Q, R, DO, LSE, TAU, BETA, TBAR, t0, h, qlen, off, start, bb, j, klen, window,
                           sq_t, sq_h, so_t, so_h, HQ, T, dk, dv, scale, qk_scale, offs_d, offs_dv, D, DV,
                           G, GP, BLOCK_M, False, CAUSAL, HAS_WINDOW, PRECISION)
-    for t0 in range(b, hi, BLOCK_T):
+    for t0 in range(b, hi, MASKED_T):
         dk, dv = _dk_tile(k, v, Q, R, DO, LSE, TAU, BETA, TBAR, t0, h, qlen, off, start, bb, j, klen, window,
                           sq_t, sq_h, so_t, so_h, HQ, T, dk, dv, scale, qk_scale, offs_d, offs_dv, D, DV,
-                          G, GP, BLOCK_M, True, CAUSAL, HAS_WINDOW, PRECISION)
-    tl.store(DK + k_off, dk.to(DK.dtype.element_ty), mask=kmask)
-    tl.store(DV_ + v_off, dv.to(DV_.dtype.element_ty), mask=vmask)
+                          G, GP, MASKED_M, True, CAUSAL, HAS_WINDOW, PRECISION)
+    tl.store(DK + k_base + k_off, dk.to(DK.dtype.element_ty), mask=kmask)
+    tl.store(DV_ + v_base + v_off, dv.to(DV_.dtype.element_ty), mask=vmask)
 
 
 def bwd_config(D: int, Dv: int, groups: int, dtype, kind: str) -> dict:
