@@ -265,15 +265,21 @@ def lla_bwd_kv_kernel(Q, K, V, DO, RHO, U, DELTA, M2, OMEGA, CENTRE, BETA, DK, D
 
 
 def backward_blocks(D: int, dtype: torch.dtype, bd: int) -> dict:
-    """Tile sizes: 16 in the interpreter; 64 x 64 on a GPU, 32 x 32 for fp32 or the block-diagonal
-    variants (whose fp32 second-moment products need more shared memory), 16 x 16 for both."""
+    """Tile sizes: 16 in the interpreter; on a GPU 32 x 32 for fp32 (16 x 16 with the block-diagonal
+    variants' second moments); for fp16/bf16 at D <= 64 64 x 64 (32 x 32 block-diagonal) on 4 warps, and
+    beyond 32-row tiles on 8 warps, 32 keys (16 block-diagonal). The sm_90 compile at D = 128, bf16
+    (stack bytes of the q and kv kernels): CG 1768 / 1712 at 64 x 64 on 8 warps, 0 / 352 at 32 x 32 on 8;
+    2 x 2 blocks 4504 / 18048 at 32 x 32 on 4 warps, 1288 / 7704 at 32 x 16 on 8; 1 x 1 blocks 1768 / 13256
+    and 416 / 5080."""
     if interpreting():
         return dict(BLOCK_M=16, BLOCK_N=16, num_warps=1, num_stages=1)
-    if dtype == torch.float32 and bd:
-        return dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
-    if dtype == torch.float32 or bd:
-        return dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=1)
-    return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4 if D <= 64 else 8, num_stages=1)
+    if dtype == torch.float32:
+        tile = 16 if bd else 32
+        return dict(BLOCK_M=tile, BLOCK_N=tile, num_warps=4, num_stages=1)
+    if D <= 64:
+        tile = 32 if bd else 64
+        return dict(BLOCK_M=tile, BLOCK_N=tile, num_warps=4, num_stages=1)
+    return dict(BLOCK_M=32, BLOCK_N=16 if bd else 32, num_warps=8, num_stages=1)
 
 
 def row_max_path(dq, dk, q, k, dm, argmax, scale):
