@@ -51,8 +51,6 @@ REFUSED = {"--mixer": "it sets the mixer of each run from --mixers", "--compare"
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
-
-
 @dataclasses.dataclass
 class Plan:
     """What the command runs: the lm arguments of every run, its parsed configuration, the mixers, the
