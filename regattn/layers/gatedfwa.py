@@ -151,11 +151,15 @@ class GatedFWA(nn.Module):
         return GatedFWACache(k=k[:, -n:], v=v[:, -n:], u=u[:, -n:], u_last=u[:, -1], pos=pos,
                              start=trimmed_start(start, k.shape[1], n))
 
-    def step(self, x: torch.Tensor, cache: GatedFWACache | None) -> tuple[torch.Tensor, GatedFWACache]:
-        """One token ``x: [B, 1, d_model]`` after ``cache`` (None: the first token); O(w) work."""
+    def _check_token(self, x: torch.Tensor) -> None:
+        """``x`` as ``step`` takes it: the layer's input with one token."""
         check_layer_input(x, self.q_proj)
         if x.shape[1] != 1:
             raise ValueError(f"x: expected one token [B, 1, d_model], got shape {tuple(x.shape)}")
+
+    def step(self, x: torch.Tensor, cache: GatedFWACache | None) -> tuple[torch.Tensor, GatedFWACache]:
+        """One token ``x: [B, 1, d_model]`` after ``cache`` (None: the first token); O(w) work."""
+        self._check_token(x)
         if cache is None:
             return self.prefill(x)
         o, new, _ = self._local_step(x, cache)
@@ -299,9 +303,7 @@ class GatedFWANSA(GatedFWA):
 
     def step(self, x: torch.Tensor, cache: GatedFWANSACache | None) -> tuple[torch.Tensor, GatedFWANSACache]:
         """One token ``x: [B, 1, d_model]`` after ``cache`` (None: the first token)."""
-        check_layer_input(x, self.q_proj)
-        if x.shape[1] != 1:
-            raise ValueError(f"x: expected one token [B, 1, d_model], got shape {tuple(x.shape)}")
+        self._check_token(x)
         if cache is None:
             return self.prefill(x)
         t = cache.local.pos                                                   # the new token's position
