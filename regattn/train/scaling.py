@@ -77,9 +77,9 @@ def parse_args(argv=None) -> Plan:
     p.add_argument("--tiny", action="store_true", help="a tiny model for a few steps (checks the harness)")
     p.add_argument("--out", default=None, help="result JSON (default benchmarks/results/<device>x<N>/scaling.json)")
     args, rest = p.parse_known_args(argv)
-    for arg in rest:
-        if arg.split("=")[0] in REFUSED:
-            raise UsageError(f"{arg.split('=')[0]}: not taken by the scaling harness: {REFUSED[arg.split('=')[0]]}")
+    for flag in (arg.split("=")[0] for arg in rest):
+        if flag in REFUSED:
+            raise UsageError(f"{flag}: not taken by the scaling harness: {REFUSED[flag]}")
     lm_argv = (TINY if args.tiny else DEFAULTS) + rest
     config, _ = lm.parse_args(lm_argv + ["--quiet"])
     checks.at_least("--nproc", args.nproc, 2)
