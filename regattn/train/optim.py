@@ -13,12 +13,13 @@ shape scaling) on ``hidden`` and ``torch.optim.Adam``-style updates, betas (0.8,
 on ``embed`` (learning rate x0.3) and ``scalar`` (x0.015). Every group remembers its ``base_lr`` and
 ``base_wd`` so a schedule can set ``lr`` and ``weight_decay`` each step.
 
-``fused=True`` (one device, plain tensors: the task trainer) takes the fast forms of the same updates:
-``torch.optim.AdamW(fused=True)`` and :class:`BatchedMuon` (the matrices of one shape orthogonalised
-together). Both skip a step on the device when ``Optimizers.step(found_inf=...)`` is given a non-zero
-flag, with no host read. The learning rates stay Python floats: neither optimizer is compiled, so a
-schedule change recompiles nothing, and a tensor rate would cost ``torch.optim.Muon`` a host read per
-matrix (its ``add_(..., alpha=lr)``).
+``fused=True`` (the task trainer, and the LM on one rank or sharded by FSDP2) takes the fast forms of
+the same updates: ``torch.optim.AdamW(fused=True)`` and :class:`BatchedMuon` (the matrices of one shape
+orthogonalised together; a sharded matrix gathered whole once a step, where ``torch.optim.Muon`` on a
+DTensor would redistribute it inside every Newton-Schulz product). Both skip a step on the device when
+``Optimizers.step(found_inf=...)`` is given a non-zero flag, with no host read. The learning rates stay
+Python floats: neither optimizer is compiled, so a schedule change recompiles nothing, and a tensor rate
+would cost ``torch.optim.Muon`` a host read per matrix (its ``add_(..., alpha=lr)``).
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from collections import defaultdict
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 OPTIMIZERS = ("adamw", "muon")
 EMBED_LR, SCALAR_LR = 0.3, 0.015
@@ -92,7 +94,7 @@ def build_optimizer(model: nn.Module, name: str = "adamw", *, lr: float = 1e-3, 
                     fused: bool = False) -> Optimizers:
     """AdamW or Muon (+ Adam fallback) for ``model``; ``lr`` is the peak rate of the main group.
 
-    fused: the single-device forms (fused AdamW, :class:`BatchedMuon`), which can skip a step on the device.
+    fused: the fast forms (fused AdamW, :class:`BatchedMuon`), which can skip a step on the device.
     """
     if name not in OPTIMIZERS:
         raise ValueError(f"optimizer: expected one of {OPTIMIZERS}, got {name!r}")
@@ -138,6 +140,9 @@ class BatchedMuon(torch.optim.Optimizer):
 
     The state is ``torch.optim.Muon``'s (a ``momentum_buffer`` per matrix). A ``found_inf`` attribute (set by
     :meth:`Optimizers.step`) that is non-zero leaves the parameters and the momenta as they were.
+    Parameters sharded by FSDP2 (DTensors) keep their momenta sharded: each rank updates its own rows, and
+    only the Newton-Schulz input is gathered whole (one all-gather a matrix a step), orthogonalised on every
+    rank, and cut back to the rank's rows.
     """
 
     def __init__(self, params, *, lr: float = 1e-3, weight_decay: float = 0.1, momentum: float = 0.95,
@@ -172,16 +177,39 @@ class BatchedMuon(torch.optim.Optimizer):
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(p)
             bufs.append(state["momentum_buffer"])
-        grad, old_buf, old = torch.stack([p.grad for p in params]), torch.stack(bufs), torch.stack(params)
+        grad, old_buf, old = (torch.stack([local(t) for t in ts]) for ts in ([p.grad for p in params], bufs, params))
         buf = old_buf.lerp(grad, 1 - momentum)
-        update = newton_schulz(grad.lerp(buf, momentum), group["ns_steps"], group["eps"])
+        whole = newton_schulz(whole_matrices(grad.lerp(buf, momentum), params), group["ns_steps"], group["eps"])
+        update = local_rows(whole, params)
         rows, cols = params[0].shape
         new = old.mul(1 - lr * group["weight_decay"]).add_(update, alpha=-lr * max(1.0, rows / cols) ** 0.5)
         if self.found_inf is not None:
             skip = self.found_inf != 0
             new, buf = torch.where(skip, old, new), torch.where(skip, old_buf, buf)
-        torch._foreach_copy_(params, list(new.unbind(0)))
-        torch._foreach_copy_(bufs, list(buf.unbind(0)))
+        torch._foreach_copy_([local(p) for p in params], list(new.unbind(0)))
+        torch._foreach_copy_([local(b) for b in bufs], list(buf.unbind(0)))
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a DTensor (sharing its storage: no grad is recorded here); a tensor as it is."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def whole_matrices(parts: torch.Tensor, params: list[torch.Tensor]) -> torch.Tensor:
+    """``parts [n, ...]``, this rank's part of each of ``params``, as the whole matrices (gathered from the
+    ranks for DTensor parameters)."""
+    if not isinstance(params[0], DTensor):
+        return parts
+    return torch.stack([DTensor.from_local(part, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+                        .full_tensor() for part, p in zip(parts.unbind(0), params)])
+
+
+def local_rows(whole: torch.Tensor, params: list[torch.Tensor]) -> torch.Tensor:
+    """The inverse of :func:`whole_matrices`: this rank's part of each matrix of ``whole``, with no communication."""
+    if not isinstance(params[0], DTensor):
+        return whole
+    return torch.stack([distribute_tensor(w, p.device_mesh, p.placements, src_data_rank=None).to_local()
+                        for w, p in zip(whole.unbind(0), params)])
 
 
 def apply_schedule(optimizer: Optimizers, lr_scale: float, wd_scale: float = 1.0) -> None:

@@ -135,10 +135,11 @@ def test_fsdp_checkpoint_on_two_ranks_resumes_on_two(two_ranks):
 
 
 def check_muon(sharded: dict, fresh: dict) -> None:
-    """Muon on FSDP2 shards orthogonalises each whole matrix: its parameters match one process's up to the
-    bf16 rounding of the Newton-Schulz steps (a few per cent of the update; per-shard steps would be far off)."""
+    """Muon on FSDP2 shards orthogonalises each whole matrix (gathered once a step): its parameters match one
+    process's ``torch.optim.Muon`` up to the bf16 rounding of the Newton-Schulz steps (under 3 % of the update;
+    per-shard steps would be off by half of it or more)."""
     reference = one_process_reference(config(None, optimizer="muon"), world=2)
     for name, value in reference.items():
         moved = (value - fresh[name]).norm()
         assert moved > 0, name
-        assert (sharded[name] - value).norm() / moved < 0.1, name
+        assert (sharded[name] - value).norm() / moved < 0.03, name
