@@ -245,8 +245,10 @@ def train_step(model, opt, config: LMTrainConfig, corpus: TextCorpus, step: int,
 def train_lm(config: LMTrainConfig, *, corpus: TextCorpus | None = None, stop_at: int | None = None,
              log=print) -> dict:
     """Run (or resume) LM training; returns config, corpus info, world size and batch per rank, history,
-    final perplexity, throughput (``tokens_per_second``: all ranks' tokens per second of optimizer steps,
-    see :func:`steady_rate`), peak memory per rank (:func:`peak_memory_mib`) and the model.
+    final perplexity, ``loaded`` (a resumed run: the step and validation perplexity of the checkpoint as
+    loaded on these ranks; None otherwise), throughput (``tokens_per_second``: all ranks' tokens per
+    second of optimizer steps, see :func:`steady_rate`), peak memory per rank (:func:`peak_memory_mib`)
+    and the model.
 
     stop_at: leave after that many steps in total (a checkpoint, when set, is written there).
     The progress bar shows the latest training loss and validation perplexity; without it (``progress``
@@ -257,11 +259,14 @@ def train_lm(config: LMTrainConfig, *, corpus: TextCorpus | None = None, stop_at
         torch.cuda.reset_peak_memory_stats(rt.device)
     corpus = corpus or stdlib_corpus(config.max_bytes)
     model = build_model(config, rt)
-    opt = build_optimizer(model, config.optimizer, lr=config.lr, weight_decay=config.weight_decay)
-    step, history = 0, {"train": [], "eval": []}
+    opt = build_optimizer(model, config.optimizer, lr=config.lr, weight_decay=config.weight_decay, fused=True)
+    step, history, loaded = 0, {"train": [], "eval": []}, None
     if has_checkpoint(config.checkpoint):
         meta = load_checkpoint(config.checkpoint, model, opt)
         step, history = meta["step"], meta["history"]
+        loaded = {"step": step, **perplexity(model, corpus, config, rt)}
+        if rt.main and not config.progress:
+            log(f"resumed at step {step}: val nll {loaded['nll']:.4f}")
     end = config.steps if stop_at is None else min(stop_at, config.steps)
     tokens_per_step = config.batch_size * config.seq_len * rt.world
     seconds, pending, rates = 0.0, [], []          # optimizer-step time of the current log interval
@@ -296,7 +301,7 @@ def train_lm(config: LMTrainConfig, *, corpus: TextCorpus | None = None, stop_at
     result = dict(config=dataclasses.asdict(config), corpus=corpus.info, metric="ppl", world_size=rt.world,
                   batch_size_per_rank=config.batch_size, rank=rt.rank, device=str(rt.device),
                   parameters=sum(p.numel() for p in model.parameters()), steps=step, history=history,
-                  final=history["eval"][-1] if history["eval"] else None,
+                  final=history["eval"][-1] if history["eval"] else None, loaded=loaded,
                   tokens_per_second=steady_rate(rates), peak_memory_mib=peak_memory_mib(rt), model=model)
     if config.sample_tokens and not rt.distributed:
         result["sample"] = sample_text(model, corpus, config.sample_tokens, rt)
@@ -354,6 +359,9 @@ def parse_args(argv=None) -> tuple[LMTrainConfig, argparse.Namespace]:
     p.add_argument("--device", default="auto")
     p.add_argument("--no-amp", action="store_true")
     p.add_argument("--checkpoint", default=None, help="checkpoint folder (resumed from when it holds one)")
+    p.add_argument("--stop-at", type=int, default=None,
+                   help="leave after this many steps in total, the schedule still that of --steps (with "
+                        "--checkpoint: to resume later)")
     p.add_argument("--out", default="out/lm", help="folder for the JSON results and the curves plot")
     p.add_argument("--quiet", action="store_true", help="no progress bar: a line per log point instead")
     args = p.parse_args(argv)
@@ -363,6 +371,8 @@ def parse_args(argv=None) -> tuple[LMTrainConfig, argparse.Namespace]:
                   progress=not args.quiet)
     config = LMTrainConfig(**fields)
     check_config(config)
+    if args.stop_at is not None:
+        checks.at_least("--stop-at", args.stop_at, 1)
     for name in args.compare.split(",") if args.compare else []:
         check_model(dataclasses.replace(config, mixer=name), "--compare")
     return config, args
@@ -443,7 +453,7 @@ def main(argv=None) -> int:
         run = dataclasses.replace(config, mixer=mixer)
         if args.compare and config.checkpoint:
             run = dataclasses.replace(run, checkpoint=os.path.join(config.checkpoint, mixer))
-        result = train_lm(run, corpus=corpus)
+        result = train_lm(run, corpus=corpus, stop_at=args.stop_at)
         result.pop("model")
         name = mixer if isinstance(mixer, str) else "-".join(mixer)
         results[name] = result

@@ -1,6 +1,7 @@
 """Throughput scaling of the decoder LM from one process to N (FSDP2).
 
-    python -m regattn.train scaling [--mixers parallax,gatedfwa,softmax] [--nproc 2] [--out PATH] [lm flags]
+    python -m regattn.train scaling [--mixers parallax,gatedfwa,softmax] [--nproc 2] [--resume-check] [--out PATH]
+                                    [lm flags]
 
 For each mixer, the same ``regattn.train lm`` run on 1 process and on N processes at the same batch per
 rank (so N times the tokens per step), each launched by ``torch.distributed.run --standalone``: FSDP2 on
@@ -11,6 +12,12 @@ checkpointing and :data:`STEPS` steps, with lm's bf16 autocast (CUDA) and Muon.
 ``--tiny`` puts a model of width 32 and 2 layers on 16-token sequences for a few steps in their place
 (seconds a run on the CPU). ``--mixer``, ``--compare`` and ``--checkpoint`` are not taken: the harness
 sets the mixer, and a checkpoint would make the second run resume the first.
+
+``--resume-check`` makes each N-process run two: stopped at half its steps with a checkpoint (and a
+validation score there), then resumed from it on N processes; a copy of the checkpoint is also resumed on
+1 process for :data:`RESUME_STEPS` steps. The N-process row then holds ``resume``: the validation NLL
+saved with the checkpoint, and for each number of processes the NLL of the checkpoint as loaded there and
+the mean training loss of the steps after it to the first log point.
 
 Writes ``--out`` (default ``benchmarks/results/<device>x<N>/scaling.json``), one row per mixer and number
 of processes: tokens per second (all ranks; lm's steady rate, the median over the log intervals but the
@@ -30,6 +37,7 @@ import argparse
 import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -42,6 +50,7 @@ from regattn.usage import UsageError
 
 MIXERS = ("parallax", "gatedfwa", "softmax")
 STEPS = 200
+RESUME_STEPS = 10
 DEFAULTS = ["--dim", "1024", "--layers", "16", "--heads", "8", "--seq-len", "4096", "--window", "512",
             "--batch-size", "8", "--activation-checkpointing", "--steps", str(STEPS)]
 TINY = ["--dim", "32", "--layers", "2", "--heads", "2", "--seq-len", "16", "--batch-size", "2", "--steps", "4",
@@ -54,11 +63,12 @@ NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"
 @dataclasses.dataclass
 class Plan:
     """What the command runs: the lm arguments of every run, its parsed configuration, the mixers, the
-    number of processes and the output JSON."""
+    number of processes, whether the N-process runs are stopped and resumed, and the output JSON."""
     lm_argv: list[str]
     config: lm.LMTrainConfig
     mixers: list[str]
     nproc: int
+    resume_check: bool
     out: str
     machine: dict
 
@@ -74,6 +84,8 @@ def parse_args(argv=None) -> Plan:
                                 "(python -m regattn.train lm --help).")
     p.add_argument("--mixers", default=",".join(MIXERS), help="comma-separated mixers, each in every layer")
     p.add_argument("--nproc", type=int, default=2, help="processes (GPUs) of the distributed runs")
+    p.add_argument("--resume-check", action="store_true",
+                   help="stop each N-process run at half its steps and resume it from its checkpoint on N and 1 processes")
     p.add_argument("--tiny", action="store_true", help="a tiny model for a few steps (checks the harness)")
     p.add_argument("--out", default=None, help="result JSON (default benchmarks/results/<device>x<N>/scaling.json)")
     args, rest = p.parse_known_args(argv)
@@ -83,6 +95,8 @@ def parse_args(argv=None) -> Plan:
     lm_argv = (TINY if args.tiny else DEFAULTS) + rest
     config, _ = lm.parse_args(lm_argv + ["--quiet"])
     checks.at_least("--nproc", args.nproc, 2)
+    if args.resume_check:
+        checks.at_least("--steps", config.steps, 2)
     mixers = args.mixers.split(",")
     if len(set(mixers)) != len(mixers):
         raise UsageError(f"--mixers: expected distinct names, got {args.mixers!r}")
@@ -95,7 +109,7 @@ def parse_args(argv=None) -> Plan:
                          f"got {args.nproc}")
     machine = machine_info("cuda" if cuda else "cpu")
     out = args.out or os.path.join(RESULTS_DIR, f"{machine['device']}x{args.nproc}", "scaling.json")
-    plan = Plan(lm_argv, config, mixers, args.nproc, out, machine)
+    plan = Plan(lm_argv, config, mixers, args.nproc, args.resume_check, out, machine)
     if os.path.exists(out) and read_rows(plan) is None:
         raise UsageError(f"--out: {out} holds results of another configuration or number of processes; "
                          "give another --out or remove it")
@@ -112,10 +126,11 @@ def read_rows(plan: Plan) -> list[dict] | None:
 
 
 # ---------------------------------------------------------------------------------------------- runs
-def launch(plan: Plan, mixer: str, nproc: int, folder: str) -> dict:
-    """One ``lm`` run of ``mixer`` on ``nproc`` processes; its result, or ``{"error": ...}``."""
+def launch(plan: Plan, mixer: str, nproc: int, folder: str, extra: tuple[str, ...] = ()) -> dict:
+    """One ``lm`` run of ``mixer`` on ``nproc`` processes (``extra``: lm flags of this run alone); its
+    result, or ``{"error": ...}``."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           "-m", "regattn.train", "lm", *plan.lm_argv, "--mixer", mixer, "--quiet", "--out", folder]
+           "-m", "regattn.train", "lm", *plan.lm_argv, *extra, "--mixer", mixer, "--quiet", "--out", folder]
     print(f"scaling: {mixer} on {processes(nproc)}", flush=True)
     proc = subprocess.run(cmd, env={**os.environ, **NO_MULTICAST})
     if proc.returncode != 0:
@@ -124,12 +139,39 @@ def launch(plan: Plan, mixer: str, nproc: int, folder: str) -> dict:
         return json.load(f)
 
 
+def stopped_and_resumed(plan: Plan, mixer: str, folder: str) -> tuple[dict, dict | None]:
+    """The N-process run of ``mixer`` stopped at half its steps with a checkpoint, then resumed from it on N
+    processes, and a copy resumed on 1 process for :data:`RESUME_STEPS` steps: the N-process result and
+    the resume check (None when the first half failed)."""
+    half = plan.config.steps // 2
+    saved, copy = os.path.join(folder, f"checkpoint-{mixer}"), os.path.join(folder, f"checkpoint-{mixer}-copy")
+    scored = ("--eval-every", str(half))
+    first = launch(plan, mixer, plan.nproc, folder, (*scored, "--checkpoint", saved, "--stop-at", str(half)))
+    if "error" in first:
+        return first, None
+    shutil.copytree(saved, copy)
+    runs = {plan.nproc: launch(plan, mixer, plan.nproc, folder, (*scored, "--checkpoint", saved)),
+            1: launch(plan, mixer, 1, folder, (*scored, "--checkpoint", copy, "--stop-at", str(half + RESUME_STEPS)))}
+    check = {"step": half, "saved_nll": first["history"]["eval"][-1]["nll"],
+             "runs": [resumed(n, result, half) for n, result in runs.items()]}
+    return runs[plan.nproc], check
+
+
+def resumed(nproc: int, result: dict, step: int) -> dict:
+    """One resumed run of the check: the loaded checkpoint's validation NLL and the mean training loss
+    from ``step`` to the first log point after it."""
+    if "error" in result:
+        return {"world_size": nproc, "error": result["error"]}
+    after = next(r for r in result["history"]["train"] if r["step"] > step)
+    return {"world_size": nproc, "loaded_nll": result["loaded"]["nll"], "to_step": after["step"], "loss": after["loss"]}
+
+
 def processes(n: int) -> str:
     return f"{n} process" if n == 1 else f"{n} processes"
 
 
-def row(mixer: str, nproc: int, result: dict) -> dict:
-    """The scaling row of one run (the speedup is set by :func:`add_speedups`)."""
+def row(mixer: str, nproc: int, result: dict, check: dict | None = None) -> dict:
+    """The scaling row of one run, with its resume check if any (the speedup is set by :func:`add_speedups`)."""
     if "error" in result:
         return {"mixer": mixer, "world_size": nproc, "error": result["error"]}
     train = result["history"]["train"]
@@ -137,7 +179,7 @@ def row(mixer: str, nproc: int, result: dict) -> dict:
             "tokens_per_second": result["tokens_per_second"], "peak_memory_mib": result["peak_memory_mib"],
             "final_loss": train[-1]["loss"] if train else None, "final": result["final"],
             "parameters": result["parameters"], "steps": result["steps"], "device": result["device"],
-            "history": result["history"]}
+            "history": result["history"], **({"resume": check} if check else {})}
 
 
 def add_speedups(rows: list[dict]) -> None:
@@ -167,11 +209,22 @@ def table(result: dict) -> str:
         lines.append(f"| {r['mixer']} | {r['world_size']} | {r['batch_size_per_rank']} | "
                      f"{number(r['tokens_per_second'], 0)} | {number(r['speedup'], 2)} | {number(r['efficiency'], 2)} | "
                      f"{peak} | {number(r['final_loss'], 4)} | {number(ppl, 3)} |")
+    lines += [resume_line(r) for r in result["rows"] if r.get("resume")]
     lm_config = result["config"]["lm"]
     return (f"Scaling of the decoder LM on {result['machine']['name']} ({result['date']}): dim {lm_config['dim']}, "
             f"{lm_config['layers']} layers, {lm_config['seq_len']}-token sequences, {lm_config['steps']} steps, "
             f"optimizer {lm_config['optimizer']}, activation checkpointing "
             f"{'on' if lm_config['activation_checkpointing'] else 'off'}.\n\n" + "\n".join(lines) + "\n")
+
+
+def resume_line(r: dict) -> str:
+    """The resume check of a row, as a sentence under the table."""
+    check = r["resume"]
+    runs = "; ".join(f"on {processes(run['world_size'])} failed: {run['error']}" if "error" in run else
+                     f"on {processes(run['world_size'])} loaded at {run['loaded_nll']:.5f}, mean training loss to "
+                     f"step {run['to_step']} {run['loss']:.4f}" for run in check["runs"])
+    return (f"\n{r['mixer']}: the checkpoint of {processes(r['world_size'])} at step {check['step']} "
+            f"(validation NLL {check['saved_nll']:.5f}) resumed {runs}.")
 
 
 def write_outputs(result: dict, out: str) -> list[str]:
@@ -192,7 +245,12 @@ def main(argv=None) -> int:
     rows = [r for r in read_rows(plan) if r["mixer"] not in plan.mixers]
     with tempfile.TemporaryDirectory() as folder:
         for mixer in plan.mixers:                 # written after each mixer: a stopped command keeps those done
-            rows += [row(mixer, n, launch(plan, mixer, n, folder)) for n in (1, plan.nproc)]
+            single = launch(plan, mixer, 1, folder)
+            if plan.resume_check:
+                several, check = stopped_and_resumed(plan, mixer, folder)
+            else:
+                several, check = launch(plan, mixer, plan.nproc, folder), None
+            rows += [row(mixer, 1, single), row(mixer, plan.nproc, several, check)]
             add_speedups(rows)
             result = make_result("scaling", plan.machine, plan.identity(), rows)
             paths = write_outputs(result, plan.out)

@@ -100,9 +100,12 @@ def test_training_lowers_validation_loss(corpus):
 
 def test_checkpoint_resume_matches_one_run(corpus, tmp_path):
     config = small(steps=6, log_every=3, optimizer="muon", checkpoint=str(tmp_path / "ck"))
-    train_lm(config, corpus=corpus, stop_at=3, log=lambda *_: None)
-    assert json.load(open(tmp_path / "ck" / "meta.json"))["step"] == 3
-    resumed = train_lm(config, corpus=corpus, log=lambda *_: None)["model"]
+    stopped = train_lm(config, corpus=corpus, stop_at=3, log=lambda *_: None)
+    assert json.load(open(tmp_path / "ck" / "meta.json"))["step"] == 3 and stopped["loaded"] is None
+    at_stop = perplexity(stopped["model"], corpus, config, Runtime(0, 1, torch.device("cpu")))
+    result = train_lm(config, corpus=corpus, log=lambda *_: None)
+    assert result["loaded"]["step"] == 3 and math.isclose(result["loaded"]["nll"], at_stop["nll"], rel_tol=1e-12)
+    resumed = result["model"]
     whole = train_lm(small(steps=6, log_every=3, optimizer="muon"), corpus=corpus, log=lambda *_: None)["model"]
     for (name, a), b in zip(resumed.state_dict().items(), whole.state_dict().values()):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), name
@@ -143,6 +146,20 @@ def test_command(tmp_path):
     assert isinstance(result["sample"]["continuation"], str)
     assert (out / "lm-gatedfwa-decay-world1-curves.png").stat().st_size > 0
     assert "lm/gatedfwa-decay [" in proc.stderr and "3/3" in proc.stderr           # the progress bar
+
+
+def test_command_stop_at_then_resume(tmp_path):
+    args = ["--mixer", "softmax", "--quiet", "--log-every", "1", "--checkpoint", str(tmp_path / "ck"),
+            "--out", str(tmp_path / "out")]
+    assert run_command([*args, "--stop-at", "2"], tmp_path).returncode == 0
+    assert json.load(open(tmp_path / "out" / "lm-softmax-world1.json"))["steps"] == 2
+    proc = run_command(args, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    result = json.load(open(tmp_path / "out" / "lm-softmax-world1.json"))
+    assert result["steps"] == 3 and result["loaded"]["step"] == 2 and "resumed at step 2: val nll" in proc.stdout
+    assert [row["step"] for row in result["history"]["train"]] == [1, 2, 3]
+    bad = run_command([*args, "--stop-at", "0"], tmp_path)
+    assert bad.returncode == 2 and "--stop-at" in bad.stderr
 
 
 def test_command_compare(tmp_path):

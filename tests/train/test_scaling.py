@@ -20,10 +20,11 @@ def env() -> dict:
 
 
 def test_command_runs_a_mixer_on_one_and_two_processes(tmp_path):
-    """End to end on gloo (one mixer: the rows of several are kept by the bookkeeping tested below)."""
+    """End to end on gloo (one mixer: the rows of several are kept by the bookkeeping tested below), the
+    2-process run stopped at step 2 of 4 and resumed on 2 processes, its checkpoint also on 1."""
     out = tmp_path / "results" / "scaling.json"
     cmd = [sys.executable, "-m", "regattn.train", "scaling", "--tiny", "--mixers", "parallax", "--nproc", "2",
-           "--device", "cpu", "--out", str(out)]
+           "--resume-check", "--device", "cpu", "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env(), cwd=tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     result = json.loads(out.read_text())
@@ -38,8 +39,16 @@ def test_command_runs_a_mixer_on_one_and_two_processes(tmp_path):
         assert all(math.isfinite(row["loss"]) for row in r["history"]["train"])
         assert r["final_loss"] == r["history"]["train"][-1]["loss"] and math.isfinite(r["final"]["ppl"])
     assert all(r["speedup"] == 1.0 for r in result["rows"] if r["world_size"] == 1)
+    single, several = result["rows"]
+    assert "resume" not in single and [e["step"] for e in several["history"]["eval"]] == [2, 4]
+    check = several["resume"]
+    assert check["step"] == 2 and check["saved_nll"] == several["history"]["eval"][0]["nll"]
+    assert [(run["world_size"], run["to_step"]) for run in check["runs"]] == [(2, 3), (1, 3)]
+    for run in check["runs"]:
+        assert math.isclose(run["loaded_nll"], check["saved_nll"], rel_tol=1e-6) and math.isfinite(run["loss"])
+    assert check["runs"][0]["loss"] == several["history"]["train"][2]["loss"]
     table = (tmp_path / "results" / "scaling.md").read_text()
-    assert table.count("| parallax |") == 2
+    assert table.count("| parallax |") == 2 and "parallax: the checkpoint of 2 processes at step 2" in table
     assert (tmp_path / "results" / "scaling-curves.png").stat().st_size > 0
 
 
@@ -118,6 +127,7 @@ BAD = [
     (["--mixer", "softmax"], "--mixer"),
     (["--compare", "softmax,swa"], "--compare"),
     (["--checkpoint", "ck"], "--checkpoint"),
+    (["--resume-check", "--steps", "1"], "--steps"),
     (["--steps", "0"], "--steps"),
     (["--device", "cuda"], "--device"),
     (["--tiny", "--eval-tokens", "16"], "--eval-tokens"),
