@@ -232,25 +232,29 @@ LLA_CANDIDATES = [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=2) for m, n
 def lla_rows(head_dims=(128,), kinds=tuple(LLA_KINDS), candidates=False, *, B=4, T=8192, H=16):
     """One row per (head dim, solver, tiles) of the LLA forward kernel at the bench's shape, bf16, cg_iters=8:
     direct solves of 2 x 2 (``pairs``) and 1 x 1 blocks (``diag``), CG (``cg``) and CG over 16 feature
-    blocks (``cg-g16``); the table's tiles, then :data:`LLA_CANDIDATES`; with the hottest loop's instruction mix
-    (as for ``scan``)."""
+    blocks (``cg-g16``); the autotune list's tiles, then :data:`LLA_CANDIDATES`; with the hottest loop's
+    instruction mix (as for ``scan``)."""
     from unittest import mock
 
     from regattn.ops.lla import forward
 
-    for D, kind, config in itertools.product(head_dims, kinds, [None] + (LLA_CANDIDATES if candidates else [])):
-        q = torch.empty(B, T, H, D, device="meta", dtype=torch.bfloat16)
+    for D, kind in itertools.product(head_dims, kinds):
         blocks = LLA_KINDS[kind] and LLA_KINDS[kind] * D // 128
-        tiles = mock.patch.object(forward, "forward_blocks", lambda *a: dict(config)) if config else contextlib.nullcontext()
-        with captured_launches() as launches, tiles:
-            forward.lla_forward(q, q, q, 0.5, scale=D ** -0.5, window=None, blocks=blocks, cg_iters=8, cg_tol=1e-6)
-        kernel, args, kwargs = launches[0]
-        try:
-            compiled = compile_launch(kernel, args, kwargs)
-            usage = dict(**resource_usage(compiled), **inner_loop(cuobjdump(compiled, "-sass")))
-        except Exception as error:
-            usage = dict(error=str(error).splitlines()[0][:80])
-        yield dict(head_dim=D, kind=kind, table=config is None, **launch_settings(kwargs), **usage)
+        listed = forward.forward_tiles(torch.bfloat16, *forward.solver_for(blocks, D))
+        configs = [(c, True) for c in listed] + [(c, False) for c in (LLA_CANDIDATES if candidates else [])]
+        for config, table in configs:
+            q = torch.empty(B, T, H, D, device="meta", dtype=torch.bfloat16)
+            with captured_launches() as launches, mock.patch.object(forward, "AUTOTUNE", False), \
+                    mock.patch.object(forward, "forward_blocks", lambda *a, c=config: dict(c)):
+                forward.lla_forward(q, q, q, 0.5, scale=D ** -0.5, window=None, blocks=blocks, cg_iters=8,
+                                    cg_tol=1e-6)
+            kernel, args, kwargs = launches[0]
+            try:
+                compiled = compile_launch(kernel, args, kwargs)
+                usage = dict(**resource_usage(compiled), **inner_loop(cuobjdump(compiled, "-sass")))
+            except Exception as error:
+                usage = dict(error=str(error).splitlines()[0][:80])
+            yield dict(head_dim=D, kind=kind, table=table, **launch_settings(kwargs), **usage)
 
 
 COLUMNS = ("head_dim", "kind", "BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "REG", "STACK", "LOCAL", "SHARED")

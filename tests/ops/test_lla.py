@@ -318,3 +318,20 @@ def test_extreme_inputs_stay_finite_in_float32(case, backend, cg_iters):
         one_hot = (top2[..., 0] - top2[..., 1] > 30) | (top2[..., 1] == float("-inf"))
         assert one_hot.sum() > 24
         assert rel_err(out[one_hot], ref[one_hot]) < 1e-5
+
+
+@pytest.mark.parametrize("dtype,blocks", [(torch.float32, None), (torch.float16, None), (torch.float16, 2)])
+def test_autotuned_launch_matches_the_fixed_tile(dtype, blocks, monkeypatch):
+    """Beyond SHORT query rows a GPU launches the autotuned kernel (tiles by meta-parameters, grid by tile
+    rows): with one interpreter-sized tile per list it gives the fixed launch's outputs bit for bit."""
+    from regattn.ops.lla import forward
+    T, D = forward.SHORT + 9, 8
+    q, k, v = (randn(2, T, 2, D, dtype=dtype) for _ in range(3))
+    args = dict(scale=D ** -0.5, window=13, blocks=blocks, cg_iters=6, cg_tol=0.0)
+    fixed = lla_forward(q, k, v, 0.3, **args)
+    monkeypatch.setattr(forward, "interpreting", lambda: False)
+    monkeypatch.setattr(forward, "TUNED", forward.tuned_kernels({key: [(16, 16, 1, 1)] for key in forward.FORWARD_TILES}))
+    tuned = lla_forward(q, k, v, 0.3, **args)
+    for a, b in zip(fixed, tuned, strict=True):
+        assert torch.equal(a, b)
+

@@ -157,21 +157,49 @@ def moment_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32x3"
 
 
-def forward_blocks(T: int, D: int, dtype: torch.dtype, solver: int = SOLVER_CG, G: int = 1) -> dict:
-    """Tile sizes: small in the interpreter; on a GPU 32-row tiles on 8 warps streaming 32 keys (16 for 2 x 2
-    blocks and for CG over ``G > 1`` feature blocks, whose product holds ``G`` weight tiles): the sm_90 screen
-    (``python -m regattn.bench.registers lla --candidates``, D = 64 and 128) found 64 x 64 spilling 0.2-3.6 KB a
-    thread in every solver (on 8 warps a 64-row wgmma tile is held twice) and these tiles free of spills in
-    their key loops."""
+# The tiles (BLOCK_M, BLOCK_N, num_warps, num_stages) the autotuner times on a GPU, by (fp32 inputs, narrow
+# key tiles: 2 x 2 blocks and CG over G > 1 feature blocks, whose products hold G weight tiles). The first
+# of a list is the fixed tile (short inputs, AUTOTUNE off). On sm_90 the 32-row tiles have no spills in
+# their key loops and 64 x 64 spills 0.2-3.6 KB a thread (``python -m regattn.bench.registers lla
+# --candidates``), but 64-row tiles read K half as often in each CG iteration: the H100 decides.
+FORWARD_TILES = {
+    (False, False): [(32, 32, 8, 2), (64, 64, 8, 2)],
+    (False, True): [(32, 16, 8, 2), (64, 16, 8, 2)],
+    (True, False): [(32, 32, 4, 2)],
+    (True, True): [(32, 16, 4, 2)],
+}
+AUTOTUNE = True
+SHORT = 32  # query rows up to which the fixed tile runs, cut to the rows (decode, short prefills)
+
+
+def tile_family(dtype: torch.dtype, solver: int, G: int) -> tuple[bool, bool]:
+    """The key of :data:`FORWARD_TILES`: (fp32 inputs, narrow key tiles)."""
+    return dtype == torch.float32, solver == SOLVER_PAIRS or G > 1
+
+
+def forward_tiles(dtype: torch.dtype, solver: int = SOLVER_CG, G: int = 1) -> list[dict]:
+    """The forward's tile candidates for ``dtype`` and the solver (see :data:`FORWARD_TILES`)."""
+    return [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s)
+            for m, n, w, s in FORWARD_TILES[tile_family(dtype, solver, G)]]
+
+
+def forward_blocks(T: int, dtype: torch.dtype, solver: int = SOLVER_CG, G: int = 1) -> dict:
+    """The fixed tile: small in the interpreter; on a GPU the first candidate, its rows cut to ``T``."""
     if interpreting():
         return dict(BLOCK_M=16, BLOCK_N=16, num_warps=1, num_stages=1)
-    narrow = solver == SOLVER_PAIRS or G > 1
-    if dtype == torch.float32:
-        cfg = dict(BLOCK_M=32, BLOCK_N=16 if G > 1 else 32, num_warps=4, num_stages=2)
-    else:
-        cfg = dict(BLOCK_M=32, BLOCK_N=16 if narrow else 32, num_warps=8, num_stages=2)
+    cfg = forward_tiles(dtype, solver, G)[0]
     cfg["BLOCK_M"] = min(cfg["BLOCK_M"], max(16, triton.next_power_of_2(T)))
     return cfg
+
+
+def tuned_kernels(tiles: dict) -> dict:
+    """The forward kernel autotuned over each list of ``tiles`` (as :data:`FORWARD_TILES`), by family."""
+    return {family: triton.autotune([triton.Config(dict(BLOCK_M=m, BLOCK_N=n), num_warps=w, num_stages=s)
+                                     for m, n, w, s in configs], key=["D", "DV", "WINDOW", "SOLVER", "G"])(lla_fwd_kernel)
+            for family, configs in tiles.items()}
+
+
+TUNED = tuned_kernels(FORWARD_TILES)
 
 
 def lla_forward(q, k, v, lam, *, scale: float, window, blocks, cg_iters: int, cg_tol: float):
@@ -191,14 +219,14 @@ def lla_forward(q, k, v, lam, *, scale: float, window, blocks, cg_iters: int, cg
     omega, centre = torch.empty_like(delta), torch.empty_like(delta)
     lam4 = lam_tensor(lam, q)
     kernel_blocks, block_d = column_blocks(D, G)
-    cfg = forward_blocks(T, D, q.dtype, solver, G)
-    grid = (triton.cdiv(T, cfg["BLOCK_M"]), B * HQ)
-    lla_fwd_kernel[grid](
+    if AUTOTUNE and T > SHORT and not interpreting():
+        kernel, cfg = TUNED[tile_family(q.dtype, solver, G)], {}
+    else:
+        kernel, cfg = lla_fwd_kernel, forward_blocks(T, q.dtype, solver, G)
+    kernel[lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), B * HQ)](
         q, k, v, lam4, o, rho, delta, m2, argmax, omega, centre,
         *q.stride(), *k.stride(), *v.stride(), *lam4.stride(), *o.stride(),
         T, S, HQ, HQ // H, D, DV, D // G, scale * LOG2E, cg_iters, cg_tol ** 2,
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=block_d, BLOCK_DV=head_block(DV),
-        WINDOW=window or 0, SOLVER=solver, G=kernel_blocks, DPREC=dot_precision(q.dtype),
-        MPREC=moment_precision(q.dtype),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        BLOCK_D=block_d, BLOCK_DV=head_block(DV), WINDOW=window or 0, SOLVER=solver, G=kernel_blocks,
+        DPREC=dot_precision(q.dtype), MPREC=moment_precision(q.dtype), **cfg)
     return o, rho, delta, m2, argmax, omega, centre
