@@ -82,6 +82,9 @@ VARLEN = dict(causal=True, window=700, cu_seqlens=[0, 1, 1000, 1000, 3001, 4096]
     pytest.param(FP16, "ieee", (1, 4096, 4, 2, 128), VARLEN, id="fp16-d128-causal-window-varlen"),
     pytest.param(FP16, "ieee", (1, 4096, 4, 2, 128), dict(causal=True), id="fp16-d128-causal"),
     pytest.param(FP16, "ieee", (1, 4096, 4, 2, 64), VARLEN, id="fp16-d64-causal-window-varlen"),
+    pytest.param(FP16, "ieee", (1, 4096, 4, 2, 128), dict(causal=True, num_splits=1), id="fp16-d128-causal-nosplit"),
+    pytest.param(FP32, "ieee", (1, 4096, 4, 2, 128), dict(causal=True), id="ieee-d128-causal"),
+    pytest.param(BF16, "ieee", (1, 4096, 4, 2, 128), dict(causal=True), id="bf16-d128-causal"),
     pytest.param(BF16, "ieee", (2, 4096, 8, 4, 64), {}, id="bf16-gqa-d64"),
 ])
 def test_forward_backward(dtype, precision, shape, kw):
