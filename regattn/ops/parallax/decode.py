@@ -102,6 +102,12 @@ def _parallax_decode_kernel(
     per_split = tl.cdiv(tl.cdiv(tl.maximum(hi - lo, 0), BLOCK_N), NUM_SPLITS) * BLOCK_N
     start = lo + split * per_split
     end = tl.minimum(hi, start + per_split)
+    # key tiles every real row of this tile sees whole, [full_lo, full_hi): the first row's causal end, the
+    # last row's window start; a non-finite value there reaches only rows that see it anyway
+    full_hi = tl.minimum(klen, t0 + off + 1)
+    full_lo = 0
+    if HAS_WINDOW:
+        full_lo = tl.minimum(t0 + BLOCK_T, TN) - 1 + off - window + 1
 
     m_i = tl.full([HALF], float("-inf"), tl.float32)
     d1 = tl.zeros([HALF], tl.float32)
@@ -126,7 +132,11 @@ def _parallax_decode_kernel(
         d1 = d1 * alpha + tl.sum(p1, 1)
         d2 = d2 * alpha + tl.sum(p2, 1)
         pp = _stack_rows(p1, p2)
-        acc = contained_dot(acc * _stack_vec(alpha)[:, None], pp, v, _stack_rows(seen, seen), PRECISION)
+        acc = acc * _stack_vec(alpha)[:, None]
+        if (j0 >= full_lo) & (j0 + BLOCK_N <= full_hi):
+            acc = tl.dot(pp.to(v.dtype), v, acc, input_precision=PRECISION)
+        else:  # a partly visible tile: a non-finite value reaches only the rows that see its key
+            acc = contained_dot(acc, pp, v, _stack_rows(seen, seen), PRECISION)
         m_i = m_new
 
     orow = tl.arange(0, HALF)
