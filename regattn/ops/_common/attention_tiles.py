@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from regattn.ops._common.ints import ceil_div, next_pow2
+
 LOG2E = 1.4426950408889634
 
 # Per-kind launch settings that replace the heuristics of :func:`attention_blocks` (for tuning sweeps),
@@ -166,9 +168,9 @@ def row_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     D = a.shape[-1]
     a2, b2 = a.reshape(-1, D), b.reshape(-1, D)
     out = torch.empty(a2.shape[0], device=a.device, dtype=torch.float32)
-    block_d = triton.next_power_of_2(D)
+    block_d = next_pow2(D)
     block_r = max(1, min(64, 4096 // block_d))
-    _row_dot_kernel[(triton.cdiv(a2.shape[0], block_r),)](a2, b2, out, a2.shape[0], D, a2.stride(0), b2.stride(0),
+    _row_dot_kernel[(ceil_div(a2.shape[0], block_r),)](a2, b2, out, a2.shape[0], D, a2.stride(0), b2.stride(0),
                                                         BLOCK_R=block_r, BLOCK_D=block_d)
     return out.view(a.shape[:-1])
 
@@ -179,7 +181,7 @@ def interpreting() -> bool:
 
 def head_block(d: int) -> int:
     """Padded head dim: a power of two >= 16 (``tl.dot`` needs it); masks cover the padding."""
-    return max(16, triton.next_power_of_2(d))
+    return max(16, next_pow2(d))
 
 
 def dot_precision(dtype: torch.dtype) -> str:

@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from regattn.ops._common.attention_tiles import head_block, interpreting
+from regattn.ops._common.ints import ceil_div
 
 
 @triton.jit
@@ -70,7 +71,7 @@ def cdp_forward(b, c, v, log2g, *, reverse: bool = False) -> torch.Tensor:
     D = v.shape[-1]
     cfg = cdp_blocks(R, D)
     o = torch.empty_like(v)
-    grid = (triton.cdiv(D, cfg["BD"]), B * H)
+    grid = (ceil_div(D, cfg["BD"]), B * H)
     _cdp_kernel[grid](
         b, c, v, o, log2g,
         b.stride(0), b.stride(1), b.stride(2), c.stride(0), c.stride(1), c.stride(2),

@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from regattn.ops._common.attention_tiles import dot_precision, head_block, interpreting
+from regattn.ops._common.ints import ceil_div
 from regattn.ops.decay.tiles import decay_into, decay_matrix, decay_out_of
 
 
@@ -93,7 +94,7 @@ def fleet_forward(b, c, v, log2g, *, reverse: bool = False) -> torch.Tensor:
     cfg = fleet_blocks(R, D)
     o = torch.empty_like(v)
     prefix = torch.zeros(B * H, R, D, device=v.device, dtype=torch.float32)
-    grid = (triton.cdiv(D, cfg["BD"]), B * H)
+    grid = (ceil_div(D, cfg["BD"]), B * H)
     _fleet_kernel[grid](
         b, c, v, o, prefix, log2g,
         b.stride(0), b.stride(1), b.stride(2), c.stride(0), c.stride(1), c.stride(2),

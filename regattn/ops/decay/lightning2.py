@@ -33,6 +33,7 @@ import triton.language as tl
 
 from regattn.ops._common.attention_tiles import dot_precision, head_block, interpreting
 from regattn.ops._common.checks import sm_count
+from regattn.ops._common.ints import ceil_div
 from regattn.ops.decay.tiles import decay_into, decay_matrix, decay_out_of
 
 LOG2E = 1.4426950408889634
@@ -164,7 +165,7 @@ def plan_segments(B: int, H: int, T: int, n_dblocks: int, BT: int, device: torch
     n_seg = min(want, most)
     if n_seg == 1:
         return T
-    return triton.cdiv(triton.cdiv(T, n_seg), BT) * BT
+    return ceil_div(ceil_div(T, n_seg), BT) * BT
 
 
 @dataclass
@@ -184,7 +185,7 @@ def _launch(b, c, v, log2g, o, local, seg, n_seg, reverse, chain, write_o, write
     B, T, H, R = b.shape
     D = v.shape[-1]
     rows = B if state.cu_seqlens is None else state.cu_seqlens.numel() - 1
-    grid = (triton.cdiv(D, cfg["BD"]), n_seg, rows * H)
+    grid = (ceil_div(D, cfg["BD"]), n_seg, rows * H)
     write_final = state.final is not None and write_o
     _lightning2_kernel[grid](
         b, c, v, o, local, state.initial, state.final if write_final else None, state.cu_seqlens, log2g,
@@ -221,8 +222,8 @@ def lightning2_forward(b, c, v, log2g, *, reverse: bool = False, segment: int | 
     final = torch.empty(rows, H, R, D, device=v.device, dtype=torch.float32) if output_final_state else None
     state = StateArgs(initial_state, final, cu_seqlens, init_pow, final_pow)
     seg = T if cu_seqlens is not None else (
-        segment or plan_segments(B, H, T, triton.cdiv(D, cfg["BD"]), cfg["BT"], v.device, cfg["waves"]))
-    n_seg = triton.cdiv(T, seg)
+        segment or plan_segments(B, H, T, ceil_div(D, cfg["BD"]), cfg["BT"], v.device, cfg["waves"]))
+    n_seg = ceil_div(T, seg)
     if n_seg == 1:
         _launch(b, c, v, log2g, o, None, T, 1, reverse, False, True, False, cfg, state)
     else:

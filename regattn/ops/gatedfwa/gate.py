@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from regattn.ops._common.attention_tiles import interpreting
+from regattn.ops._common.ints import ceil_div, next_pow2
 
 SCANS = ("one_pass", "scan_then_propagate", "chunked")
 
@@ -215,10 +216,10 @@ def gate_blocks(num_heads: int, scan: str) -> tuple[int, int]:
     """``(BLOCK_T, BLOCK_H)``: small tiles in the interpreter; on a GPU narrow head blocks, so the
     one-pass scan still launches one program per few (batch, head) rows."""
     if interpreting():
-        return 16, min(16, triton.next_power_of_2(num_heads))
+        return 16, min(16, next_pow2(num_heads))
     if scan == "one_pass":
-        return 1024, min(4, triton.next_power_of_2(num_heads))
-    return 1024, min(16, triton.next_power_of_2(num_heads))
+        return 1024, min(4, next_pow2(num_heads))
+    return 1024, min(16, next_pow2(num_heads))
 
 
 def chunked_blocks(num_heads: int, numel: int) -> tuple[int, int]:
@@ -226,8 +227,8 @@ def chunked_blocks(num_heads: int, numel: int) -> tuple[int, int]:
     bytes), and 2048 elements a tile (16 KiB of h and beta in flight per program), 512 (4 KiB) for inputs
     under 2**20 elements so that they still spread over many programs."""
     if interpreting():
-        return 16, min(16, triton.next_power_of_2(num_heads))
-    block_h = min(64, triton.next_power_of_2(num_heads))
+        return 16, min(16, next_pow2(num_heads))
+    block_h = min(64, next_pow2(num_heads))
     return max(1, (2048 if numel >= 1 << 20 else 512) // block_h), block_h
 
 
@@ -235,7 +236,7 @@ def _chunked_launch(h, blocks):
     """``(grid, state, n_chunks, n_head_blocks, tiles)``: the state starts zeroed (no chunk published, ticket 0)."""
     B, T, NH = h.shape
     BT, BH = blocks or chunked_blocks(NH, h.numel())
-    n_chunks, n_head_blocks = triton.cdiv(T, BT), triton.cdiv(NH, BH)
+    n_chunks, n_head_blocks = ceil_div(T, BT), ceil_div(NH, BH)
     state = torch.zeros(1 + B * n_chunks * NH, device=h.device, dtype=torch.int64)
     tiles = dict(BLOCK_T=BT, BLOCK_H=BH, LOOK=LOOK_BACK)
     return (B * n_chunks * n_head_blocks,), state, n_chunks, n_head_blocks, tiles
@@ -256,12 +257,12 @@ def gate_forward(h, beta, eps, scan="one_pass", blocks=None):
         return u
     BT, BH = blocks or gate_blocks(NH, scan)
     if scan == "one_pass":
-        _gate_one_pass_kernel[(B, triton.cdiv(NH, BH))](h, beta, u, T, NH, eps, *_strides(h), *_strides(beta),
+        _gate_one_pass_kernel[(B, ceil_div(NH, BH))](h, beta, u, T, NH, eps, *_strides(h), *_strides(beta),
                                                         *_strides(u), BLOCK_T=BT, BLOCK_H=BH)
         return u
-    n_tiles = triton.cdiv(T, BT)
+    n_tiles = ceil_div(T, BT)
     sums = torch.empty(B, n_tiles, NH, device=h.device, dtype=torch.float32)
-    grid = (n_tiles, B, triton.cdiv(NH, BH))
+    grid = (n_tiles, B, ceil_div(NH, BH))
     _gate_tile_sums_kernel[grid](h, beta, sums, T, NH, eps, *_strides(h), *_strides(beta), sums.stride(0),
                                  sums.stride(1), BLOCK_T=BT, BLOCK_H=BH)
     offsets = torch.cumsum(sums, dim=1) - sums  # exclusive scan over the tile sums
@@ -283,7 +284,7 @@ def gate_backward(du, h, beta, eps, blocks=None, scan="one_pass"):
                                        *_strides(h), *_strides(beta), *_strides(du), **tiles)
         return dh, dbeta
     BT, BH = blocks or gate_blocks(NH, "one_pass")
-    _gate_bwd_kernel[(B, triton.cdiv(NH, BH))](h, beta, du, dh, dbeta, T, NH, eps, *_strides(h), *_strides(beta),
+    _gate_bwd_kernel[(B, ceil_div(NH, BH))](h, beta, du, dh, dbeta, T, NH, eps, *_strides(h), *_strides(beta),
                                                *_strides(du), BLOCK_T=BT, BLOCK_H=BH)
     return dh, dbeta
 

@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from regattn.ops._common.attention_tiles import LOG2E, dot_precision, head_block, interpreting
+from regattn.ops._common.ints import ceil_div
 from regattn.ops.lla.forward import lam_tensor, moment_precision
 from regattn.ops.lla.tiles import (
     cg_solve, load_cols, load_rows, one_minus_a, pair_moments, pair_solve, query_head, query_key_tiles, relmm_tile,
@@ -313,12 +314,12 @@ def lla_backward(do, q, k, v, lam, rho, delta, m2, argmax, omega, centre, *, sca
     common = dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=head_block(D), BLOCK_DV=head_block(DV),
                   WINDOW=window or 0, BD=bd, DPREC=dot_precision(q.dtype), num_warps=cfg["num_warps"],
                   num_stages=cfg["num_stages"])
-    lla_bwd_q_kernel[(triton.cdiv(T, cfg["BLOCK_M"]), B * HQ)](
+    lla_bwd_q_kernel[(ceil_div(T, cfg["BLOCK_M"]), B * HQ)](
         q, k, v, lam4, do, rho, delta, m2, omega, centre, dq, u, beta, dm,
         *q.stride(), *k.stride(), *v.stride(), *lam4.stride(), *do.stride(),
         T, S, HQ, HQ // H, D, DV, scale, scale * LOG2E, cg_iters, cg_tol ** 2, MPREC=moment_precision(q.dtype),
         **common)
-    lla_bwd_kv_kernel[(triton.cdiv(S, cfg["BLOCK_N"]), B * H)](
+    lla_bwd_kv_kernel[(ceil_div(S, cfg["BLOCK_N"]), B * H)](
         q, k, v, do, rho, u, delta, m2, omega, centre, beta, dk, dv,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(),
         T, S, HQ, H, HQ // H, D, DV, scale, scale * LOG2E, **common)

@@ -16,6 +16,7 @@ import triton.language as tl
 from regattn.ops._common.attention_tiles import (
     LOG2E, dot_precision, head_block, interpreting, online_softmax_step, visible_mask,
 )
+from regattn.ops._common.ints import ceil_div, next_pow2
 from regattn.ops.lla.tiles import (
     block_columns, cg_solve, guarded_denominator, halves_dot, load_cols, load_rows, pair_moments, pair_solve,
     query_head, query_key_tiles, smallest_ridge, split_dot, split_halves, square_moments, tile_weights,
@@ -147,8 +148,8 @@ def column_blocks(D: int, G: int) -> tuple[int, int]:
     of two (see ``tiles.block_columns``), ``BLOCK_D >= 16``."""
     if G == 1:
         return 1, head_block(D)
-    blocks = triton.next_power_of_2(G)
-    return blocks, max(16, blocks * triton.next_power_of_2(D // G))
+    blocks = next_pow2(G)
+    return blocks, max(16, blocks * next_pow2(D // G))
 
 
 def moment_precision(dtype: torch.dtype) -> str:
@@ -188,7 +189,7 @@ def forward_blocks(T: int, dtype: torch.dtype, solver: int = SOLVER_CG, G: int =
     if interpreting():
         return dict(BLOCK_M=16, BLOCK_N=16, num_warps=1, num_stages=1)
     cfg = forward_tiles(dtype, solver, G)[0]
-    cfg["BLOCK_M"] = min(cfg["BLOCK_M"], max(16, triton.next_power_of_2(T)))
+    cfg["BLOCK_M"] = min(cfg["BLOCK_M"], max(16, next_pow2(T)))
     return cfg
 
 
@@ -223,7 +224,7 @@ def lla_forward(q, k, v, lam, *, scale: float, window, blocks, cg_iters: int, cg
         kernel, cfg = TUNED[tile_family(q.dtype, solver, G)], {}
     else:
         kernel, cfg = lla_fwd_kernel, forward_blocks(T, q.dtype, solver, G)
-    kernel[lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), B * HQ)](
+    kernel[lambda meta: (ceil_div(T, meta["BLOCK_M"]), B * HQ)](
         q, k, v, lam4, o, rho, delta, m2, argmax, omega, centre,
         *q.stride(), *k.stride(), *v.stride(), *lam4.stride(), *o.stride(),
         T, S, HQ, HQ // H, D, DV, D // G, scale * LOG2E, cg_iters, cg_tol ** 2,

@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from regattn.ops._common.ints import ceil_div
 from regattn.ops.parallax.tiles import (
     LOG2E, contained_dot, dot_precision, group_pad, head_block, interpreting, key_range, load_row_scalars, packed_rows,
     program_tile, query_range, tile_config, visible, visible_t,
@@ -257,7 +258,7 @@ def parallax_bwd(do, q, r, k, v, o, vbar, tbar, m, l, *, causal: bool, window, s
     tau, beta, lse = scalars[0], scalars[1], scalars[2]
     n_rows = B * T * HQ
     block = 16 if interpreting() else 64
-    _row_scalars_kernel[(triton.cdiv(n_rows, block),)](o, vbar, do, m, l, tau, beta, lse, n_rows, T, HQ, Dv,
+    _row_scalars_kernel[(ceil_div(n_rows, block),)](o, vbar, do, m, l, tau, beta, lse, n_rows, T, HQ, Dv,
                                                        BLOCK=block, BLOCK_DV=head_block(Dv))
     # q, r, dq, dr share one layout; so do k, dk and v, dv
     q, r = q.contiguous(), r.contiguous()
@@ -279,8 +280,8 @@ def parallax_bwd(do, q, r, k, v, o, vbar, tbar, m, l, *, causal: bool, window, s
                     VARLEN=cu_seqlens is not None, PRECISION=dot_precision(q.dtype), num_warps=cfg["num_warps"],
                     num_stages=cfg["num_stages"])
 
-    _parallax_bwd_dq_kernel[(triton.cdiv(max(rows, 1), cfg_dq["BLOCK_M"] // GP), n_seq * H)](
+    _parallax_bwd_dq_kernel[(ceil_div(max(rows, 1), cfg_dq["BLOCK_M"] // GP), n_seq * H)](
         q, r, k, v, do, dq, dr, lse, tau, beta, tbar, cu, *strides, *common, **meta(cfg_dq))
-    _parallax_bwd_dk_kernel[(triton.cdiv(max(keys, 1), cfg_dk["BLOCK_N"]), n_seq * H)](
+    _parallax_bwd_dk_kernel[(ceil_div(max(keys, 1), cfg_dk["BLOCK_N"]), n_seq * H)](
         q, r, k, v, do, dk, dv, lse, tau, beta, tbar, cu, *strides, *common, **meta(cfg_dk))
     return dq, dr, dk, dv

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from regattn.ops._common.checks import sm_count
+from regattn.ops._common.ints import ceil_div, next_pow2
 from regattn.ops.parallax.tiles import (
     LOG2E, contained_dot, dot_precision, group_pad, head_block, interpreting, tile_config, visible,
 )
@@ -188,7 +189,7 @@ def _counters(n: int, device) -> torch.Tensor:
 def decode_config(Tn: int, D: int, Dv: int, groups: int, dtype) -> dict:
     """Row tile (``HALF`` query rows over ``HALF`` probe rows) and key tile for the decode kernel."""
     gp = group_pad(groups)
-    half = max(8, min(triton.next_power_of_2(Tn * gp), 16), gp)
+    half = max(8, min(next_pow2(Tn * gp), 16), gp)
     if interpreting():
         return dict(BLOCK_M=2 * half, BLOCK_N=16, num_warps=4, num_stages=1)
     return dict(BLOCK_M=2 * half, **tile_config(max(D, Dv), "decode_chunk" if half > 8 else "decode", dtype))
@@ -212,9 +213,9 @@ def decode_launch(B: int, Tn: int, HQ: int, H: int, D: int, Dv: int, keys: int, 
     per shape (``interpret`` keys the interpreter's small tiles)."""
     G = HQ // H
     cfg = decode_config(Tn, D, Dv, G, dtype)
-    n_row_tiles = triton.cdiv(Tn, cfg["BLOCK_M"] // 2 // group_pad(G))
+    n_row_tiles = ceil_div(Tn, cfg["BLOCK_M"] // 2 // group_pad(G))
     programs = B * H * n_row_tiles
-    return cfg, n_row_tiles, programs, choose_splits(programs, triton.cdiv(keys, cfg["BLOCK_N"]), sms)
+    return cfg, n_row_tiles, programs, choose_splits(programs, ceil_div(keys, cfg["BLOCK_N"]), sms)
 
 
 def parallax_decode_fwd(q, r, k_cache, v_cache, *, cache_seqlens=None, window=None, scale: float,
@@ -235,7 +236,7 @@ def parallax_decode_fwd(q, r, k_cache, v_cache, *, cache_seqlens=None, window=No
                                                    sm_count(q.device), interpreting())
     if config:
         cfg = dict(cfg, **config)
-        n_row_tiles = triton.cdiv(Tn, cfg["BLOCK_M"] // 2 // GP)
+        n_row_tiles = ceil_div(Tn, cfg["BLOCK_M"] // 2 // GP)
         programs = B * H * n_row_tiles
     ns = num_splits or ns
     half = cfg["BLOCK_M"] // 2

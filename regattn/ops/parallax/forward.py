@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from regattn.ops._common.ints import ceil_div
 from regattn.ops.parallax.tiles import (
     LOG2E, dot_precision, group_pad, head_block, interpreting, key_range, packed_rows, program_tile, tile_config,
     visible,
@@ -141,7 +142,7 @@ def parallax_fwd(q, r, k, v, *, causal: bool, window, scale: float, cu_seqlens=N
         n_seq, rows = B, T
     else:
         n_seq, rows = cu_seqlens.numel() - 1, max_seqlen
-    grid = (triton.cdiv(max(rows, 1), block_t), n_seq * H)
+    grid = (ceil_div(max(rows, 1), block_t), n_seq * H)
     _parallax_fwd_kernel[grid](
         q, r, k, v, o, vbar, tbar, m, l, cu_seqlens if cu_seqlens is not None else q,
         q.stride(0), q.stride(1), q.stride(2), r.stride(0), r.stride(1), r.stride(2),

@@ -14,6 +14,7 @@ import triton.language as tl
 from regattn.ops._common.attention_tiles import (  # noqa: F401
     LOG2E, contained_dot, dot_precision, head_block, interpreting,
 )
+from regattn.ops._common.ints import next_pow2
 
 
 def _row(fwd, dq, dk, decode, decode_chunk) -> dict[str, dict]:
@@ -50,7 +51,7 @@ FP32_TILES: dict[str, dict] = dict(fwd=dict(BLOCK_M=64, BLOCK_N=32, num_warps=4,
 def table_head_dim(head_dim: int) -> int:
     """The :data:`TILES` key of a head dim: its power-of-two padding, at least 32 (wider dims take the
     widest row)."""
-    return min(max(32, triton.next_power_of_2(head_dim)), max(TILES))
+    return min(max(32, next_pow2(head_dim)), max(TILES))
 
 
 def tile_config(head_dim: int, kind: str, dtype=None) -> dict:
@@ -62,7 +63,7 @@ def tile_config(head_dim: int, kind: str, dtype=None) -> dict:
 
 def group_pad(groups: int) -> int:
     """``G`` rounded up to a power of two."""
-    return triton.next_power_of_2(groups)
+    return next_pow2(groups)
 
 
 @triton.jit

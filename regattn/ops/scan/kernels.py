@@ -31,6 +31,7 @@ from regattn.ops._common.attention_tiles import (
     row_dot, softmax_finish, visible_mask,
 )
 from regattn.ops._common.checks import longest_sequence, sm_count
+from regattn.ops._common.ints import ceil_div
 
 
 # ----------------------------------------------------------------------------- shared tile pieces
@@ -568,7 +569,7 @@ def auto_splits(batch_heads: int, T: int, device: torch.device) -> int:
     if interpreting() or device.type != "cuda":
         return 1
     sms = sm_count(device)
-    tiles = batch_heads * triton.cdiv(T, 128)
+    tiles = batch_heads * ceil_div(T, 128)
     n = 1
     while tiles * n < 2 * sms and n < 16:
         n *= 2
@@ -606,7 +607,7 @@ def forward(q, k, v, *, causal, window, scale, precision, cu_seqlens, num_splits
     prec = dot_precision(q.dtype, precision)
     fam = _family(q.dtype, precision)
     _launch(FWD_CONFIGS[fam], _FWD_TUNED[fam], _fwd_kernel,
-            lambda meta: (triton.cdiv(max_rows, meta["BLOCK_M"]), nseq * HQ, num_splits),
+            lambda meta: (ceil_div(max_rows, meta["BLOCK_M"]), nseq * HQ, num_splits),
             q, k, v, o, lse, ws_m, ws_l, ws_acc, cu, *_strides(q), *_strides(k), *_strides(v), *_strides(o),
             rows, S, HQ, HQ // H, scale * LOG2E, ws_stride,
             D=D, DV=DV, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, CAUSAL=causal, WINDOW=window or 0,
@@ -614,7 +615,7 @@ def forward(q, k, v, *, causal, window, scale, precision, cu_seqlens, num_splits
             **_numerics(q.dtype, precision))
     if num_splits > 1:
         block = max(1, min(64, 8192 // (num_splits * BLOCK_DV)))
-        _merge_kernel[(triton.cdiv(max_rows, block), nseq * HQ)](
+        _merge_kernel[(ceil_div(max_rows, block), nseq * HQ)](
             ws_m, ws_l, ws_acc, o, lse, cu, *_strides(o), rows, HQ, ws_stride,
             DV=DV, BLOCK_DV=BLOCK_DV, BLOCK_M=block, VARLEN=varlen, NSPLIT=num_splits,
             LOG_NSPLIT=num_splits.bit_length() - 1, STORE_LSE=need_lse)
@@ -643,11 +644,11 @@ def backward(do, q, k, v, o, lse, *, causal, window, scale, precision, cu_seqlen
                 VARLEN=varlen, PREC=prec, ROUND_TF32=_numerics(q.dtype, precision)["ROUND_TF32"])
     common = (T, S, HQ, HQ // H, scale * LOG2E, scale)
     _launch(BWD_CONFIGS[bfam], _DKDV_TUNED[bfam], _bwd_dkdv_kernel,
-            lambda m: (triton.cdiv(max_s or S, m["BLOCK_N"]), nseq * HQ),
+            lambda m: (ceil_div(max_s or S, m["BLOCK_N"]), nseq * HQ),
             q, k, v, do, lse, delta, dk, dv, cu, *_strides(q), *_strides(k), *_strides(v), *_strides(do),
             *_strides(dk), *_strides(dv), *common, streamed="M", **meta)
     _launch(BWD_CONFIGS[bfam], _DQ_TUNED[bfam], _bwd_dq_kernel,
-            lambda m: (triton.cdiv(max_t or T, m["BLOCK_M"]), nseq * HQ),
+            lambda m: (ceil_div(max_t or T, m["BLOCK_M"]), nseq * HQ),
             q, k, v, do, lse, delta, dq, cu, *_strides(q), *_strides(k), *_strides(v), *_strides(do),
             *_strides(dq), *common, streamed="N", **meta)
     if HQ != H:
