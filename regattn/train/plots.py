@@ -53,24 +53,30 @@ def plot_curves(runs_by_label: dict[str, list[dict]], path: str, *, title: str =
     _save(plt, fig, path)
 
 
-def plot_scaling(rows: list[dict], path: str, *, title: str = "") -> None:
-    """Training loss against the step of each scaling row (:mod:`regattn.train.scaling`): a panel per mixer,
-    a line per number of processes."""
+def plot_scaling(rows: list[dict], path: str, *, seq_len: int, title: str = "") -> None:
+    """Training loss of each scaling row (:mod:`regattn.train.scaling`), a column per mixer and a line per
+    number of processes: against the step (top) and against the tokens trained on (bottom; N processes
+    take N times the sequences a step)."""
     from regattn.train.scaling import processes
 
     plt = _pyplot()
     mixers = list(dict.fromkeys(r["mixer"] for r in rows))
-    fig, axes = plt.subplots(1, max(1, len(mixers)), figsize=(4 * max(1, len(mixers)), 3.4), squeeze=False)
-    for ax, mixer in zip(axes[0], mixers):
+    fig, axes = plt.subplots(2, max(1, len(mixers)), figsize=(4 * max(1, len(mixers)), 6.4), squeeze=False)
+    for column, mixer in enumerate(mixers):
         for r in rows:
-            if r["mixer"] == mixer and "history" in r:
-                train = r["history"]["train"]
-                ax.plot([t["step"] for t in train], [t["loss"] for t in train], label=processes(r["world_size"]))
-        ax.set_title(mixer)
-        ax.set_xlabel("step")
-        ax.set_ylabel("train loss")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+            if r["mixer"] != mixer or "history" not in r:
+                continue
+            train = r["history"]["train"]
+            per_step = r["batch_size_per_rank"] * r["world_size"] * seq_len / 1e6
+            losses = [t["loss"] for t in train]
+            axes[0, column].plot([t["step"] for t in train], losses, label=processes(r["world_size"]))
+            axes[1, column].plot([t["step"] * per_step for t in train], losses, label=processes(r["world_size"]))
+        axes[0, column].set_title(mixer)
+        for ax, xlabel in zip(axes[:, column], ("step", "tokens (millions)")):
+            ax.set_xlabel(xlabel)
+            ax.set_ylabel("train loss")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
     fig.suptitle(title)
     _save(plt, fig, path)
 

@@ -23,7 +23,8 @@ Writes ``--out`` (default ``benchmarks/results/<device>x<N>/scaling.json``), one
 of processes: tokens per second (all ranks; lm's steady rate, the median over the log intervals but the
 first), speedup = tokens/s(N) / tokens/s(1), efficiency = speedup / N, peak memory per rank (MiB; None on
 the CPU), the final training loss, the validation perplexity and the loss curves. Beside it the table
-(``.md``) and the training loss of 1 and N processes, a panel per mixer (``-curves.png``). Rows of other
+(``.md``) and the training loss of 1 and N processes against steps and tokens, a column per mixer
+(``-curves.png``). Rows of other
 mixers in a file already there with the same configuration are kept, so the mixers may be run one
 command at a time; the files are written again after each mixer. A run that fails is recorded with its
 exit status; the command then exits 1.
@@ -235,8 +236,9 @@ def write_outputs(result: dict, out: str) -> list[str]:
     write_result(out, result)
     with open(stem + ".md", "w") as f:
         f.write(table(result))
-    plot_scaling(result["rows"], stem + "-curves.png", title=f"decoder LM, training loss on 1 and "
-                 f"{result['config']['nproc']} processes ({result['machine']['name']})")
+    plot_scaling(result["rows"], stem + "-curves.png", seq_len=result["config"]["lm"]["seq_len"],
+                 title=f"decoder LM, training loss on 1 and {result['config']['nproc']} processes "
+                       f"({result['machine']['name']})")
     return [out, stem + ".md", stem + "-curves.png"]
 
 
