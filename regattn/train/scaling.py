@@ -24,10 +24,9 @@ of processes: tokens per second (all ranks; lm's steady rate, the median over th
 first), speedup = tokens/s(N) / tokens/s(1), efficiency = speedup / N, peak memory per rank (MiB; None on
 the CPU), the final training loss, the validation perplexity and the loss curves. Beside it the table
 (``.md``) and the training loss of 1 and N processes against steps and tokens, a column per mixer
-(``-curves.png``). Rows of other
-mixers in a file already there with the same configuration are kept, so the mixers may be run one
-command at a time; the files are written again after each mixer. A run that fails is recorded with its
-exit status; the command then exits 1.
+(``-curves.png``). Rows of other mixers in a file already there with the same configuration are kept, so
+the mixers may be run one command at a time; the files are written again after each mixer. A run that
+fails is recorded with its exit status; the command then exits 1.
 
 NVLink multicast stays off in the runs' environment (NCCL, PyTorch symmetric memory, NVSHMEM): a job that
 uses it can take a shared host's GPUs out of service.
@@ -86,7 +85,7 @@ def parse_args(argv=None) -> Plan:
     p.add_argument("--mixers", default=",".join(MIXERS), help="comma-separated mixers, each in every layer")
     p.add_argument("--nproc", type=int, default=2, help="processes (GPUs) of the distributed runs")
     p.add_argument("--resume-check", action="store_true",
-                   help="stop each N-process run at half its steps and resume it from its checkpoint on N and 1 processes")
+                   help="stop each N-process run at half its steps and resume its checkpoint on N and on 1 process")
     p.add_argument("--tiny", action="store_true", help="a tiny model for a few steps (checks the harness)")
     p.add_argument("--out", default=None, help="result JSON (default benchmarks/results/<device>x<N>/scaling.json)")
     args, rest = p.parse_known_args(argv)

@@ -330,7 +330,8 @@ def test_autotuned_launch_matches_the_fixed_tile(dtype, blocks, monkeypatch):
     args = dict(scale=D ** -0.5, window=13, blocks=blocks, cg_iters=6, cg_tol=0.0)
     fixed = lla_forward(q, k, v, 0.3, **args)
     monkeypatch.setattr(forward, "interpreting", lambda: False)
-    monkeypatch.setattr(forward, "TUNED", forward.tuned_kernels({key: [(16, 16, 1, 1)] for key in forward.FORWARD_TILES}))
+    one_tile = {family: [(16, 16, 1, 1)] for family in forward.FORWARD_TILES}
+    monkeypatch.setattr(forward, "TUNED", forward.tuned_kernels(one_tile))
     tuned = lla_forward(q, k, v, 0.3, **args)
     for a, b in zip(fixed, tuned, strict=True):
         assert torch.equal(a, b)

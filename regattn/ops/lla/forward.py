@@ -195,8 +195,9 @@ def forward_blocks(T: int, dtype: torch.dtype, solver: int = SOLVER_CG, G: int =
 
 def tuned_kernels(tiles: dict) -> dict:
     """The forward kernel autotuned over each list of ``tiles`` (as :data:`FORWARD_TILES`), by family."""
+    key = ["D", "DV", "WINDOW", "SOLVER", "G"]
     return {family: triton.autotune([triton.Config(dict(BLOCK_M=m, BLOCK_N=n), num_warps=w, num_stages=s)
-                                     for m, n, w, s in configs], key=["D", "DV", "WINDOW", "SOLVER", "G"])(lla_fwd_kernel)
+                                     for m, n, w, s in configs], key=key)(lla_fwd_kernel)
             for family, configs in tiles.items()}
 
 
