@@ -336,3 +336,20 @@ def test_autotuned_launch_matches_the_fixed_tile(dtype, blocks, monkeypatch):
     for a, b in zip(fixed, tuned, strict=True):
         assert torch.equal(a, b)
 
+
+
+@pytest.mark.parametrize("blocks,bd", [(None, 0), (36, 2)], ids=["cg", "pairs"])
+def test_autotuned_backward_matches_the_fixed_tile(blocks, bd, monkeypatch):
+    """fp16/bf16 beyond D = 64 a GPU launches the autotuned backward kernels (tiles by meta-parameters, grids
+    by tile rows): with one interpreter-sized tile per list they give the fixed launch's gradients exactly."""
+    from regattn.ops.lla import backward
+    T, D = 20, 72
+    q, k, v, do = (randn(1, T, 2, D, dtype=torch.float16) for _ in range(4))
+    args = dict(scale=D ** -0.5, window=9, cg_iters=4, cg_tol=0.0)
+    saved = lla_forward(q, k, v, 0.3, blocks=blocks, **args)[1:]
+    fixed = backward.lla_backward(do, q, k, v, 0.3, *saved, lam_grad=False, bd=bd, **args)
+    monkeypatch.setattr(backward, "interpreting", lambda: False)
+    monkeypatch.setattr(backward, "TUNED", backward.tuned_kernels({False: [(16, 16, 1, 1)], True: [(16, 16, 1, 1)]}))
+    tuned = backward.lla_backward(do, q, k, v, 0.3, *saved, lam_grad=False, bd=bd, **args)
+    for a, b in zip(fixed[:3], tuned[:3], strict=True):
+        assert torch.equal(a, b)

@@ -265,13 +265,20 @@ def lla_bwd_kv_kernel(Q, K, V, DO, RHO, U, DELTA, M2, OMEGA, CENTRE, BETA, DK, D
     tl.store(dv_ptrs, dv, mask=col_ok[None, :] & (offs_dv < DV)[:, None])
 
 
+# fp16/bf16 tiles (BLOCK_M, BLOCK_N, num_warps, num_stages) beyond D = 64 that the autotuner times on a GPU,
+# for full LLA (False) and the block-diagonal variants (True); the first is the fixed tile (AUTOTUNE off).
+# The sm_90 compile at D = 128, bf16 (stack bytes of the q and kv kernels): CG 1768 / 1712 at 64 x 64 on 8
+# warps, 0 / 352 at 32 x 32 on 8; 2 x 2 blocks 4504 / 18048 at 32 x 32 on 4 warps, 1288 / 7704 at 32 x 16 on
+# 8; 1 x 1 blocks 1768 / 13256 and 416 / 5080. The forward's spill-free 32-row tile was the slower one on the
+# H100 (see forward.FORWARD_TILES), so the former tiles are timed beside these.
+BACKWARD_TILES = {False: [(32, 32, 8, 1), (64, 64, 8, 1)], True: [(32, 16, 8, 1), (32, 32, 4, 1)]}
+AUTOTUNE = True
+
+
 def backward_blocks(D: int, dtype: torch.dtype, bd: int) -> dict:
-    """Tile sizes: 16 in the interpreter; on a GPU 32 x 32 for fp32 (16 x 16 with the block-diagonal
-    variants' second moments); for fp16/bf16 at D <= 64 64 x 64 (32 x 32 block-diagonal) on 4 warps, and
-    beyond 32-row tiles on 8 warps, 32 keys (16 block-diagonal). The sm_90 compile at D = 128, bf16
-    (stack bytes of the q and kv kernels): CG 1768 / 1712 at 64 x 64 on 8 warps, 0 / 352 at 32 x 32 on 8;
-    2 x 2 blocks 4504 / 18048 at 32 x 32 on 4 warps, 1288 / 7704 at 32 x 16 on 8; 1 x 1 blocks 1768 / 13256
-    and 416 / 5080."""
+    """The fixed tile: 16 in the interpreter; on a GPU 32 x 32 for fp32 (16 x 16 with the block-diagonal
+    variants' second moments); for fp16/bf16 at D <= 64 64 x 64 (32 x 32 block-diagonal) on 4 warps, beyond
+    the first of :data:`BACKWARD_TILES`."""
     if interpreting():
         return dict(BLOCK_M=16, BLOCK_N=16, num_warps=1, num_stages=1)
     if dtype == torch.float32:
@@ -280,7 +287,22 @@ def backward_blocks(D: int, dtype: torch.dtype, bd: int) -> dict:
     if D <= 64:
         tile = 32 if bd else 64
         return dict(BLOCK_M=tile, BLOCK_N=tile, num_warps=4, num_stages=1)
-    return dict(BLOCK_M=32, BLOCK_N=16 if bd else 32, num_warps=8, num_stages=1)
+    m, n, w, s = BACKWARD_TILES[bool(bd)][0]
+    return dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s)
+
+
+def tuned_kernels(tiles: dict) -> dict:
+    """The q and kv kernels autotuned over each list of ``tiles`` (as :data:`BACKWARD_TILES`)."""
+    key = ["D", "DV", "WINDOW", "BD"]
+
+    def tune(kernel, configs):
+        return triton.autotune([triton.Config(dict(BLOCK_M=m, BLOCK_N=n), num_warps=w, num_stages=s)
+                                for m, n, w, s in configs], key=key)(kernel)
+    return {variant: (tune(lla_bwd_q_kernel, configs), tune(lla_bwd_kv_kernel, configs))
+            for variant, configs in tiles.items()}
+
+
+TUNED = tuned_kernels(BACKWARD_TILES)
 
 
 def row_max_path(dq, dk, q, k, dm, argmax, scale):
@@ -310,16 +332,18 @@ def lla_backward(do, q, k, v, lam, rho, delta, m2, argmax, omega, centre, *, sca
     dm = torch.empty_like(delta)
     dk = torch.empty(B, S, H, D, device=q.device, dtype=torch.float32)
     dv = torch.empty(B, S, H, DV, device=q.device, dtype=torch.float32)
-    cfg = backward_blocks(D, q.dtype, bd)
-    common = dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=head_block(D), BLOCK_DV=head_block(DV),
-                  WINDOW=window or 0, BD=bd, DPREC=dot_precision(q.dtype), num_warps=cfg["num_warps"],
-                  num_stages=cfg["num_stages"])
-    lla_bwd_q_kernel[(ceil_div(T, cfg["BLOCK_M"]), B * HQ)](
+    if AUTOTUNE and not interpreting() and q.dtype != torch.float32 and D > 64:
+        (q_kernel, kv_kernel), tiles = TUNED[bool(bd)], {}
+    else:
+        q_kernel, kv_kernel, tiles = lla_bwd_q_kernel, lla_bwd_kv_kernel, backward_blocks(D, q.dtype, bd)
+    common = dict(BLOCK_D=head_block(D), BLOCK_DV=head_block(DV), WINDOW=window or 0, BD=bd,
+                  DPREC=dot_precision(q.dtype), **tiles)
+    q_kernel[lambda meta: (ceil_div(T, meta["BLOCK_M"]), B * HQ)](
         q, k, v, lam4, do, rho, delta, m2, omega, centre, dq, u, beta, dm,
         *q.stride(), *k.stride(), *v.stride(), *lam4.stride(), *do.stride(),
         T, S, HQ, HQ // H, D, DV, scale, scale * LOG2E, cg_iters, cg_tol ** 2, MPREC=moment_precision(q.dtype),
         **common)
-    lla_bwd_kv_kernel[(ceil_div(S, cfg["BLOCK_N"]), B * H)](
+    kv_kernel[lambda meta: (ceil_div(S, meta["BLOCK_N"]), B * H)](
         q, k, v, do, rho, u, delta, m2, omega, centre, beta, dk, dv,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(),
         T, S, HQ, H, HQ // H, D, DV, scale, scale * LOG2E, **common)
