@@ -208,12 +208,13 @@ def scan_launch(precision: str, config, *, B=1, T=16384, H=16, D=64):
 
 def scan_rows(head_dims=(64,), kinds=("ieee", "tf32x3"), candidates=False):
     """One row per (head dim, precision, forward configuration): the autotune list's, then the candidates."""
+    from regattn.ops._common.attention_tiles import tile_configs
     from regattn.ops.scan import kernels
 
     for D, precision in itertools.product(head_dims, kinds):
         configs = [(c, True) for c in kernels.FWD_CONFIGS[kernels._family(torch.float32, precision)]]
         if candidates:
-            configs += [(kernels._configs([c])[0], False) for c in SCAN_CANDIDATES]
+            configs += [(tile_configs([c])[0], False) for c in SCAN_CANDIDATES]
         for config, listed in configs:
             kernel, args, kwargs = scan_launch(precision, config, D=D)
             try:

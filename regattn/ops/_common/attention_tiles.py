@@ -179,6 +179,11 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def tile_configs(tiles) -> list:
+    """Autotune configs from ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` tiles."""
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in tiles]
+
+
 def head_block(d: int) -> int:
     """Padded head dim: a power of two >= 16 (``tl.dot`` needs it); masks cover the padding."""
     return max(16, next_pow2(d))

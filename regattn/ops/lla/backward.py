@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from regattn.ops._common.attention_tiles import LOG2E, dot_precision, head_block, interpreting
+from regattn.ops._common.attention_tiles import LOG2E, dot_precision, head_block, interpreting, tile_configs
 from regattn.ops._common.ints import ceil_div
 from regattn.ops.lla.forward import lam_tensor, moment_precision
 from regattn.ops.lla.tiles import (
@@ -293,11 +293,8 @@ def backward_blocks(D: int, dtype: torch.dtype, bd: int) -> dict:
 
 def tuned_kernels(tiles: dict) -> dict:
     """The q and kv kernels autotuned over each list of ``tiles`` (as :data:`BACKWARD_TILES`)."""
-    key = ["D", "DV", "WINDOW", "BD"]
-
     def tune(kernel, configs):
-        return triton.autotune([triton.Config(dict(BLOCK_M=m, BLOCK_N=n), num_warps=w, num_stages=s)
-                                for m, n, w, s in configs], key=key)(kernel)
+        return triton.autotune(tile_configs(configs), key=["D", "DV", "WINDOW", "BD"])(kernel)
     return {variant: (tune(lla_bwd_q_kernel, configs), tune(lla_bwd_kv_kernel, configs))
             for variant, configs in tiles.items()}
 

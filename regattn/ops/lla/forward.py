@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from regattn.ops._common.attention_tiles import (
-    LOG2E, dot_precision, head_block, interpreting, online_softmax_step, visible_mask,
+    LOG2E, dot_precision, head_block, interpreting, online_softmax_step, tile_configs, visible_mask,
 )
 from regattn.ops._common.ints import ceil_div, next_pow2
 from regattn.ops.lla.tiles import (
@@ -196,8 +196,7 @@ def forward_blocks(T: int, dtype: torch.dtype, solver: int = SOLVER_CG, G: int =
 def tuned_kernels(tiles: dict) -> dict:
     """The forward kernel autotuned over each list of ``tiles`` (as :data:`FORWARD_TILES`), by family."""
     key = ["D", "DV", "WINDOW", "SOLVER", "G"]
-    return {family: triton.autotune([triton.Config(dict(BLOCK_M=m, BLOCK_N=n), num_warps=w, num_stages=s)
-                                     for m, n, w, s in configs], key=key)(lla_fwd_kernel)
+    return {family: triton.autotune(tile_configs(configs), key=key)(lla_fwd_kernel)
             for family, configs in tiles.items()}
 
 

@@ -28,7 +28,7 @@ import triton.language as tl
 
 from regattn.ops._common.attention_tiles import (
     LOG2E, contained_dot, full_key_span, head_block, interpreting, key_span, online_softmax_step, query_span,
-    row_dot, softmax_finish, visible_mask,
+    row_dot, softmax_finish, tile_configs, visible_mask,
 )
 from regattn.ops._common.checks import longest_sequence, sm_count
 from regattn.ops._common.ints import ceil_div
@@ -467,25 +467,21 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, CU,
 
 # ----------------------------------------------------------------------------- tile choices
 
-def _configs(pairs):
-    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in pairs]
-
-
 # "tensor" and "ieee" first list the tiles that compile for sm_90 without spill traffic in the key loop (see
 # benchmarks/results/sm90-registers/scan.txt: ``python -m regattn.bench.registers scan --candidates``), then
 # tiles that spill but won on the H100: without them the forward at B1 H16 T16384 D64 took 88.7 ms (ieee,
 # 55.1 ms with them) and 9.86 ms (tf32, 7.86 ms with them) in regattn bench scan.
 FWD_CONFIGS = {
-    "half": _configs([(128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3), (64, 64, 4, 3)]),
-    "tensor": _configs([(128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 2), (32, 64, 4, 2), (32, 64, 8, 3),
+    "half": tile_configs([(128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3), (64, 64, 4, 3)]),
+    "tensor": tile_configs([(128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 2), (32, 64, 4, 2), (32, 64, 8, 3),
                         (32, 128, 8, 2), (128, 64, 4, 3), (128, 32, 4, 3), (128, 128, 8, 2), (64, 128, 4, 2)]),
-    "ieee": _configs([(64, 64, 8, 2), (128, 32, 8, 2), (64, 32, 4, 2), (32, 64, 4, 2), (32, 32, 4, 2),
+    "ieee": tile_configs([(64, 64, 8, 2), (128, 32, 8, 2), (64, 32, 4, 2), (32, 64, 4, 2), (32, 32, 4, 2),
                       (128, 32, 8, 3), (64, 32, 4, 3), (32, 64, 4, 3), (32, 32, 2, 2),
                       (64, 64, 4, 2), (128, 64, 8, 2), (64, 128, 8, 2)]),
 }
 BWD_CONFIGS = {
-    "half": _configs([(64, 64, 4, 2), (128, 64, 8, 2), (64, 128, 8, 2)]),
-    "fp32": _configs([(32, 64, 4, 2), (64, 64, 4, 2), (64, 32, 4, 2)]),
+    "half": tile_configs([(64, 64, 4, 2), (128, 64, 8, 2), (64, 128, 8, 2)]),
+    "fp32": tile_configs([(32, 64, 4, 2), (64, 64, 4, 2), (64, 32, 4, 2)]),
 }
 SMEM_BUDGET = 180 * 1024  # bytes of shared memory a config may plan for (H100: 227 KiB per block)
 
