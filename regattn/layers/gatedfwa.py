@@ -74,6 +74,8 @@ class GatedFWA(nn.Module):
         backend: passed to the ops (``"auto" | "torch" | "triton"``).
     """
 
+    GATE_PROJECTIONS = ("g_proj", "beta_proj")  # trained with Adam's update under Muon (regattn.train.optim)
+
     def __init__(self, d_model: int, num_heads: int, window: int | None, *, num_kv_heads: int | None = None,
                  head_dim: int | None = None, rope: bool = False, eps: float = 1e-6, backend: str = "auto"):
         super().__init__()
@@ -232,6 +234,8 @@ class GatedFWANSA(GatedFWA):
 
     Args: as :class:`GatedFWA`, plus ``block_cmp``, ``stride_cmp`` (``<= block_cmp``), ``block_slc``, ``topk``.
     """
+
+    GATE_PROJECTIONS = GatedFWA.GATE_PROJECTIONS + ("branch_gate",)
 
     def __init__(self, d_model: int, num_heads: int, window: int | None, *, block_cmp: int = 32,
                  stride_cmp: int = 16, block_slc: int = 64, topk: int = 16, **kw):

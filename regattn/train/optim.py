@@ -1,16 +1,21 @@
 """Optimizers: AdamW, or Muon for the hidden matrices with an Adam-style update for the rest
 (parallax.txt Appendix F.2 and Table 2b).
 
-Parameters fall in three roles:
+Parameters fall in four roles:
 
 * ``hidden``: 2-D weights inside the blocks (and the compression decoder);
 * ``embed``: the input embedding / input map and the output head;
+* ``gate``: the weights of the gate projections a layer names in its ``GATE_PROJECTIONS`` (a few outputs
+  per head that feed a gate unnormalised, as GatedFWA's ``h`` and ``beta``);
 * ``scalar``: norms' weights, biases, and any other non-matrix parameter.
 
-``adamw``: one ``torch.optim.AdamW`` with decoupled weight decay on ``hidden`` and ``embed`` and
+``adamw``: one ``torch.optim.AdamW`` with decoupled weight decay on ``hidden``, ``gate`` and ``embed`` and
 none on ``scalar``. ``muon``: ``torch.optim.Muon`` (five Newton-Schulz steps, Keller Jordan's
 shape scaling) on ``hidden`` and ``torch.optim.Adam``-style updates, betas (0.8, 0.95), eps 1e-7,
-on ``embed`` (learning rate x0.3) and ``scalar`` (x0.015). Every group remembers its ``base_lr`` and
+on ``embed`` (learning rate x0.3), and on ``gate`` and ``scalar`` (x0.015, no weight decay). The gates
+take Adam's update as in GatedFWA's own Muon training (gatedfwa.md Table 7: the gate at the learning rate
+of the non-matrix parameters): Muon moves each of a gate matrix's few rows by the full learning rate every
+step, and at dim 1024, 16 layers, T 4096 that made the GatedFWA LM diverge within 100 steps. Every group remembers its ``base_lr`` and
 ``base_wd`` so a schedule can set ``lr`` and ``weight_decay`` each step.
 
 ``fused=True`` (the task trainer, and the LM on one rank or sharded by FSDP2) takes the fast forms of
@@ -45,11 +50,16 @@ def parameter_roles(model: nn.Module) -> dict[str, list[nn.Parameter]]:
     edges = [m for m in model.modules() if isinstance(m, nn.Embedding)]
     edges += [getattr(model, name) for name in EDGE_MODULES if isinstance(getattr(model, name, None), nn.Module)]
     edge = {id(p) for m in edges for p in m.parameters()}
-    roles = {"hidden": [], "embed": [], "scalar": []}
+    gates = {id(p) for m in model.modules() for name in getattr(m, "GATE_PROJECTIONS", ())
+             for p in getattr(m, name).parameters()}
+    roles = {"hidden": [], "embed": [], "gate": [], "scalar": []}
     for p in model.parameters():
         if not p.requires_grad:
             continue
-        role = "embed" if id(p) in edge and p.ndim == 2 else "hidden" if p.ndim == 2 else "scalar"
+        if p.ndim != 2:
+            role = "scalar"
+        else:
+            role = "embed" if id(p) in edge else "gate" if id(p) in gates else "hidden"
         roles[role].append(p)
     return roles
 
@@ -101,7 +111,8 @@ def build_optimizer(model: nn.Module, name: str = "adamw", *, lr: float = 1e-3, 
     roles = parameter_roles(model)
     adamw = dict(fused=True) if fused else {}
     if name == "adamw":
-        groups = _groups([(roles["hidden"] + roles["embed"], lr, weight_decay), (roles["scalar"], lr, 0.0)])
+        groups = _groups([(roles["hidden"] + roles["gate"] + roles["embed"], lr, weight_decay),
+                          (roles["scalar"], lr, 0.0)])
         return Optimizers([torch.optim.AdamW(groups, lr=lr, betas=betas, eps=1e-8, **adamw)])
     opts = []
     if roles["hidden"]:
@@ -109,7 +120,8 @@ def build_optimizer(model: nn.Module, name: str = "adamw", *, lr: float = 1e-3, 
         opts.append(BatchedMuon(hidden, lr=lr, weight_decay=weight_decay, momentum=momentum) if fused else
                     torch.optim.Muon(hidden, lr=lr, weight_decay=weight_decay, momentum=momentum, ns_steps=5,
                                      adjust_lr_fn="original"))
-    rest = _groups([(roles["embed"], lr * EMBED_LR, weight_decay), (roles["scalar"], lr * SCALAR_LR, 0.0)])
+    rest = _groups([(roles["embed"], lr * EMBED_LR, weight_decay),
+                    (roles["gate"] + roles["scalar"], lr * SCALAR_LR, 0.0)])
     if rest:
         opts.append(torch.optim.AdamW(rest, lr=lr, betas=(0.8, 0.95), eps=1e-7, **adamw))
     return Optimizers(opts)

@@ -1,5 +1,6 @@
 import torch
 
+from regattn.layers import GatedFWANSA
 from regattn.models.stack import build_model
 from regattn.tasks import mqar
 from regattn.train.optim import BatchedMuon, apply_schedule, build_optimizer, parameter_roles
@@ -67,6 +68,22 @@ def test_embeddings_anywhere_are_not_hidden():
     roles = {k: {id(p) for p in v} for k, v in parameter_roles(m).items()}
     assert roles["embed"] == {id(m.tokens.weight), id(m.lm_head.weight)}
     assert roles["hidden"] == {id(m.body.weight)} and roles["scalar"] == {id(m.body.bias)}
+
+
+def test_gate_projections_take_adam_under_muon():
+    torch.manual_seed(0)
+    m = build_model(mqar(length=16, pairs=2, vocab_size=30, num_train=4, num_test=1), "gatedfwa", dim=16, heads=2,
+                    mixer_options=dict(window=4))
+    gates = {id(getattr(b.mixer, n).weight) for b in m.blocks for n in ("g_proj", "beta_proj")}
+    roles = {k: {id(p) for p in v} for k, v in parameter_roles(m).items()}
+    assert roles["gate"] == gates and id(m.blocks[0].mixer.q_proj.weight) in roles["hidden"]
+    muon, adam = build_optimizer(m, "muon", lr=0.02).optimizers
+    assert not gates & {id(p) for g in muon.param_groups for p in g["params"]}
+    in_adam = {id(p): g for g in adam.param_groups for p in g["params"]}
+    assert all(in_adam[i]["lr"] == 0.02 * 0.015 and in_adam[i]["weight_decay"] == 0 for i in gates)
+    nsa = GatedFWANSA(16, 2, 4, block_cmp=4, stride_cmp=2, block_slc=4, topk=2)
+    assert {id(p) for p in parameter_roles(nsa)["gate"]} == {
+        id(getattr(nsa, n).weight) for n in ("g_proj", "beta_proj", "branch_gate")}
 
 
 def test_batched_muon_is_torch_muon():
