@@ -15,8 +15,9 @@ shape scaling) on ``hidden`` and ``torch.optim.Adam``-style updates, betas (0.8,
 on ``embed`` (learning rate x0.3), and on ``gate`` and ``scalar`` (x0.015, no weight decay). The gates
 take Adam's update as in GatedFWA's own Muon training (gatedfwa.md Table 7: the gate at the learning rate
 of the non-matrix parameters): Muon moves each of a gate matrix's few rows by the full learning rate every
-step, and at dim 1024, 16 layers, T 4096 that made the GatedFWA LM diverge within 100 steps. Every group remembers its ``base_lr`` and
-``base_wd`` so a schedule can set ``lr`` and ``weight_decay`` each step.
+step, and at dim 1024, 16 layers, T 4096 that made the GatedFWA LM diverge after step 50 (docs/LM.md).
+Every group remembers its ``base_lr`` and ``base_wd`` so a schedule can set ``lr`` and ``weight_decay``
+each step.
 
 ``fused=True`` (the task trainer, and the LM on one rank or sharded by FSDP2) takes the fast forms of
 the same updates: ``torch.optim.AdamW(fused=True)`` and :class:`BatchedMuon` (the matrices of one shape
