@@ -161,6 +161,16 @@ def parallax_launch(kind: str, head_dim: int, config: dict | None = None, *, B=4
     return next(launch for launch in launches if launch[0].__name__ == name)
 
 
+def launch_usage(kernel, args, kwargs, *, loop: bool = False) -> dict:
+    """:func:`resource_usage` of a captured launch (with ``loop``, also the :func:`inner_loop` mix), or
+    ``error`` when it does not compile (e.g. out of shared memory: reported, not fatal to the screen)."""
+    try:
+        compiled = compile_launch(kernel, args, kwargs)
+        return dict(**resource_usage(compiled), **(inner_loop(cuobjdump(compiled, "-sass")) if loop else {}))
+    except Exception as error:
+        return dict(error=str(error).splitlines()[0][:80])
+
+
 def launch_settings(kwargs) -> dict:
     keys = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
     return {key: kwargs[key] for key in keys if key in kwargs}
@@ -174,10 +184,7 @@ def parallax_rows(head_dims=HEAD_DIMS, kinds=KINDS, candidates=False):
             configs += DECODE_CANDIDATES if kind == "decode" else CANDIDATES[kind]
         for config in configs:
             kernel, args, kwargs = parallax_launch(kind, D, config)
-            try:
-                usage = resource_usage(compile_launch(kernel, args, kwargs))
-            except Exception as error:  # e.g. out of shared memory: reported, not fatal to the screen
-                usage = dict(error=str(error).splitlines()[0][:80])
+            usage = launch_usage(kernel, args, kwargs)
             yield dict(head_dim=D, kind=kind, table=config is None, **launch_settings(kwargs), **usage)
 
 
@@ -217,11 +224,7 @@ def scan_rows(head_dims=(64,), kinds=("ieee", "tf32x3"), candidates=False):
             configs += [(tile_configs([c])[0], False) for c in SCAN_CANDIDATES]
         for config, listed in configs:
             kernel, args, kwargs = scan_launch(precision, config, D=D)
-            try:
-                compiled = compile_launch(kernel, args, kwargs)
-                usage = dict(**resource_usage(compiled), **inner_loop(cuobjdump(compiled, "-sass")))
-            except Exception as error:
-                usage = dict(error=str(error).splitlines()[0][:80])
+            usage = launch_usage(kernel, args, kwargs, loop=True)
             yield dict(head_dim=D, kind=precision, table=listed, **launch_settings(kwargs), **usage)
 
 
@@ -250,11 +253,7 @@ def lla_rows(head_dims=(128,), kinds=tuple(LLA_KINDS), candidates=False, *, B=4,
                 forward.lla_forward(q, q, q, 0.5, scale=D ** -0.5, window=None, blocks=blocks, cg_iters=8,
                                     cg_tol=1e-6)
             kernel, args, kwargs = launches[0]
-            try:
-                compiled = compile_launch(kernel, args, kwargs)
-                usage = dict(**resource_usage(compiled), **inner_loop(cuobjdump(compiled, "-sass")))
-            except Exception as error:
-                usage = dict(error=str(error).splitlines()[0][:80])
+            usage = launch_usage(kernel, args, kwargs, loop=True)
             yield dict(head_dim=D, kind=kind, table=table, **launch_settings(kwargs), **usage)
 
 
