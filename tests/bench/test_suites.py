@@ -92,3 +92,12 @@ def test_chunked_gate_tiles_tiny(interpret):
     for r in rows:
         assert r["fwd_ms"] > 0 and r["bwd_ms"] > 0 and r["fwd_of_copy"] > 0 and r["bwd_of_copy"] > 0
         assert set(r["err"]) == {"u", "dh", "dbeta"} and max(r["err"].values()) < 1e-5, r
+
+
+def test_lla_latency_shape_with_cg_times_that_count_and_the_direct_solve(tmp_path, capsys, interpret):
+    out = tmp_path / "lla.json"
+    assert main(["bench", "lla", "--device", "cpu", "--rep-ms", "1", "--backend", "triton", "--peers", "none",
+                 "--shapes", "B=1,H=2,T=24,D=8,cg=4", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["op"] for r in rows] == ["regattn:triton[cg=4]", "regattn:triton[BD g=D]"]
+    assert all(r["status"] == "ok" and max(r["err"].values()) <= BOUND["lla"] for r in rows), rows

@@ -23,14 +23,14 @@ GRIDS = {
     "tiny": [dict(B=1, H=2, T=24, D=8), dict(part="fig7", B=1, H=2, T=24, D=8, cg=4),
              dict(part="cg", B=1, H=2, T=24, D=8)],
     "goal": LATENCY + FIGURE7 + TABLE2,
-    "quick": LATENCY + FIGURE7[:3] + TABLE2[1:],
+    "quick": [dict(LATENCY[0], cg=8)] + FIGURE7[:3] + TABLE2[1:],
     "full": [dict(B=4, H=16, T=T, D=128) for T in (1024, 2048, 4096, 8192, 16384)] + FIGURE7 + TABLE2,
 }
 CHECK_ROWS = 256
 
 
 def cases(shape: dict, setup):
-    """Latency shapes: B, H, T, D, window. Figure 7: part="fig7", B, H, T, D, cg. CG table: part="cg", B, H, T, D."""
+    """Latency shapes: B, H, T, D, window, cg (optional). Figure 7: part="fig7", B, H, T, D, cg. CG table: part="cg", B, H, T, D."""
     part = shape.get("part")
     yield from {"fig7": scaling_cases, "cg": precision_cases}.get(part, latency_cases)(shape, setup)
 
@@ -59,13 +59,21 @@ def lla_case(q, k, v, setup, w=None, n=None, check=None, **solve):
                 [], tag=solve_tag(q.shape[-1], **solve), check=check or truth(q, k, v, w, **solve), **n)
 
 
+def latency_solves(D: int, cg: int | None) -> list[dict]:
+    """FlashLLA with 8 and 16 CG iterations, BD-LLA by direct solves (g = D/2, D) and with CG (g = D/8);
+    with ``cg`` given, FlashLLA with ``cg`` iterations and BD-LLA's direct solve of g = D alone."""
+    if cg:
+        return [dict(cg_iters=cg), dict(blocks=D)]
+    return [dict(cg_iters=8), dict(cg_iters=16), dict(blocks=D // 2), dict(blocks=D),
+            dict(blocks=max(D // 8, 1), cg_iters=8)]
+
+
 def latency_cases(shape, setup):
-    """FlashLLA with 8 and 16 CG iterations; BD-LLA by direct solves (g = D/2, D) and with CG (g = D/8)."""
+    """The solves of :func:`latency_solves` (``cg``: optional) against SDPA."""
     B, H, T, D, w = shape["B"], shape["H"], shape["T"], shape["D"], shape.get("window")
     q, k, v = qkv(shape, setup)
     n_bytes = counts.attention_bytes(B, T, T, H, H, D, D, q.element_size())
-    for solve in (dict(cg_iters=8), dict(cg_iters=16), dict(blocks=D // 2), dict(blocks=D),
-                  dict(blocks=max(D // 8, 1), cg_iters=8)):
+    for solve in latency_solves(D, shape.get("cg")):
         n = dict(flops=counts.lla_flops(B, T, T, H, D, D, window=w, cg_iters=solve.get("cg_iters")), bytes=n_bytes)
         yield "fwd", lla_case(q, k, v, setup, w, n, **solve)
     yield from sdpa_cases(setup, "fwd", q, k, v, window=w, backends=("cudnn", "flash"), tag=" (attention)",
