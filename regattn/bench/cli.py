@@ -23,8 +23,10 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, 
 
 
 def parse_value(text: str):
-    if text.lower() == "none":
-        return None
+    """``none``, ``true`` / ``false``, an int, a float, or the text itself."""
+    word = {"none": None, "true": True, "false": False}
+    if text.lower() in word:
+        return word[text.lower()]
     try:
         return int(text)
     except ValueError:

@@ -71,6 +71,8 @@ def test_parse_shapes_expands_alternatives_and_grid_names():
     suite = suites.get("softmax")
     shapes = cli.parse_shapes(["B=4,H=16,T=2048/8192,D=128,window=none/1024"], suite, cuda=True)
     assert shapes == [dict(B=4, H=16, T=T, D=128, window=w) for T in (2048, 8192) for w in (None, 1024)]
+    assert cli.parse_shapes(["T=64,causal=true/False,scale=0.5"], suite, cuda=True) == [
+        dict(T=64, causal=True, scale=0.5), dict(T=64, causal=False, scale=0.5)]
     assert cli.parse_shapes(["tiny"], suite, cuda=True) == suite.GRIDS["tiny"]
     assert cli.parse_shapes(None, suite, cuda=False) == suite.GRIDS["tiny"]
     assert cli.parse_shapes(None, suite, cuda=True) == suite.GRIDS["goal"]

@@ -13,7 +13,7 @@ from regattn.cli import main
 # fp32 arithmetic against float64; CG iterations amplify rounding (lla); fp16 inputs and tf32 products in
 # the scan suite; the CG table measures truncation against the exact solve (any finite value).
 BOUND = {"lla": 5e-3}
-MODE_BOUND = {"fp16": 5e-3, "cg": math.inf}
+MODE_BOUND = {"fp16": 5e-3, "fp16 fwd+bwd": 5e-3, "cg": math.inf}
 
 
 def bound(suite: str, row: dict) -> float:

@@ -1,7 +1,9 @@
-"""ELSA (elsa-supplementary.txt): exact softmax attention as a scan, non-causal, in strict fp32,
-tf32x3, tf32 and fp16, against SDPA in the same precision. The suite sets its own dtypes (fp32 and
-fp16): ``--dtype`` does not apply. The reference scan is sequential (one step a key): a peer for
-small shapes only, asked for with ``--peers``."""
+"""ELSA (elsa-supplementary.txt): exact softmax attention as a scan, in strict fp32, tf32x3, tf32 and
+fp16, against SDPA in the same precision (and FlexAttention where a window is set); the fp16
+forward+backward against the same peers. Non-causal at the goal shape (the paper's setting); causal and
+sliding-window shapes in the ``full`` grid. The suite sets its own
+dtypes (fp32 and fp16): ``--dtype`` does not apply. The reference scan is sequential (one step a key): a
+peer for small shapes only, asked for with ``--peers``."""
 from __future__ import annotations
 
 import torch
@@ -10,35 +12,53 @@ import regattn
 from regattn import reference
 from regattn.bench import counts
 from regattn.bench.check import Check, Slice
-from regattn.bench.runner import ours, randn, reference_case, sdpa_cases
+from regattn.bench.runner import flex_case, ours, randn, reference_case, sdpa_cases
 from regattn.ops.scan.api import PRECISIONS
 
 NAME = "scan"
-PEERS = ("sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "sdpa-math")
+PEERS = ("sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "sdpa-math", "flex")
 QUICK_PEERS = ("sdpa-efficient", "sdpa-flash")
-MAIN = {"fp32": ("sdpa:efficient",), "fp16": ("sdpa:flash",)}
+# FlexAttention (block-sparse) is the main peer of windowed shapes, where SDPA takes a dense mask
+MAIN = {"fp32": ("flex", "sdpa:efficient"), "fp16": ("flex", "sdpa:flash"), "fp16 fwd+bwd": ("flex", "sdpa:flash")}
+MODES = (("fp32", torch.float32), ("fp16", torch.float16), ("fp16 fwd+bwd", torch.float16))
 GOAL = [dict(B=1, H=16, T=16384, D=64)]
 GRIDS = {
-    "tiny": [dict(B=1, H=2, T=40, D=16)],
+    "tiny": [dict(B=1, H=2, T=40, D=16), dict(B=1, H=2, T=40, D=16, causal=True, window=12)],
     "goal": GOAL,
     "quick": GOAL,
-    "full": [dict(B=1, H=16, T=T, D=64) for T in (1024, 4096, 16384, 32768, 65536)],
+    "full": [dict(B=1, H=16, T=T, D=64, causal=c, window=w) for T in (4096, 16384, 65536)
+             for c, w in ((None, None), (True, None), (True, 1024))],
 }
 CHECK_ROWS = 512
 
 
+def check(mode, q, k, v, causal, window) -> Check:
+    """Forward: the last rows against every key; forward+backward: the first rows (and keys, if causal)."""
+    bwd = mode.endswith("fwd+bwd")
+    where = Slice(kv_heads=k.shape[2], rows=min(q.shape[1], CHECK_ROWS), last=not bwd, causal=causal)
+    return Check(lambda q, k, v: reference.softmax_attention(q, k, v, causal=causal, window=window),
+                 dict(q=q, k=k, v=v), where, grads=("q", "k", "v") if bwd else ())
+
+
 def cases(shape: dict, setup):
-    """Shape keys: B, H, T, D (non-causal). Modes: "fp32" and "fp16" (the input dtype)."""
-    B, H, T, D = shape["B"], shape["H"], shape["T"], shape["D"]
-    for mode, dtype in (("fp32", torch.float32), ("fp16", torch.float16)):
-        q, k, v = (randn(setup, B, T, H, D, dtype=dtype) for _ in range(3))
-        truth = Check(lambda q, k, v: reference.softmax_attention(q, k, v, causal=False), dict(q=q, k=k, v=v),
-                      Slice(kv_heads=H, rows=min(T, CHECK_ROWS), last=True, causal=False))
-        n = dict(flops=counts.attention_flops(B, T, T, H, D, D, causal=False),
-                 bytes=counts.attention_bytes(B, T, T, H, H, D, D, q.element_size()))
+    """Shape keys: B, H, T, D, causal, window (implies causal). Modes: "fp32" and "fp16" (the input
+    dtype, forward) and "fp16 fwd+bwd"."""
+    B, H, T, D, w = shape["B"], shape["H"], shape["T"], shape["D"], shape.get("window")
+    causal = shape.get("causal") in (True, 1) or w is not None
+    for mode, dtype in MODES:
+        bwd = mode.endswith("fwd+bwd")
+        q, k, v = (randn(setup, B, T, H, D, dtype=dtype, grad=bwd) for _ in range(3))
+        truth = check(mode, q, k, v, causal, w)
+        n = dict(flops=counts.attention_flops(B, T, T, H, D, D, causal=causal, window=w, backward=bwd),
+                 bytes=counts.attention_bytes(B, T, T, H, H, D, D, q.element_size(), backward=bwd))
+        leaves = [q, k, v] if bwd else []
         for precision in (PRECISIONS if dtype == torch.float32 else ("ieee",)):
             tag = f"[{precision}]" if dtype == torch.float32 else ""
-            call = lambda p=precision: regattn.scan_attention(q, k, v, precision=p, backend=setup.backend)
-            yield mode, ours(regattn.scan_attention, q, setup, call, [], tag=tag, check=truth, **n)
-        yield from sdpa_cases(setup, mode, q, k, v, causal=False, check=truth, **n)
-        yield from reference_case(setup, mode, lambda: reference.scan_attention(q, k, v), [], check=truth, **n)
+            call = lambda p=precision: regattn.scan_attention(q, k, v, causal=causal, window=w, precision=p,
+                                                              backend=setup.backend)
+            yield mode, ours(regattn.scan_attention, q, setup, call, leaves, tag=tag, check=truth, **n)
+        yield from sdpa_cases(setup, mode, q, k, v, causal=causal, window=w, check=truth, **n)
+        if w is not None:
+            yield from flex_case(setup, mode, q, k, v, window=w, check=truth, **n)
+        yield from reference_case(setup, mode, lambda: reference.scan_attention(q, k, v, causal=causal, window=w),
+                                  leaves, check=truth, **n)
