@@ -30,7 +30,8 @@ CHECK_ROWS = 256
 
 
 def cases(shape: dict, setup):
-    """Latency shapes: B, H, T, D, window, cg (optional). Figure 7: part="fig7", B, H, T, D, cg. CG table: part="cg", B, H, T, D."""
+    """Latency shapes: B, H, T, D, window, cg (optional). Figure 7: part="fig7", B, H, T, D, cg.
+    CG table: part="cg", B, H, T, D."""
     part = shape.get("part")
     yield from {"fig7": scaling_cases, "cg": precision_cases}.get(part, latency_cases)(shape, setup)
 

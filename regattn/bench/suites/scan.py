@@ -1,9 +1,9 @@
 """ELSA (elsa-supplementary.txt): exact softmax attention as a scan, in strict fp32, tf32x3, tf32 and
 fp16, against SDPA in the same precision (and FlexAttention where a window is set); the fp16
 forward+backward against the same peers. Non-causal at the goal shape (the paper's setting); causal and
-sliding-window shapes in the ``full`` grid. The suite sets its own
-dtypes (fp32 and fp16): ``--dtype`` does not apply. The reference scan is sequential (one step a key): a
-peer for small shapes only, asked for with ``--peers``."""
+sliding-window shapes in the ``full`` grid. The suite sets its own dtypes (fp32 and fp16): ``--dtype``
+does not apply. The reference scan is sequential (one step a key): a peer for small shapes only, asked
+for with ``--peers``."""
 from __future__ import annotations
 
 import torch
