@@ -11,8 +11,8 @@ import torch
 import regattn
 from regattn import reference
 from regattn.bench import counts
-from regattn.bench.check import Check, Slice
-from regattn.bench.runner import flex_case, ours, randn, reference_case, sdpa_cases
+from regattn.bench.runner import backward, flex_case, ours, randn, reference_case, sdpa_cases
+from regattn.bench.suites.softmax import check
 from regattn.ops.scan.api import PRECISIONS
 
 NAME = "scan"
@@ -32,23 +32,15 @@ GRIDS = {
 CHECK_ROWS = 512
 
 
-def check(mode, q, k, v, causal, window) -> Check:
-    """Forward: the last rows against every key; forward+backward: the first rows (and keys, if causal)."""
-    bwd = mode.endswith("fwd+bwd")
-    where = Slice(kv_heads=k.shape[2], rows=min(q.shape[1], CHECK_ROWS), last=not bwd, causal=causal)
-    return Check(lambda q, k, v: reference.softmax_attention(q, k, v, causal=causal, window=window),
-                 dict(q=q, k=k, v=v), where, grads=("q", "k", "v") if bwd else ())
-
-
 def cases(shape: dict, setup):
     """Shape keys: B, H, T, D, causal, window (implies causal). Modes: "fp32" and "fp16" (the input
     dtype, forward) and "fp16 fwd+bwd"."""
     B, H, T, D, w = shape["B"], shape["H"], shape["T"], shape["D"], shape.get("window")
     causal = shape.get("causal") in (True, 1) or w is not None
     for mode, dtype in MODES:
-        bwd = mode.endswith("fwd+bwd")
+        bwd = backward(mode)
         q, k, v = (randn(setup, B, T, H, D, dtype=dtype, grad=bwd) for _ in range(3))
-        truth = check(mode, q, k, v, causal, w)
+        truth = check(mode, q, k, v, w, causal=causal, rows=CHECK_ROWS)
         n = dict(flops=counts.attention_flops(B, T, T, H, D, D, causal=causal, window=w, backward=bwd),
                  bytes=counts.attention_bytes(B, T, T, H, H, D, D, q.element_size(), backward=bwd))
         leaves = [q, k, v] if bwd else []

@@ -6,7 +6,7 @@ import regattn
 from regattn import reference
 from regattn.bench import counts
 from regattn.bench.check import Check, Slice
-from regattn.bench.runner import flex_case, ours, randn, reference_case, sdpa_cases
+from regattn.bench.runner import backward, flex_case, ours, randn, reference_case, sdpa_cases
 
 NAME = "softmax"
 PEERS = ("sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flex")
@@ -24,12 +24,12 @@ GRIDS = {
 CHECK_ROWS = 1024
 
 
-def check(mode, q, k, v, w) -> Check:
-    """Forward: the last rows against every key; forward+backward: the first rows and keys."""
-    bwd = mode == "fwd+bwd"
-    where = Slice(kv_heads=k.shape[2], rows=min(q.shape[1], CHECK_ROWS), last=not bwd)
-    return Check(lambda q, k, v: reference.softmax_attention(q, k, v, window=w), dict(q=q, k=k, v=v), where,
-                 grads=("q", "k", "v") if bwd else ())
+def check(mode, q, k, v, w, *, causal=True, rows=CHECK_ROWS) -> Check:
+    """Forward: the last ``rows`` against every key; forward+backward: the first rows (and keys, if causal)."""
+    bwd = backward(mode)
+    where = Slice(kv_heads=k.shape[2], rows=min(q.shape[1], rows), last=not bwd, causal=causal)
+    return Check(lambda q, k, v: reference.softmax_attention(q, k, v, causal=causal, window=w), dict(q=q, k=k, v=v),
+                 where, grads=("q", "k", "v") if bwd else ())
 
 
 def cases(shape: dict, setup):
