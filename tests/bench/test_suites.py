@@ -101,3 +101,11 @@ def test_lla_latency_shape_with_cg_times_that_count_and_the_direct_solve(tmp_pat
     rows = json.loads(out.read_text())["rows"]
     assert [r["op"] for r in rows] == ["regattn:triton[cg=4]", "regattn:triton[BD g=D]"]
     assert all(r["status"] == "ok" and max(r["err"].values()) <= BOUND["lla"] for r in rows), rows
+
+
+def test_scan_shape_with_a_causal_value_that_is_not_a_bool_is_refused_before_any_input(tmp_path):
+    out = tmp_path / "scan.json"
+    assert main(["bench", "scan", "--device", "cpu", "--rep-ms", "1", "--peers", "none",
+                 "--shapes", "B=1,H=2,T=8,D=16,causal=yes", "--out", str(out)]) == 0
+    [row] = json.loads(out.read_text())["rows"]
+    assert row["op"] == "inputs" and "causal: expected true or false, got 'yes'" in row["status"], row

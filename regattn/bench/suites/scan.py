@@ -36,7 +36,9 @@ def cases(shape: dict, setup):
     """Shape keys: B, H, T, D, causal, window (implies causal). Modes: "fp32" and "fp16" (the input
     dtype, forward) and "fp16 fwd+bwd"."""
     B, H, T, D, w = shape["B"], shape["H"], shape["T"], shape["D"], shape.get("window")
-    causal = shape.get("causal") in (True, 1) or w is not None
+    if shape.get("causal") not in (None, True, False):
+        raise ValueError(f"causal: expected true or false, got {shape['causal']!r}")
+    causal = bool(shape.get("causal")) or w is not None
     for mode, dtype in MODES:
         bwd = backward(mode)
         q, k, v = (randn(setup, B, T, H, D, dtype=dtype, grad=bwd) for _ in range(3))
