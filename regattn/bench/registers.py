@@ -2,8 +2,9 @@
 
 ``python -m regattn.bench.registers parallax [--head-dims 128 256] [--kinds fwd dk] [--candidates]``
 ``python -m regattn.bench.registers scan [--head-dims 64] [--kinds ieee tf32x3] [--candidates]``
-``python -m regattn.bench.registers gatedfwa_gate``
+``python -m regattn.bench.registers gatedfwa_gate [--candidates]``
 ``python -m regattn.bench.registers lla [--head-dims 128] [--kinds pairs diag cg cg-g16] [--candidates]``
+``python -m regattn.bench.registers gatedfwa [--kinds fwd bwd_kv bwd_q] [--candidates]`` (``softmax``: ungated)
 
 prints, for each kernel configuration of an op at its goal shape, what ``cuobjdump --dump-resource-usage``
 reports for the cubin compiled for sm_90: ``REG`` (registers per thread, 255 at most), ``STACK`` (bytes of
@@ -17,6 +18,10 @@ non-causal, and reads the SASS of the hottest innermost loop: its instruction co
 ``FFMA`` (and the FFMA share: the fp32 FMA pipe's density), ``HMMA`` (tensor core), and ``LDL``/``STL``
 (spill traffic inside the loop).
 
+``gatedfwa`` screens the softmax kernels with the gate (``GATED=True``) at GatedFWA's goal shape B=1 H=16
+T=32768 window 512, bf16; ``softmax`` the same kernels without the gate at that shape (the ungated sliding
+window). ``--candidates`` adds the tiles of :data:`CANDIDATES` of the kernel laid out alike.
+
 The launches are the ops' own: the op's Python wrapper runs on ``meta`` tensors with the launch of each
 kernel captured instead of run, then compiled with Triton's own specialisation of those arguments.
 
@@ -29,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import itertools
 import os
 import re
@@ -260,28 +266,72 @@ def lla_rows(head_dims=(128,), kinds=tuple(LLA_KINDS), candidates=False, *, B=4,
 COLUMNS = ("head_dim", "kind", "BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "REG", "STACK", "LOCAL", "SHARED")
 
 
+# The tile kinds of the softmax kernels (see attention_blocks), and the Parallax kernel laid out alike: the
+# dK/dV program holds BLOCK_N keys and streams BLOCK_M query rows, as Parallax's dk does.
+ATTENTION_KINDS = ("fwd", "bwd_kv", "bwd_q")
+ATTENTION_LAYOUT = {"fwd": "fwd", "bwd_kv": "dk", "bwd_q": "dq"}
+ATTENTION_KERNELS = {"fwd": "_fwd_kernel", "bwd_kv": "_bwd_kv_kernel", "bwd_q": "_bwd_q_kernel"}
+
+
+def attention_launch(kind: str, head_dim: int, config: dict | None = None, *, gated=True, B=1, T=32768, H=16,
+                     window=512, dtype=torch.bfloat16):
+    """The captured launch of the softmax kernel ``kind`` (``fwd``, ``bwd_kv``, ``bwd_q``), with the gate or
+    without, causal over a sliding window, with ``config`` in place of :func:`attention_blocks`' entry. By
+    default GatedFWA's goal shape B=1 H=16 T=32768 window 512."""
+    from regattn.ops._common.attention_tiles import overridden_blocks
+    from regattn.ops.softmax import kernels
+
+    if kind not in ATTENTION_KERNELS:
+        raise ValueError(f"kind: expected one of {', '.join(ATTENTION_KINDS)}, got {kind!r}")
+    x = torch.empty(B, T, H, head_dim, device="meta", dtype=dtype)
+    stats = torch.empty(B, T, H, device="meta", dtype=torch.float32)
+    u = stats if gated else None
+    options = dict(causal=True, window=window, scale=head_dim ** -0.5, cu_seqlens=None)
+    with overridden_blocks({kind: config} if config else {}), captured_launches() as launches:
+        if kind == "fwd":
+            kernels.attention_forward(x, x, x, u, **options)
+        else:
+            kernels.attention_backward(x, x, x, x, u, x, stats, **options)
+    return next(launch for launch in launches if launch[0].__name__ == ATTENTION_KERNELS[kind])
+
+
+def attention_rows(head_dims=(128,), kinds=ATTENTION_KINDS, candidates=False, *, gated=True):
+    """One row per (head dim, kernel, configuration) of the softmax kernels at GatedFWA's goal shape, with the
+    gate or without: the entry of :func:`attention_blocks` first, then the candidates."""
+    for D, kind in itertools.product(head_dims, kinds):
+        configs = [None] + (CANDIDATES[ATTENTION_LAYOUT[kind]] if candidates else [])
+        for config in configs:
+            kernel, args, kwargs = attention_launch(kind, D, config, gated=gated)
+            usage = launch_usage(kernel, args, kwargs)
+            yield dict(head_dim=D, kind=kind, table=config is None, **launch_settings(kwargs), **usage)
+
+
 # fp32 (B, T, H) of the gate scans: the bench's gate shapes, and heads fewer than a block.
 GATE_SHAPES = [(1, 8192, 16), (1, 65536, 64), (1, 65536, 128), (1, 8192, 3)]
 
 
 def gate_rows(head_dims=None, kinds=None, candidates=False, *, shapes=GATE_SHAPES, scans=None):
-    """One row per (shape, scan, kernel) of the GatedFWA gate scans, launched by ``gate_forward`` and
-    ``gate_backward`` as the op launches them (``head_dims``, ``kinds``, ``candidates`` do not apply)."""
+    """One row per (shape, scan, tile, kernel) of the GatedFWA gate scans, launched by ``gate_forward`` and
+    ``gate_backward`` as the op launches them; with ``candidates``, the chunked scan also with each tile of
+    :data:`regattn.bench.suites.gatedfwa.CHUNK_TILES` (``head_dims`` and ``kinds`` do not apply)."""
+    from regattn.bench.suites.gatedfwa import chunk_blocks
     from regattn.ops.gatedfwa.gate import SCANS, gate_backward, gate_forward
     for (B, T, H), scan in itertools.product(shapes, scans or SCANS):
-        x = torch.empty(B, T, H, device="meta")
-        with captured_launches() as launches:
-            gate_forward(x, x, 1e-6, scan)
-            gate_backward(x, x, x, 1e-6, scan=scan)
-        for kernel, args, kwargs in launches:
-            usage = resource_usage(compile_launch(kernel, args, kwargs))
-            yield dict(shape=f"T={T},H={H}", scan=scan, kernel=kernel.__name__.strip("_").removesuffix("_kernel"),
-                       BLOCK_T=kwargs["BLOCK_T"], BLOCK_H=kwargs["BLOCK_H"], num_warps=kwargs.get("num_warps", 4),
-                       table=True, **usage)
+        for blocks in [None] + (chunk_blocks(H) if candidates and scan == "chunked" else []):
+            x = torch.empty(B, T, H, device="meta")
+            with captured_launches() as launches:
+                gate_forward(x, x, 1e-6, scan, blocks=blocks)
+                gate_backward(x, x, x, 1e-6, blocks=blocks, scan=scan)
+            for kernel, args, kwargs in launches:
+                yield dict(shape=f"T={T},H={H}", scan=scan, kernel=kernel.__name__.strip("_").removesuffix("_kernel"),
+                           BLOCK_T=kwargs["BLOCK_T"], BLOCK_H=kwargs["BLOCK_H"], num_warps=kwargs.get("num_warps", 4),
+                           table=blocks is None, **launch_usage(kernel, args, kwargs))
 
 
 USAGE = ("REG", "STACK", "LOCAL", "SHARED")
 OPS = {"parallax": (parallax_rows, KINDS, COLUMNS),
+       "gatedfwa": (functools.partial(attention_rows, gated=True), ATTENTION_KINDS, COLUMNS),
+       "softmax": (functools.partial(attention_rows, gated=False), ATTENTION_KINDS, COLUMNS),
        "scan": (scan_rows, ("ieee", "tf32x3"), COLUMNS + ("loop", "FFMA", "FFMA%", "FFMA/w", "LDS", "MMA", "LDL", "STL")),
        "lla": (lla_rows, tuple(LLA_KINDS), COLUMNS + ("loop", "MMA", "LDL", "STL")),
        "gatedfwa_gate": (gate_rows, (), ("shape", "scan", "kernel", "BLOCK_T", "BLOCK_H", "num_warps") + USAGE)}
@@ -291,9 +341,10 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m regattn.bench.registers", description=__doc__.split("\n")[0])
     parser.add_argument("op", choices=sorted(OPS))
     parser.add_argument("--head-dims", type=int, nargs="+", help="parallax: 32 64 128 256 by default; scan: 64; lla: 128")
-    parser.add_argument("--kinds", nargs="+", choices=KINDS + SCAN_KINDS + tuple(LLA_KINDS),
+    parser.add_argument("--kinds", nargs="+", choices=KINDS + ATTENTION_KINDS[1:] + SCAN_KINDS + tuple(LLA_KINDS),
                         help=f"parallax: {', '.join(KINDS)} (all by default); scan: {', '.join(SCAN_KINDS)} "
-                             f"(ieee and tf32x3 by default); lla: {', '.join(LLA_KINDS)} (all by default)")
+                             f"(ieee and tf32x3 by default); lla: {', '.join(LLA_KINDS)} (all by default); gatedfwa "
+                             f"and softmax: {', '.join(ATTENTION_KINDS)} (all by default)")
     parser.add_argument("--candidates", action="store_true", help="screen the tile candidates too")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
@@ -302,7 +353,8 @@ def main(argv=None) -> int:
     if args.kinds and not set(args.kinds) <= set(kinds if args.op != "scan" else SCAN_KINDS):
         parser.error(f"--kinds: not kernels of {args.op}: {args.kinds}")
     print(" ".join(f"{c:>10}" for c in columns), " table")
-    head_dims = args.head_dims or {"parallax": list(HEAD_DIMS), "lla": [128]}.get(args.op, [64])
+    head_dims = args.head_dims or {"parallax": list(HEAD_DIMS), "lla": [128], "gatedfwa": [128],
+                                   "softmax": [128]}.get(args.op, [64])
     for row in rows(head_dims, args.kinds or kinds, args.candidates):
         cells = [f"{row.get(c, '-'):>10}" for c in columns]
         note = " *" if row["table"] else "  "

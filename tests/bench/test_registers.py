@@ -31,12 +31,35 @@ def test_command_prints_the_table_entry(capsys):
 
 
 @compiles
+@pytest.mark.parametrize("gated", [True, False])
+def test_softmax_kernel_launch_takes_the_tiles_given(gated):
+    """GatedFWA's dQ kernel (and the ungated one) as the op launches it, with tiles in place of the table's."""
+    config = dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=3)
+    kernel, args, kwargs = registers.attention_launch("bwd_q", 64, config, gated=gated, T=256, H=2, window=64)
+    assert kernel.__name__ == "_bwd_q_kernel" and kwargs["GATED"] is gated and kwargs["WINDOW"] == 64
+    assert registers.launch_settings(kwargs) == config
+    usage = registers.resource_usage(registers.compile_launch(kernel, args, kwargs))
+    assert 0 < usage["REG"] <= 255 and usage["SHARED"] > 0
+
+
+@compiles
 def test_chunked_gate_scan_does_not_spill():
     """The chunked gate scan, forward and backward, at 64 heads (its widest block) and at 3 (a masked block)."""
     rows = list(registers.gate_rows(shapes=[(1, 65536, 64), (1, 8192, 3)], scans=["chunked"]))
     assert sorted({r["kernel"] for r in rows}) == ["gate_chunked", "gate_chunked_bwd"] and len(rows) == 4
     for r in rows:
         assert r["STACK"] == 0 and r["LOCAL"] == 0 and 0 < r["REG"] <= 128, r
+
+
+@compiles
+def test_chunked_gate_scan_candidates(monkeypatch):
+    """--candidates: the chunked scan also with each tile of CHUNK_TILES, num_warps as the tile says."""
+    from regattn.bench.suites import gatedfwa
+    monkeypatch.setattr(gatedfwa, "CHUNK_TILES", [(8192, 16, 16)])
+    rows = list(registers.gate_rows(candidates=True, shapes=[(1, 65536, 64)], scans=["chunked"]))
+    assert [(r["BLOCK_T"], r["BLOCK_H"], r["num_warps"], r["table"]) for r in rows] == [
+        (32, 64, 4, True), (32, 64, 4, True), (512, 16, 16, False), (512, 16, 16, False)]
+    assert all(r["STACK"] == 0 for r in rows), rows
 
 
 SASS = """

@@ -83,15 +83,66 @@ def test_parallax_tile_variants_are_table_entries():
                 assert all(cfg[b] >= 16 and cfg[b] & (cfg[b] - 1) == 0 for b in ("BLOCK_M", "BLOCK_N"))
 
 
+def test_gatedfwa_tile_variants_tiny(interpret):
+    """time_tile_variants: Flex's row first, then per variant ms, ratios to Flex and to the ungated window and
+    errors; the tile overrides before come back afterwards (in the interpreter this checks the plumbing)."""
+    from regattn.bench.suites.gatedfwa import TILE_KINDS, time_tile_variants
+    from regattn.ops._common.attention_tiles import BLOCK_OVERRIDES, attention_blocks
+    before = dict(BLOCK_OVERRIDES)
+    variants = [{}, {"bwd_kv": {"BLOCK_N": 32, "num_warps": 2}}]
+    flex, *rows = time_tile_variants(variants, shape=dict(B=1, H=2, T=40, D=16, w=16), dtype=torch.float32,
+                                     device="cpu", rep_ms=1, rounds=2)
+    assert BLOCK_OVERRIDES == before
+    table = {kind: attention_blocks(16, torch.float32, kind, gated=True) for kind in TILE_KINDS}
+    assert [row["tiles"] for row in rows] == [table, dict(table, bwd_kv=dict(table["bwd_kv"], BLOCK_N=32, num_warps=2))]
+    assert flex["op"] == "flex" and flex["tiles"] is None and flex["fwd_ms"] > 0  # CPU: no Flex backward
+    for row in rows:
+        assert row["op"] == "regattn:triton" and row["status"] == "ok"
+        assert set(row["rounds"]) == {"fwd", "fwd+bwd", "window fwd", "window fwd+bwd"}
+        assert all(len(times) == 2 and row[f"{label}_ms"] == min(times) for label, times in row["rounds"].items())
+        assert row["of_flex"]["fwd"] > 0 and min(row["gate_cost"].values()) > 0
+        assert set(row["err"]) == {"o", "dq", "dk", "dv", "du"} and max(row["err"].values()) < 1e-4
+    with pytest.raises(ValueError, match="^variants: "):
+        time_tile_variants([{"dq": {}}], device="cpu")
+
+
+def test_gatedfwa_tile_variants_are_table_entries():
+    """The table first, then at most 12 variants, each overriding kinds of attention_blocks with settings a
+    kernel takes."""
+    from regattn.bench.suites.gatedfwa import TILE_KINDS, TILE_VARIANTS
+    assert TILE_VARIANTS[0] == {} and len(TILE_VARIANTS) <= 12
+    for variant in TILE_VARIANTS[1:]:
+        assert variant and set(variant) <= set(TILE_KINDS)
+        for cfg in variant.values():
+            assert set(cfg) == {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"}
+            assert all(cfg[b] >= 16 and cfg[b] & (cfg[b] - 1) == 0 for b in ("BLOCK_M", "BLOCK_N"))
+
+
 def test_chunked_gate_tiles_tiny(interpret):
-    """time_chunked_tiles: ms, fraction of copy bandwidth and errors per (shape, tile), the head block cut to
-    the heads (in the interpreter this checks the plumbing and the numbers, not the speed)."""
-    from regattn.bench.suites.gatedfwa import time_chunked_tiles
-    rows = time_chunked_tiles([(64, 4), (16, 16)], shapes=[(2, 45, 3)], device="cpu", rep_ms=1)
-    assert [(r["BLOCK_T"], r["BLOCK_H"]) for r in rows] == [(16, 4), (4, 4)]
+    """time_chunked_tiles: ms eager and in a graph, fraction of copy bandwidth and errors per (shape, tile), the
+    default tiles first, the head block cut to the heads and tiles alike there timed once (in the interpreter
+    this checks the plumbing and the numbers, not the speed)."""
+    from regattn.bench.suites.gatedfwa import CHUNK_TIMINGS, time_chunked_tiles
+    rows = time_chunked_tiles([(64, 4, 8), (16, 16, 4), (16, 8, 4), (64, 16, 4)], shapes=[(2, 45, 3)], device="cpu",
+                              rep_ms=1, rounds=2)
+    assert [(r["BLOCK_T"], r["BLOCK_H"], r["num_warps"], r["default"]) for r in rows] == [
+        (16, 4, 4, ["fwd", "bwd"]), (16, 4, 8, []), (4, 4, 4, [])]
+    json.dumps(rows)
     for r in rows:
-        assert r["fwd_ms"] > 0 and r["bwd_ms"] > 0 and r["fwd_of_copy"] > 0 and r["bwd_of_copy"] > 0
+        assert r["status"] == "ok" and set(r["copy_ms"]) == set(CHUNK_TIMINGS), r
+        for name in CHUNK_TIMINGS:
+            assert len(r["rounds"][name]) == 2 and r[f"{name}_ms"] == min(r["rounds"][name]) > 0
+            assert r[f"{name}_of_copy"] == r["copy_ms"][name] / r[f"{name}_ms"] > 0
         assert set(r["err"]) == {"u", "dh", "dbeta"} and max(r["err"].values()) < 1e-5, r
+
+
+def test_chunked_gate_tiles_are_distinct_and_few():
+    """The sweep's tiles: distinct, num_warps of 4, 8 or 16, power-of-two blocks, at most 30 a shape."""
+    from regattn.bench.suites.gatedfwa import CHUNK_TILES, chunk_blocks
+    assert len(set(CHUNK_TILES)) == len(CHUNK_TILES) <= 30
+    for H in (16, 64, 128):
+        for block_t, block_h, num_warps in chunk_blocks(H):
+            assert num_warps in (4, 8, 16) and block_h <= H and block_t & (block_t - 1) == 0, (H, block_t)
 
 
 def test_lla_latency_shape_with_cg_times_that_count_and_the_direct_solve(tmp_path, capsys, interpret):

@@ -64,3 +64,25 @@ def test_attention(B, T, HQ, H, D, dtype, window, gated, cu_seqlens):
 @pytest.mark.parametrize("scan", SCANS)
 def test_gate_against_torch_fp32(scan):
     check_gate(scan, 2, 65536, 64)
+
+
+# Chunked-scan tiles of more threads than words in a look-back step of LOOK_BACK chunks: before the step was
+# widened to a word per thread (gate.look_back_width), each gave relative errors of 1e-3 to 0.5 on an H100.
+WIDE_TILES = [(128, 8, 4), (256, 8, 8), (128, 16, 8), (256, 16, 16), (128, 32, 16)]
+
+
+@pytest.mark.parametrize("H", [16, 64])
+@pytest.mark.parametrize("blocks", WIDE_TILES)
+def test_chunked_gate_wide_tiles(blocks, H):
+    """u, dh and dbeta of the chunked scan against float64 in three calls (the look-back's order varies)."""
+    from regattn.ops.gatedfwa.gate import gate_backward, gate_forward
+    h = randn(1, 65536, H, dtype=FP32, device="cuda", scale=3.0)
+    beta = 1 + F.elu(randn(1, 65536, H, dtype=FP32, device="cuda"))
+    du = randn(1, 65536, H, dtype=FP32, device="cuda")
+    exact = outputs(reference.gatedfwa_gate, leaves([h, beta], torch.float64), du)
+    for _ in range(3):
+        got = [gate_forward(h, beta, 1e-6, "chunked", blocks=blocks),
+               *gate_backward(du, h, beta, 1e-6, blocks=blocks, scan="chunked")]
+        for name, g, e in zip(("u", "dh", "dbeta"), got, exact):
+            err = ((g.double() - e).norm() / e.norm()).item()
+            assert err < 1e-5, f"{name}: relative error {err:.2e} with tile {blocks}"

@@ -97,19 +97,33 @@ def test_gate_low_precision_inputs_accumulate_in_fp32(scan, interpret):
     _check(1, 70, 4, torch.float16, scan, 1e-3)
 
 
+def _check_chunked(B, T, H, blocks):
+    """The chunked scan, forward and backward, with the tile ``blocks``: the same numbers as the reference."""
+    from regattn.ops.gatedfwa.gate import gate_backward, gate_forward
+    h, beta = (x.detach() for x in _gate_inputs(B, T, H, torch.float32))
+    du = randn(B, T, H, device=DEV, dtype=torch.float32)
+    u = gate_forward(h, beta, 1e-6, "chunked", blocks=blocks)
+    dh, dbeta = gate_backward(du, h, beta, 1e-6, blocks=blocks, scan="chunked")
+    hd, bd = (x.double().requires_grad_(True) for x in (h, beta))
+    ud = reference.gatedfwa_gate(hd, bd)
+    rh, rb = torch.autograd.grad(ud, [hd, bd], du.double())
+    assert rel_err(u, ud) < 1e-5 and rel_err(dh, rh) < 1e-5 and rel_err(dbeta, rb) < 1e-5
+
+
 def test_gate_chunked_gpu_sized_chunks(interpret):
     """The chunked scan at the tiles it takes on a GPU (64 heads of 32 rows; 2048 rows of one head) over
-    several chunks: the same numbers as the reference."""
-    from regattn.ops.gatedfwa.gate import gate_backward, gate_forward
-    for (B, T, H), blocks in (((2, 77, 64), (32, 64)), ((1, 4500, 1), (2048, 1))):
-        h, beta = (x.detach() for x in _gate_inputs(B, T, H, torch.float32))
-        du = randn(B, T, H, device=DEV, dtype=torch.float32)
-        u = gate_forward(h, beta, 1e-6, "chunked", blocks=blocks)
-        dh, dbeta = gate_backward(du, h, beta, 1e-6, blocks=blocks, scan="chunked")
-        hd, bd = (x.double().requires_grad_(True) for x in (h, beta))
-        ud = reference.gatedfwa_gate(hd, bd)
-        rh, rb = torch.autograd.grad(ud, [hd, bd], du.double())
-        assert rel_err(u, ud) < 1e-5 and rel_err(dh, rh) < 1e-5 and rel_err(dbeta, rb) < 1e-5
+    several chunks."""
+    for (B, T, H), blocks in (((2, 77, 64), (32, 64, 4)), ((1, 4500, 1), (2048, 1, 4))):
+        _check_chunked(B, T, H, blocks)
+
+
+@pytest.mark.parametrize("B,T,H,blocks", [(1, 1100, 40, (512, 16, 16)), (2, 700, 20, (256, 16, 8)),
+                                          (1, 600, 40, (256, 8, 8))])
+def test_gate_chunked_tiles_of_more_warps(B, T, H, blocks, interpret):
+    """Tiles of the chunked scan's sweep other than the default, num_warps included, over several chunks and
+    blocks of heads (the last one masked but for 8 heads a block): 8192 elements at 16 warps, 4096 at 8,
+    2048 at 8 with 8 heads a block."""
+    _check_chunked(B, T, H, blocks)
 
 
 def test_gate_backward_in_one_long_tile(interpret):

@@ -137,3 +137,24 @@ def test_unchecked_offsets_past_t_are_clamped(interpret):
     good = torch.tensor([0, 7, 20], device=DEV, dtype=torch.int32)
     o = regattn.softmax_attention(q, k, v, cu_seqlens=bad, max_seqlen=20, backend="triton")
     assert torch.equal(o, regattn.softmax_attention(q, k, v, cu_seqlens=good, backend="triton"))
+
+
+def test_tile_overrides_and_gated_entries(monkeypatch):
+    """attention_blocks: the gated kernels take GATED_BLOCKS' entry where it has one; overridden_blocks sets
+    kinds for both within a block and puts the overrides before back on leaving."""
+    from regattn.ops._common import attention_tiles as tiles
+    monkeypatch.setattr(tiles, "interpreting", lambda: False)
+    gated = dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=3)
+    kept = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=2)
+    monkeypatch.setattr(tiles, "GATED_BLOCKS", {"bwd_kv": gated})
+    monkeypatch.setattr(tiles, "BLOCK_OVERRIDES", {"bwd_q": kept})
+
+    def blocks(kind, **kw):
+        return tiles.attention_blocks(128, torch.bfloat16, kind, **kw)
+    assert blocks("bwd_kv", gated=True) == gated != blocks("bwd_kv")
+    assert blocks("fwd", gated=True) == blocks("fwd")
+    fwd = dict(BLOCK_M=128, BLOCK_N=32, num_warps=8, num_stages=3)
+    with tiles.overridden_blocks({"fwd": fwd, "bwd_kv": fwd}):
+        assert blocks("fwd") == blocks("bwd_kv", gated=True) == blocks("bwd_kv") == fwd
+        assert blocks("bwd_q") == kept
+    assert tiles.BLOCK_OVERRIDES == {"bwd_q": kept} and blocks("bwd_kv", gated=True) == gated

@@ -6,6 +6,9 @@ inside a CUDA graph: users call it both ways.
 """
 from __future__ import annotations
 
+import contextlib
+import functools
+
 import torch
 
 import regattn
@@ -13,9 +16,9 @@ from regattn import reference
 from regattn.bench import counts, peers
 from regattn.bench.check import Check, Slice
 from regattn.bench.runner import (
-    Case, Setup, build, case_errors, for_mode, ours, randn, reference_case, sdpa_cases, timed,
+    Case, Setup, build, case_errors, for_mode, ours, randn, reference_case, sdpa_cases,
 )
-from regattn.bench.timing import measure
+from regattn.bench.variants import Contender, tile, time_in_rounds
 from regattn.ops.parallax import tiles
 
 NAME = "parallax"
@@ -105,45 +108,41 @@ def decode_cases(shape, setup):
 # kernel at a time changed to a candidate that compiles without spilling on sm_90, or to the one that spills
 # least where none is free, then together. Registers per candidate: benchmarks/results/sm90-registers/parallax.txt
 # (python -m regattn.bench.registers parallax --head-dims D --candidates).
-def _tiles(m, n, warps, stages):
-    return dict(BLOCK_M=m, BLOCK_N=n, num_warps=warps, num_stages=stages)
-
-
 TILE_VARIANTS = {
     # the table spills in fwd (88 bytes of stack) and dq (872); dk (32 x 128 on 8 warps, 3 stages) spills none
     # since the dK/dV pass was reordered
     128: [
         {},
-        {"fwd": _tiles(128, 32, 8, 3)},   # REG 246
-        {"fwd": _tiles(128, 32, 8, 2)},   # REG 243
-        {"fwd": _tiles(64, 64, 8, 1)},    # REG 255
-        {"dq": _tiles(128, 32, 8, 2)},    # REG 254
-        {"dq": _tiles(64, 32, 8, 3)},     # REG 250
-        {"dq": _tiles(32, 32, 4, 2)},     # REG 228
-        {"dk": _tiles(64, 64, 4, 2)},     # the entry before: 528 bytes of stack with the reordered pass
-        {"dk": _tiles(32, 128, 8, 2)},    # 48 bytes, saved and reloaded outside the loops
-        {"dk": _tiles(16, 128, 8, 3)},    # no stack
-        {"fwd": _tiles(128, 32, 8, 3), "dq": _tiles(128, 32, 8, 2)},
+        {"fwd": tile(128, 32, 8, 3)},    # REG 246
+        {"fwd": tile(128, 32, 8, 2)},    # REG 243
+        {"fwd": tile(64, 64, 8, 1)},     # REG 255
+        {"dq": tile(128, 32, 8, 2)},     # REG 254
+        {"dq": tile(64, 32, 8, 3)},      # REG 250
+        {"dq": tile(32, 32, 4, 2)},      # REG 228
+        {"dk": tile(64, 64, 4, 2)},      # the entry before: 528 bytes of stack with the reordered pass
+        {"dk": tile(32, 128, 8, 2)},     # 48 bytes, saved and reloaded outside the loops
+        {"dk": tile(16, 128, 8, 3)},     # no stack
+        {"fwd": tile(128, 32, 8, 3), "dq": tile(128, 32, 8, 2)},
     ],
     # the table's dq spills 40 bytes; fwd and dk (with the reordered dK/dV pass) fit
     64: [
         {},
-        {"dq": _tiles(64, 64, 8, 2)},     # REG 238
-        {"dq": _tiles(128, 32, 8, 2)},    # REG 183
-        {"dk": _tiles(32, 64, 8, 2)},
-        {"dk": _tiles(32, 128, 8, 2)},
-        {"dk": _tiles(32, 128, 8, 3)},    # no stack with triton 3.9 or 3.6
-        {"dk": _tiles(16, 64, 8, 3)},
-        {"dq": _tiles(64, 64, 8, 2), "dk": _tiles(32, 64, 8, 2)},
-        {"dq": _tiles(128, 32, 8, 2), "dk": _tiles(32, 128, 8, 2)},
+        {"dq": tile(64, 64, 8, 2)},      # REG 238
+        {"dq": tile(128, 32, 8, 2)},     # REG 183
+        {"dk": tile(32, 64, 8, 2)},
+        {"dk": tile(32, 128, 8, 2)},
+        {"dk": tile(32, 128, 8, 3)},     # no stack with triton 3.9 or 3.6
+        {"dk": tile(16, 64, 8, 3)},
+        {"dq": tile(64, 64, 8, 2), "dk": tile(32, 64, 8, 2)},
+        {"dq": tile(128, 32, 8, 2), "dk": tile(32, 128, 8, 2)},
     ],
     # every candidate spills in dq and dk (the table's: fwd 1192, dq 200, dk 376 bytes); fwd 32 x 32 fits
     256: [
         {},
-        {"fwd": _tiles(32, 32, 4, 1)},    # REG 253
-        {"dq": _tiles(64, 16, 8, 3)},     # 504 bytes
-        {"dk": _tiles(32, 32, 4, 3)},     # 992 bytes
-        {"fwd": _tiles(32, 32, 4, 1), "dk": _tiles(32, 32, 4, 3)},
+        {"fwd": tile(32, 32, 4, 1)},     # REG 253
+        {"dq": tile(64, 16, 8, 3)},      # 504 bytes
+        {"dk": tile(32, 32, 4, 3)},      # 992 bytes
+        {"fwd": tile(32, 32, 4, 1), "dk": tile(32, 32, 4, 3)},
     ],
 }
 
@@ -166,8 +165,9 @@ def time_tile_variants(variants=None, *, shape=None, dtype=torch.bfloat16, devic
 
     Returns:
         One dict per variant: ``tiles`` (the settings of fwd, dq and dk used), ``fwd_ms`` and ``fwd+bwd_ms``
-        (the least over the rounds of the median ms), ``rounds`` (each round's median per mode), ``status`` (``"ok"`` or why a timing failed) and ``err`` (relative errors of o, dq, dr,
-        dk and dv against float64).
+        (the least over the rounds of the median ms), ``rounds`` (each round's median per mode), ``status``
+        (``"ok"`` or why a timing failed) and ``err`` (relative errors of o, dq, dr, dk and dv against float64),
+        as :func:`regattn.bench.variants.time_in_rounds` gives them.
 
     On a GPU (D=64 and D=256: ``time_tile_variants(shape=dict(D=64))``)::
 
@@ -186,29 +186,24 @@ def time_tile_variants(variants=None, *, shape=None, dtype=torch.bfloat16, devic
     q, r = randn(setup, B, T, HQ, D, grad=True), randn(setup, B, T, HQ, D, grad=True, scale=0.1)
     k, v = randn(setup, B, T, H, D, grad=True), randn(setup, B, T, H, D, grad=True)
     leaves = [q, r, k, v]
-    truth = check("fwd+bwd", q, r, k, v, w)
     key = tiles.table_head_dim(D)
     table = tiles.TILES[key]
-    rows = [dict(tiles={kind: dict(table[kind], **v.get(kind, {})) for kind in ("fwd", "dq", "dk")}, status="ok",
-                 rounds={mode: [] for mode in MODES}) for v in variants]
-    for _ in range(rounds):  # every variant once per round: a drift of the clocks reaches them all alike
-        for variant, row in zip(variants, rows):
-            tiles.TILES[key] = {kind: dict(cfg, **variant.get(kind, {})) for kind, cfg in table.items()}
-            try:
-                def call():
-                    return regattn.parallax(q, r, k, v, window=w, backend="triton")
-                for mode in MODES:
-                    m = measure(timed(call, leaves, mode), cuda=setup.cuda, rep_ms=rep_ms)
-                    row["rounds"][mode].append(m.ms)
-                    if m.status != "ok":
-                        row["status"] = m.status
-                if "err" not in row:
-                    row["err"] = case_errors(Case("regattn:triton", call, leaves, check=truth), "fwd+bwd")
-            finally:
-                tiles.TILES[key] = table
-    for row in rows:
-        for mode, times in row["rounds"].items():
-            measured = [t for t in times if t is not None]
-            row[f"{mode}_ms"] = min(measured) if measured else None
-    results = rows
-    return results
+    case = Case("regattn:triton", lambda: regattn.parallax(q, r, k, v, window=w, backend="triton"), leaves,
+                check=check("fwd+bwd", q, r, k, v, w))
+    contenders = [Contender({mode: (case.call, leaves) for mode in MODES},
+                            functools.partial(_table_variant, key, variant),
+                            lambda: case_errors(case, "fwd+bwd")) for variant in variants]
+    rows = time_in_rounds(contenders, cuda=setup.cuda, rep_ms=rep_ms, rounds=rounds)
+    return [dict(tiles={kind: dict(table[kind], **variant.get(kind, {})) for kind in ("fwd", "dq", "dk")}, **row)
+            for variant, row in zip(variants, rows)]
+
+
+@contextlib.contextmanager
+def _table_variant(key: int, variant: dict):
+    """Within the block, the tile table's entry ``key`` has the variant's settings merged over its own."""
+    table = tiles.TILES[key]
+    tiles.TILES[key] = {kind: dict(cfg, **variant.get(kind, {})) for kind, cfg in table.items()}
+    try:
+        yield
+    finally:
+        tiles.TILES[key] = table

@@ -14,6 +14,7 @@ Conventions of every kernel that uses these pieces:
 """
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -27,6 +28,27 @@ LOG2E = 1.4426950408889634
 # Per-kind launch settings that replace the heuristics of :func:`attention_blocks` (for tuning sweeps),
 # e.g. ``BLOCK_OVERRIDES["fwd"] = dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2)``.
 BLOCK_OVERRIDES: dict[str, dict] = {}
+# fp16/bf16 launch settings per kind of the kernels with the gate bias (GatedFWA) where they differ from those of
+# the kernels without it. H100, bf16, B1 H16 T32768 D128 window 512 (``time_tile_variants`` of the gatedfwa
+# bench, 3 rounds): the forward 0.536 ms against 0.555 with the softmax's 64 x 64, forward+backward 2.41 ms
+# against 2.74 with the dK/dV pass on 32 x 64 tiles (3 stages; 64 x 64 spills 280 bytes a thread there).
+GATED_BLOCKS: dict[str, dict] = {
+    "fwd": dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=3),
+    "bwd_kv": dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=3),
+}
+
+
+@contextlib.contextmanager
+def overridden_blocks(settings: dict[str, dict]):
+    """Within the block, :data:`BLOCK_OVERRIDES` holds ``settings`` (full launch settings per kind) over its
+    own entries; on leaving it holds what it held before."""
+    before = dict(BLOCK_OVERRIDES)
+    BLOCK_OVERRIDES.update(settings)
+    try:
+        yield
+    finally:
+        BLOCK_OVERRIDES.clear()
+        BLOCK_OVERRIDES.update(before)
 
 
 @triton.jit
@@ -194,11 +216,12 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def attention_blocks(head_dim: int, dtype: torch.dtype, kind: str) -> dict:
+def attention_blocks(head_dim: int, dtype: torch.dtype, kind: str, *, gated: bool = False) -> dict:
     """Tile sizes and launch settings for ``kind`` in ``"fwd" | "bwd_kv" | "bwd_q"``.
 
     The interpreter gets 16 x 16 tiles (fast on CPU); a GPU gets FlashAttention-2 sized tiles.
-    ``BLOCK_M`` tiles queries and ``BLOCK_N`` tiles keys in every kind.
+    ``BLOCK_M`` tiles queries and ``BLOCK_N`` tiles keys in every kind. ``gated``: the kernels with the gate
+    bias, which take the entry of :data:`GATED_BLOCKS` where it has one for ``kind``.
     """
     if kind in BLOCK_OVERRIDES:
         return dict(BLOCK_OVERRIDES[kind])
@@ -206,6 +229,8 @@ def attention_blocks(head_dim: int, dtype: torch.dtype, kind: str) -> dict:
         return dict(BLOCK_M=16, BLOCK_N=16, num_warps=1, num_stages=1)
     if dtype == torch.float32:  # exact fp32 products need smaller tiles
         return dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)
+    if gated and kind in GATED_BLOCKS:
+        return dict(GATED_BLOCKS[kind])
     if kind == "fwd":  # H100 sweep, bf16, d=128, w=512: 64 x 64 beat 128 x 64 and 128 x 128
         return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)
     if kind in ("bwd_kv", "bwd_q"):

@@ -121,7 +121,15 @@ def _gate_bwd_kernel(H_ptr, BETA, DU, DH, DBETA, T, NH, eps, shb, sht, shh, sbb,
 # of the sum in the low 32. AGGREGATE: the chunk's own sum; INCLUSIVE: the sum of it and every earlier chunk.
 AGGREGATE = tl.constexpr(1)
 INCLUSIVE = tl.constexpr(2)
-LOOK_BACK = 8  # chunks read a step of the look-back: 4 KiB at 64 heads (16 or 32 spill at 4 heads, sm_90)
+LOOK_BACK = 8  # chunks read a step of the look-back at least: 4 KiB at 64 heads (16 or 32 spill at 4 heads, sm_90)
+
+
+def look_back_width(block_h: int, num_warps: int) -> int:
+    """Chunks a step of the look-back reads: :data:`LOOK_BACK`, or more so that the ``[LOOK, BLOCK_H]`` tile of
+    published words has one for every thread. Each word is then read by one thread: two threads reading the
+    same word while it is being published may see it before and after, and the reductions that decide the
+    step would mix the two (on an H100 every tile with more threads than words gave wrong sums)."""
+    return max(LOOK_BACK, 32 * num_warps // block_h)
 
 
 @triton.jit
@@ -222,23 +230,33 @@ def gate_blocks(num_heads: int, scan: str) -> tuple[int, int]:
     return 1024, min(16, next_pow2(num_heads))
 
 
-def chunked_blocks(num_heads: int, numel: int) -> tuple[int, int]:
-    """``(BLOCK_T, BLOCK_H)`` of the chunked scan: up to 64 heads a program (fp32 rows of 256 contiguous
-    bytes), and 2048 elements a tile (16 KiB of h and beta in flight per program), 512 (4 KiB) for inputs
-    under 2**20 elements so that they still spread over many programs."""
+# The chunked scan's tile by pass and size: (elements of a tile, most heads of a block, num_warps). On an H100
+# (``time_chunked_tiles``, fp32, T 8192 and 65536 at 16, 64 and 128 heads, 17 tiles timed in CUDA graphs) these
+# took at most 1.07x (forward) and 1.17x (backward) the time of the best tile at each shape; the former single
+# tile of up to 64 heads and 2048 elements (512 under 2**20 elements) took up to 5.0x.
+CHUNK_TILES_SMALL = {"fwd": (2048, 8, 8), "bwd": (1024, 8, 4)}
+CHUNK_TILES_LARGE = {"fwd": (2048, 16, 4), "bwd": (4096, 16, 8)}  # from 2**22 elements
+
+
+def chunked_blocks(num_heads: int, numel: int, backward: bool = False) -> tuple[int, int, int]:
+    """``(BLOCK_T, BLOCK_H, num_warps)`` of the chunked scan's forward or backward pass (see
+    :data:`CHUNK_TILES_SMALL`)."""
     if interpreting():
-        return 16, min(16, next_pow2(num_heads))
-    block_h = min(64, next_pow2(num_heads))
-    return max(1, (2048 if numel >= 1 << 20 else 512) // block_h), block_h
+        return 16, min(16, next_pow2(num_heads)), 4
+    elements, heads, num_warps = (CHUNK_TILES_LARGE if numel >= 1 << 22 else CHUNK_TILES_SMALL)[
+        "bwd" if backward else "fwd"]
+    block_h = min(heads, next_pow2(num_heads))
+    return elements // block_h, block_h, num_warps
 
 
-def _chunked_launch(h, blocks):
-    """``(grid, state, n_chunks, n_head_blocks, tiles)``: the state starts zeroed (no chunk published, ticket 0)."""
+def _chunked_launch(h, blocks, backward=False):
+    """``(grid, state, n_chunks, n_head_blocks, tiles)`` for the tile ``blocks`` (``(BLOCK_T, BLOCK_H,
+    num_warps)``, default :func:`chunked_blocks`): the state starts zeroed (no chunk published, ticket 0)."""
     B, T, NH = h.shape
-    BT, BH = blocks or chunked_blocks(NH, h.numel())
+    BT, BH, num_warps = blocks or chunked_blocks(NH, h.numel(), backward)
     n_chunks, n_head_blocks = ceil_div(T, BT), ceil_div(NH, BH)
     state = torch.zeros(1 + B * n_chunks * NH, device=h.device, dtype=torch.int64)
-    tiles = dict(BLOCK_T=BT, BLOCK_H=BH, LOOK=LOOK_BACK)
+    tiles = dict(BLOCK_T=BT, BLOCK_H=BH, LOOK=look_back_width(BH, num_warps), num_warps=num_warps)
     return (B * n_chunks * n_head_blocks,), state, n_chunks, n_head_blocks, tiles
 
 
@@ -247,7 +265,8 @@ def _strides(x):
 
 
 def gate_forward(h, beta, eps, scan="one_pass", blocks=None):
-    """``u: [B, T, H]`` fp32 from ``h, beta: [B, T, H]``."""
+    """``u: [B, T, H]`` fp32 from ``h, beta: [B, T, H]``; ``blocks``: the tile, ``(BLOCK_T, BLOCK_H, num_warps)``
+    for ``chunked``, ``(BLOCK_T, BLOCK_H)`` for the other scans."""
     B, T, NH = h.shape
     u = torch.empty(B, T, NH, device=h.device, dtype=torch.float32)
     if scan == "chunked":
@@ -273,13 +292,13 @@ def gate_forward(h, beta, eps, scan="one_pass", blocks=None):
 
 def gate_backward(du, h, beta, eps, blocks=None, scan="one_pass"):
     """``(dh, dbeta)`` in the dtypes of ``h`` and ``beta``; ``chunked`` runs the chunked reverse scan, the
-    other scans the one-pass reverse scan."""
+    other scans the one-pass reverse scan; ``blocks`` as for :func:`gate_forward`."""
     B, T, NH = h.shape
     du = du.contiguous()
     dh = torch.empty(B, T, NH, device=h.device, dtype=h.dtype)
     dbeta = torch.empty(B, T, NH, device=h.device, dtype=beta.dtype)
     if scan == "chunked":
-        grid, state, n_chunks, n_head_blocks, tiles = _chunked_launch(h, blocks)
+        grid, state, n_chunks, n_head_blocks, tiles = _chunked_launch(h, blocks, backward=True)
         _gate_chunked_bwd_kernel[grid](h, beta, du, dh, dbeta, state, T, NH, n_chunks, n_head_blocks, eps,
                                        *_strides(h), *_strides(beta), *_strides(du), **tiles)
         return dh, dbeta

@@ -348,7 +348,7 @@ def attention_forward(q, k, v, u, *, causal, window, scale, cu_seqlens, max_seql
     u_arg = u if u is not None else lse
     cu = cu_seqlens if cu_seqlens is not None else lse
     n_seq, t_max, _ = _grid_sizes(q, k, cu_seqlens, max_seqlen)
-    cfg = attention_blocks(D, q.dtype, "fwd")
+    cfg = attention_blocks(D, q.dtype, "fwd", gated=u is not None)
     grid = (ceil_div(t_max, cfg["BLOCK_M"]), n_seq, HQ)
     _fwd_kernel[grid](q, k, v, u_arg, o, lse, cu, scale * LOG2E, T, S, D, DV,
                       *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(u_arg), *_strides3(o),
@@ -373,11 +373,11 @@ def attention_backward(do, q, k, v, u, o, lse, *, causal, window, scale, cu_seql
     flags = _launch_flags(q, k, u, causal, window, cu_seqlens)
     common = (*_strides3(q), *_strides3(k), *_strides3(v), *_strides3(u_arg), *_strides3(do), *_strides3(lse))
 
-    cfg = attention_blocks(D, q.dtype, "bwd_kv")
+    cfg = attention_blocks(D, q.dtype, "bwd_kv", gated=u is not None)
     grid = (ceil_div(s_max, cfg["BLOCK_N"]), n_seq, H)
     _bwd_kv_kernel[grid](q, k, v, u_arg, do, lse, delta, dk, dv, du_arg, cu, scale, scale * LOG2E, T, S, D, DV,
                          *common, *_strides3(dk), *_strides3(dv), BLOCK_DV=head_block(DV), **flags, **cfg)
-    cfg = attention_blocks(D, q.dtype, "bwd_q")
+    cfg = attention_blocks(D, q.dtype, "bwd_q", gated=u is not None)
     grid = (ceil_div(t_max, cfg["BLOCK_M"]), n_seq, HQ)
     _bwd_q_kernel[grid](q, k, v, u_arg, do, lse, delta, dq, du_arg, cu, scale, scale * LOG2E, T, S, D, DV,
                         *common, *_strides3(dq), BLOCK_DV=head_block(DV), **flags, **cfg)
