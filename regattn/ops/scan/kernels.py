@@ -172,18 +172,48 @@ def _combine(m_a, l_a, w_a, m_b, l_b, w_b):
 
 
 @triton.jit
-def _fold_tiles(q, q_base, sqt, k_base, v_base, skt, svt, lo, hi, full_lo, full_hi, offs_m, offs_n0, offs_d, offs_dv, Tb, Sb,
-                qk_scale, D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
-                EVEN_N: tl.constexpr, PREC: tl.constexpr, FRESH: tl.constexpr, ROUND_TF32: tl.constexpr,
-                DOT_K: tl.constexpr):
-    """Left fold of the key tiles ``[lo, hi)`` from the identity: each tile's state (its max, the sum of
-    ``p`` and ``p @ v``: tree reductions across the tile) merges into the running state by un-sum-renorm
-    (the online-softmax step). Tiles outside the full keys ``[full_lo, full_hi)`` of a causal or windowed
-    fold multiply through :func:`contained_dot`. ``DOT_K > 0``: ``q k^T`` is formed ``DOT_K`` columns of
-    ``q`` and ``k`` at a time, read from memory (the FMA dot then holds a slice of its operands in
-    registers, not all of ``D``; its additions run in the same order). Returns ``(m, l, acc)``."""
+def _fold_span(q, q_base, sqt, k_base, v_base, skt, svt, lo, hi, full_lo, full_hi, offs_m, offs_n0, offs_d, offs_dv, Tb, Sb,
+               qk_scale, D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
+               EVEN_N: tl.constexpr, PREC: tl.constexpr, FRESH: tl.constexpr, ROUND_TF32: tl.constexpr,
+               DOT_K: tl.constexpr):
+    """Left fold of the key tiles ``[lo, hi)`` (``lo`` on a tile edge) from the identity, in three runs of
+    :func:`_fold_tiles`: the tiles before the full keys ``[full_lo, full_hi)`` of a causal or windowed fold,
+    masked; the tiles inside them, with no mask; the tiles after them, masked. The tiles and the order of
+    their additions are those of one loop. Returns ``(m, l, acc)``."""
     m_i, l_i, acc = _identity(BLOCK_M, BLOCK_DV)
+    if CAUSAL or WINDOW > 0:
+        a = tl.minimum(lo + tl.cdiv(tl.maximum(full_lo - lo, 0), BLOCK_N) * BLOCK_N, hi)
+        b = tl.minimum(tl.maximum(lo + tl.maximum(full_hi - lo, 0) // BLOCK_N * BLOCK_N, a), hi)
+        m_i, l_i, acc = _fold_tiles(m_i, l_i, acc, q, q_base, sqt, k_base, v_base, skt, svt, lo, a, offs_m,
+                                    offs_n0, offs_d, offs_dv, Tb, Sb, qk_scale, D, DV, BLOCK_M, BLOCK_N, BLOCK_D,
+                                    BLOCK_DV, CAUSAL, WINDOW, EVEN_N, True, PREC, FRESH, ROUND_TF32, DOT_K)
+        m_i, l_i, acc = _fold_tiles(m_i, l_i, acc, q, q_base, sqt, k_base, v_base, skt, svt, a, b, offs_m,
+                                    offs_n0, offs_d, offs_dv, Tb, Sb, qk_scale, D, DV, BLOCK_M, BLOCK_N, BLOCK_D,
+                                    BLOCK_DV, CAUSAL, WINDOW, EVEN_N, False, PREC, FRESH, ROUND_TF32, DOT_K)
+        m_i, l_i, acc = _fold_tiles(m_i, l_i, acc, q, q_base, sqt, k_base, v_base, skt, svt, b, hi, offs_m,
+                                    offs_n0, offs_d, offs_dv, Tb, Sb, qk_scale, D, DV, BLOCK_M, BLOCK_N, BLOCK_D,
+                                    BLOCK_DV, CAUSAL, WINDOW, EVEN_N, True, PREC, FRESH, ROUND_TF32, DOT_K)
+    else:
+        m_i, l_i, acc = _fold_tiles(m_i, l_i, acc, q, q_base, sqt, k_base, v_base, skt, svt, lo, hi, offs_m,
+                                    offs_n0, offs_d, offs_dv, Tb, Sb, qk_scale, D, DV, BLOCK_M, BLOCK_N, BLOCK_D,
+                                    BLOCK_DV, CAUSAL, WINDOW, EVEN_N, not EVEN_N, PREC, FRESH, ROUND_TF32, DOT_K)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _fold_tiles(m_i, l_i, acc, q, q_base, sqt, k_base, v_base, skt, svt, lo, hi, offs_m, offs_n0, offs_d, offs_dv,
+                Tb, Sb, qk_scale, D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
+                EVEN_N: tl.constexpr, MASKED: tl.constexpr, PREC: tl.constexpr, FRESH: tl.constexpr,
+                ROUND_TF32: tl.constexpr, DOT_K: tl.constexpr):
+    """Fold the key tiles ``[lo, hi)`` into the state ``(m_i, l_i, acc)``: each tile's state (its max, the
+    sum of ``p`` and ``p @ v``: tree reductions across the tile) merges into the running state by
+    un-sum-renorm (the online-softmax step). ``MASKED``: the scores of hidden pairs are set to -inf, and in
+    a causal or windowed fold (where every masked tile is partly hidden) ``p @ v`` multiplies through
+    :func:`contained_dot`. ``DOT_K > 0``: ``q k^T`` is formed ``DOT_K`` columns of ``q`` and ``k`` at a
+    time, read from memory (the FMA dot then holds a slice of its operands in registers, not all of ``D``;
+    its additions run in the same order). Returns ``(m, l, acc)``."""
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + offs_n0
         if DOT_K > 0:  # q k^T in chunks of DOT_K columns, each accumulated into the last
@@ -197,13 +227,13 @@ def _fold_tiles(q, q_base, sqt, k_base, v_base, skt, svt, lo, hi, full_lo, full_
         else:
             k = _tf32(_load_rows(k_base, offs_n, skt, offs_d, Sb, D, EVEN_N), ROUND_TF32)
             s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
-        if CAUSAL or WINDOW > 0 or not EVEN_N:
+        if MASKED:
             seen = _visible(offs_m, offs_n, Tb, Sb, CAUSAL, WINDOW)
             s = tl.where(seen, s, float("-inf"))
         m_i, l_i, p, alpha = online_softmax_step(m_i, l_i, s)
         v = _tf32(_load_rows(v_base, offs_n, svt, offs_dv, Sb, DV, EVEN_N), ROUND_TF32)
         p = _tf32(p.to(v.dtype), ROUND_TF32)
-        if (CAUSAL or WINDOW > 0) and _partial(n0, full_lo, full_hi, BLOCK_N):
+        if MASKED and (CAUSAL or WINDOW > 0):
             acc = contained_dot(acc * alpha[:, None], p, v, seen, PREC)
         elif FRESH:
             acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PREC)
@@ -281,9 +311,9 @@ def _fwd_kernel(Q, K, V, O, LSE, WS_M, WS_L, WS_ACC, CU,
         hi = tl.minimum(hi, lo + per)
 
     if CHUNK == 0:
-        m_i, l_i, acc = _fold_tiles(q, q_base, sqt, k_base, v_base, skt, svt, lo, hi, full_lo, full_hi, offs_m, offs_n0, offs_d,
-                                    offs_dv, Tb, Sb, qk_scale, D, DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, CAUSAL,
-                                    WINDOW, EVEN_N, PREC, FRESH, ROUND_TF32, DOT_K)
+        m_i, l_i, acc = _fold_span(q, q_base, sqt, k_base, v_base, skt, svt, lo, hi, full_lo, full_hi, offs_m, offs_n0, offs_d,
+                                   offs_dv, Tb, Sb, qk_scale, D, DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, CAUSAL,
+                                   WINDOW, EVEN_N, PREC, FRESH, ROUND_TF32, DOT_K)
     else:
         # Two levels: CHUNK tiles fold into a chunk state, and the chunk states into the total, so that
         # no accumulator sees more than max(CHUNK, n / (CHUNK * BLOCK_N)) sequential additions. The total's
@@ -294,10 +324,10 @@ def _fwd_kernel(Q, K, V, O, LSE, WS_M, WS_L, WS_ACC, CU,
         m_i, l_i, acc = _identity(BLOCK_M, BLOCK_DV)
         tl.store(w_ptrs, acc, mask=w_mask)
         for c0 in range(lo, hi, CHUNK * BLOCK_N):
-            m_c, l_c, acc_c = _fold_tiles(q, q_base, sqt, k_base, v_base, skt, svt, c0, tl.minimum(hi, c0 + CHUNK * BLOCK_N),
-                                          full_lo, full_hi, offs_m, offs_n0, offs_d, offs_dv, Tb, Sb, qk_scale, D,
-                                          DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, CAUSAL, WINDOW, EVEN_N, PREC,
-                                          FRESH, ROUND_TF32, DOT_K)
+            m_c, l_c, acc_c = _fold_span(q, q_base, sqt, k_base, v_base, skt, svt, c0, tl.minimum(hi, c0 + CHUNK * BLOCK_N),
+                                         full_lo, full_hi, offs_m, offs_n0, offs_d, offs_dv, Tb, Sb, qk_scale, D,
+                                         DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, CAUSAL, WINDOW, EVEN_N, PREC,
+                                         FRESH, ROUND_TF32, DOT_K)
             tl.debug_barrier()
             m_i, l_i, w = _combine(m_i, l_i, tl.load(w_ptrs, mask=w_mask, other=0.0), m_c, l_c, acc_c)
             tl.store(w_ptrs, w, mask=w_mask)
