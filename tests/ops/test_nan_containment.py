@@ -67,13 +67,18 @@ def _scan(q, k, v, aux, window, cu_seqlens, backend):
     return regattn.scan_attention(q, k, v, causal=True, window=window, cu_seqlens=cu_seqlens, backend=backend)
 
 
-def _lla(q, k, v, aux, window, cu_seqlens, backend):
+def _lla(q, k, v, aux, window, cu_seqlens, backend, blocks=None):
     if cu_seqlens is not None:
         pytest.skip("lla takes no cu_seqlens")
-    return regattn.lla(q, k, v, lam=0.5, window=window, cg_iters=2 * D, cg_tol=1e-7, backend=backend)
+    return regattn.lla(q, k, v, lam=0.5, window=window, blocks=blocks, cg_iters=2 * D, cg_tol=1e-7, backend=backend)
 
 
-OPS = {"softmax": _softmax, "gatedfwa": _gatedfwa, "parallax": _parallax, "scan": _scan, "lla": _lla}
+def _lla_pairs(*args):  # BD-LLA by direct 2 x 2 solves
+    return _lla(*args, blocks=D // 2)
+
+
+OPS = {"softmax": _softmax, "gatedfwa": _gatedfwa, "parallax": _parallax, "scan": _scan, "lla": _lla,
+       "lla_pairs": _lla_pairs}
 
 def _run(op, q, k, v, aux, do, window, cu_seqlens, backend):
     """Output and the gradients of q, k, v; ``aux`` feeds the probe (parallax) or the gate (gatedfwa)."""
@@ -94,7 +99,8 @@ NOT_CONTAINED = {
     "softmax": "the contained kernels cost 6% forward+backward at B4 H16 T8192 D128",
     "gatedfwa": "the contained kernels cost 35% forward and 68% forward+backward at B1 H16 T32768 D128 w512",
     "parallax": "the contained prefill forward costs 6% at B4 H16 T8192 D128 (decode is contained)",
-    "lla": "the LLA kernels mask every tile: containment needs a split into partial and full tiles first",
+    "lla": "containment costs 15% forward (cg=8) and 47% (BD-LLA g=D) at B1 H16 T8192 D128",
+    "lla_pairs": "containment costs 15% forward (cg=8) and 47% (BD-LLA g=D) at B1 H16 T8192 D128",
 }
 
 
