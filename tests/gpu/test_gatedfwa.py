@@ -67,7 +67,8 @@ def test_gate_against_torch_fp32(scan):
 
 
 # Chunked-scan tiles of more threads than words in a look-back step of LOOK_BACK chunks: before the step was
-# widened to a word per thread (gate.look_back_width), each gave relative errors of 1e-3 to 0.5 on an H100.
+# widened to a word per thread (gate.look_back_width), each gave relative errors of 1e-3 to 0.5 on an H100 at
+# some of the swept shapes.
 WIDE_TILES = [(128, 8, 4), (256, 8, 8), (128, 16, 8), (256, 16, 16), (128, 32, 16)]
 
 

@@ -128,7 +128,7 @@ def look_back_width(block_h: int, num_warps: int) -> int:
     """Chunks a step of the look-back reads: :data:`LOOK_BACK`, or more so that the ``[LOOK, BLOCK_H]`` tile of
     published words has one for every thread. Each word is then read by one thread: two threads reading the
     same word while it is being published may see it before and after, and the reductions that decide the
-    step would mix the two (on an H100 every tile with more threads than words gave wrong sums)."""
+    step would mix the two (on an H100, tiles with more threads than words gave sums off by up to 50%)."""
     return max(LOOK_BACK, 32 * num_warps // block_h)
 
 
