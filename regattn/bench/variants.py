@@ -27,11 +27,12 @@ class Contender:
     mode (a label ending in ``fwd+bwd`` differentiates ``leaves``, any other is the forward alone).
     ``setting()``: a context manager inside which the calls run with the contender's settings; it puts
     back the settings in use before on leaving. ``errors()``: relative errors against float64, read once,
-    inside the setting.
+    inside the setting. ``graphs``: the labels timed as replays of a CUDA graph.
     """
     calls: dict
     setting: Callable = contextlib.nullcontext
     errors: Callable | None = None
+    graphs: frozenset = frozenset()
 
 
 def least(times: list) -> float | None:
@@ -52,7 +53,8 @@ def time_in_rounds(contenders: list[Contender], *, cuda: bool, rep_ms: int = 100
         for contender, row in zip(contenders, rows):
             with contender.setting():
                 for label, (call, leaves) in contender.calls.items():
-                    m = measure(timed(call, leaves, label), cuda=cuda, rep_ms=rep_ms)
+                    m = measure(timed(call, leaves, label), cuda=cuda, graph=label in contender.graphs,
+                                rep_ms=rep_ms)
                     row["rounds"][label].append(m.ms)
                     if m.status != "ok":
                         row["status"] = m.status

@@ -19,7 +19,7 @@ from regattn.bench.check import Check, Slice
 from regattn.bench.runner import (
     Case, Setup, build, case_errors, flex_case, for_mode, ours, randn, reference_case, sdpa_cases,
 )
-from regattn.bench.variants import Contender, least, time_in_rounds, tile
+from regattn.bench.variants import Contender, time_in_rounds, tile
 from regattn.ops._common.attention_tiles import attention_blocks, overridden_blocks
 from regattn.ops.gatedfwa.api import gate_dispatch
 from regattn.ops.gatedfwa.gate import SCANS
@@ -307,7 +307,6 @@ def time_chunked_tiles(tiles=None, *, shapes=None, device="cuda", rep_ms=100, ro
         python -c "from regattn.bench.suites.gatedfwa import time_chunked_tiles
         for row in time_chunked_tiles(): print(row)"
     """
-    from regattn.bench.timing import measure
     from regattn.ops.gatedfwa.gate import chunked_blocks, gate_backward, gate_forward
     setup = Setup(dtype=torch.float32, device=device, backend="triton", rep_ms=rep_ms)
     shapes = shapes or [(g["B"], g["T"], g["H"]) for g in GRIDS["full"] if g.get("part") == "gate"]
@@ -320,28 +319,28 @@ def time_chunked_tiles(tiles=None, *, shapes=None, device="cuda", rep_ms=100, ro
         exact = (exact, *torch.autograd.grad(exact, [hd, bd], du.double()))
         defaults = {part: chunked_blocks(H, h.numel(), part == "bwd") for part in ("fwd", "bwd")}
         blocks = list(dict.fromkeys([*defaults.values(), *chunk_blocks(H, tiles)]))
-        passes = [dict(fwd=lambda b=b: gate_forward(h, beta, 1e-6, "chunked", blocks=b),
-                       bwd=lambda b=b: gate_backward(du, h, beta, 1e-6, blocks=b, scan="chunked")) for b in blocks]
         copies = {n: peers.copy_floor(n * h.numel(), device)[0] for n in (12, 20)}
-        copy_rounds = {name: [] for name in CHUNK_TIMINGS}
-        group = [dict(B=B, T=T, H=H, BLOCK_T=b[0], BLOCK_H=b[1], num_warps=b[2], status="ok",
-                      default=[part for part, tile in defaults.items() if tile == b],
-                      rounds={name: [] for name in CHUNK_TIMINGS}) for b in blocks]
-        for _ in range(rounds):
-            for name, (_, nbytes, graph) in CHUNK_TIMINGS.items():
-                copy_rounds[name].append(measure(copies[nbytes], cuda=setup.cuda, graph=graph, rep_ms=rep_ms).ms)
-            for row, calls in zip(group, passes):
-                for name, (part, _, graph) in CHUNK_TIMINGS.items():
-                    m = measure(calls[part], cuda=setup.cuda, graph=graph, rep_ms=rep_ms)
-                    row["rounds"][name].append(m.ms)
-                    row["status"] = m.status if m.status != "ok" else row["status"]
-        copy_ms = {name: least(times) for name, times in copy_rounds.items()}
-        for row, calls in zip(group, passes):
-            for name in CHUNK_TIMINGS:
-                ms = row[f"{name}_ms"] = least(row["rounds"][name])
-                row[f"{name}_of_copy"] = copy_ms[name] / ms if ms and copy_ms[name] else None
-            got = (calls["fwd"](), *calls["bwd"]())
-            row.update(copy_ms=copy_ms, err={name: ((a.double() - b).norm() / b.norm()).item()
-                                             for name, a, b in zip(("u", "dh", "dbeta"), got, exact)})
-        rows += group
+        graphs = frozenset(name for name, (_, _, graph) in CHUNK_TIMINGS.items() if graph)
+        copy = Contender({name: (copies[nbytes], []) for name, (_, nbytes, _) in CHUNK_TIMINGS.items()},
+                         graphs=graphs)
+
+        def tiled(b):
+            passes = dict(fwd=lambda: gate_forward(h, beta, 1e-6, "chunked", blocks=b),
+                          bwd=lambda: gate_backward(du, h, beta, 1e-6, blocks=b, scan="chunked"))
+
+            def errors():
+                got = (passes["fwd"](), *passes["bwd"]())
+                return {name: ((a.double() - e).norm() / e.norm()).item()
+                        for name, a, e in zip(("u", "dh", "dbeta"), got, exact)}
+            return Contender({name: (passes[part], []) for name, (part, _, _) in CHUNK_TIMINGS.items()},
+                             errors=errors, graphs=graphs)
+        copy_row, *timed_rows = time_in_rounds([copy] + [tiled(b) for b in blocks], cuda=setup.cuda,
+                                               rep_ms=rep_ms, rounds=rounds)
+        copy_ms = {name: copy_row[f"{name}_ms"] for name in CHUNK_TIMINGS}
+        for b, row in zip(blocks, timed_rows):
+            of_copy = {f"{name}_of_copy": copy_ms[name] / row[f"{name}_ms"] if row[f"{name}_ms"] and copy_ms[name]
+                       else None for name in CHUNK_TIMINGS}
+            rows.append(dict(B=B, T=T, H=H, BLOCK_T=b[0], BLOCK_H=b[1], num_warps=b[2],
+                             default=[part for part, tile in defaults.items() if tile == b], copy_ms=copy_ms,
+                             **row, **of_copy))
     return rows
