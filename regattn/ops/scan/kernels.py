@@ -28,7 +28,7 @@ import triton.language as tl
 
 from regattn.ops._common.attention_tiles import (
     LOG2E, contained_dot, full_key_span, head_block, interpreting, key_span, online_softmax_step, query_span,
-    row_dot, softmax_finish, tile_configs, visible_mask, visible_mask_t,
+    row_dot, softmax_finish, tile_configs, tile_loop_bounds, visible_mask, visible_mask_t,
 )
 from regattn.ops._common.checks import longest_sequence, sm_count
 from regattn.ops._common.ints import ceil_div
@@ -109,12 +109,6 @@ def _full_keys(m0, Tb, Sb, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: 
 
 
 @triton.jit
-def _partial(start, full_lo, full_hi, BLOCK: tl.constexpr):
-    """Whether the tile ``[start, start + BLOCK)`` leaves ``[full_lo, full_hi)``: some pair in it is hidden."""
-    return (start < full_lo) | (start + BLOCK > full_hi)
-
-
-@triton.jit
 def _query_tiles(n0, Tb, Sb, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
                  WINDOW: tl.constexpr):
     """Queries ``[lo, hi)`` that see some key of the tile ``[n0, n0 + BLOCK_N)``; ``lo`` on a tile edge."""
@@ -183,8 +177,7 @@ def _fold_span(q, q_base, sqt, k_base, v_base, skt, svt, lo, hi, full_lo, full_h
     their additions are those of one loop. Returns ``(m, l, acc)``."""
     m_i, l_i, acc = _identity(BLOCK_M, BLOCK_DV)
     if CAUSAL or WINDOW > 0:
-        a = tl.minimum(lo + tl.cdiv(tl.maximum(full_lo - lo, 0), BLOCK_N) * BLOCK_N, hi)
-        b = tl.minimum(tl.maximum(lo + tl.maximum(full_hi - lo, 0) // BLOCK_N * BLOCK_N, a), hi)
+        _, a, b = tile_loop_bounds(lo, hi, full_lo, full_hi, BLOCK_N)  # lo is on a tile edge
         m_i, l_i, acc = _fold_tiles(m_i, l_i, acc, q, q_base, sqt, k_base, v_base, skt, svt, lo, a, offs_m,
                                     offs_n0, offs_d, offs_dv, Tb, Sb, qk_scale, D, DV, BLOCK_M, BLOCK_N, BLOCK_D,
                                     BLOCK_DV, CAUSAL, WINDOW, EVEN_N, True, PREC, FRESH, ROUND_TF32, DOT_K)
@@ -395,11 +388,14 @@ def _row_stats(LSE, DELTA, stats, offs_m, Tb):
 
 @triton.jit
 def _probs(q, k, lse, offs_m, offs_n, Tb, Sb, qk_scale, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
-           PREC: tl.constexpr):
-    """``p = exp2(s - lse)`` of a ``[BLOCK_M, BLOCK_N]`` tile, 0 where a key is hidden, and the visibility."""
-    s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+           PREC: tl.constexpr, MASKED: tl.constexpr):
+    """``p = exp2(s - lse)`` of a ``[BLOCK_M, BLOCK_N]`` tile, with ``MASKED`` 0 where a key is hidden, and
+    the visibility."""
+    p = tl.exp2(tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale - lse[:, None])
     vis = _visible(offs_m, offs_n, Tb, Sb, CAUSAL, WINDOW)
-    return tl.where(vis, tl.exp2(s - lse[:, None]), 0.0), vis
+    if MASKED:
+        p = tl.where(vis, p, 0.0)
+    return p, vis
 
 
 @triton.jit
@@ -411,11 +407,57 @@ def _score_grads(p, do, v, delta, PREC: tl.constexpr):
 
 @triton.jit
 def _probs_t(k, q, lse, offs_n, offs_m, Tb, Sb, qk_scale, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
-             PREC: tl.constexpr):
+             PREC: tl.constexpr, MASKED: tl.constexpr):
     """The transposed tile ``p^T: [BLOCK_N, BLOCK_M]`` (keys on the rows) and its visibility."""
-    s = tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale
+    p = tl.exp2(tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale - lse[None, :])
     vis = visible_mask_t(offs_n, _positions(offs_m, Tb, Sb, CAUSAL), Sb, CAUSAL, WINDOW)
-    return tl.where(vis, tl.exp2(s - lse[None, :]), 0.0), vis
+    if MASKED:
+        p = tl.where(vis, p, 0.0)
+    return p, vis
+
+
+@triton.jit
+def _dkdv_tiles(dk, dv, k, v, q_base, do_base, sqt, sdot, LSE, DELTA, stats, lo, hi, offs_n, offs_m0, offs_d,
+                offs_dv, Tb, Sb, qk_scale, D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr,
+                CAUSAL: tl.constexpr, WINDOW: tl.constexpr, MASKED: tl.constexpr, PREC: tl.constexpr,
+                ROUND_TF32: tl.constexpr):
+    """Add the query tiles ``[lo, hi)`` to ``dk, dv`` of the key tile (keys on the rows). ``MASKED``: hidden
+    pairs count 0, and in a causal or windowed backward (where every masked tile is partly hidden) the
+    products over queries go through :func:`contained_dot`, so a non-finite query or dO row reaches only the
+    keys it sees. Returns ``(dk, dv)``."""
+    for m0 in range(lo, hi, BLOCK_M):
+        offs_m = m0 + offs_m0
+        q = _tf32(_load_rows(q_base, offs_m, sqt, offs_d, Tb, D, False), ROUND_TF32)
+        do = _tf32(_load_rows(do_base, offs_m, sdot, offs_dv, Tb, DV, False), ROUND_TF32)
+        lse, delta = _row_stats(LSE, DELTA, stats, offs_m, Tb)
+        pt, seen = _probs_t(k, q, lse, offs_n, offs_m, Tb, Sb, qk_scale, CAUSAL, WINDOW, PREC, MASKED)
+        dst = pt * (tl.dot(v, tl.trans(do), input_precision=PREC) - delta[None, :])
+        if MASKED and (CAUSAL or WINDOW > 0):
+            dv = contained_dot(dv, _tf32(pt, ROUND_TF32), do, seen, PREC)
+            dk = contained_dot(dk, _tf32(tl.where(seen, dst, 0.0), ROUND_TF32), q, seen, PREC)
+        else:
+            dv = tl.dot(_tf32(pt.to(do.dtype), ROUND_TF32), do, dv, input_precision=PREC)
+            dk = tl.dot(_tf32(dst.to(q.dtype), ROUND_TF32), q, dk, input_precision=PREC)
+    return dk, dv
+
+
+@triton.jit
+def _dq_tiles(dq, q, do, lse, delta, k_base, v_base, skt, svt, lo, hi, offs_m, offs_n0, offs_d, offs_dv, Tb, Sb,
+              qk_scale, D: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+              WINDOW: tl.constexpr, MASKED: tl.constexpr, PREC: tl.constexpr, ROUND_TF32: tl.constexpr):
+    """Add the key tiles ``[lo, hi)`` to ``dq`` of the query tile; ``MASKED`` as in :func:`_dkdv_tiles`, a
+    non-finite key or value reaching only the queries that see it."""
+    for n0 in range(lo, hi, BLOCK_N):
+        offs_n = n0 + offs_n0
+        k = _tf32(_load_rows(k_base, offs_n, skt, offs_d, Sb, D, False), ROUND_TF32)
+        v = _tf32(_load_rows(v_base, offs_n, svt, offs_dv, Sb, DV, False), ROUND_TF32)
+        p, seen = _probs(q, k, lse, offs_m, offs_n, Tb, Sb, qk_scale, CAUSAL, WINDOW, PREC, MASKED)
+        ds = _score_grads(p, do, v, delta, PREC)
+        if MASKED and (CAUSAL or WINDOW > 0):
+            dq = contained_dot(dq, _tf32(tl.where(seen, ds, 0.0), ROUND_TF32), k, seen, PREC)
+        else:
+            dq = tl.dot(_tf32(ds.to(k.dtype), ROUND_TF32), k, dq, input_precision=PREC)
+    return dq
 
 
 @triton.jit
@@ -452,20 +494,13 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DVV, CU,
     stats = _stats_rows(bat, h, HQ, T, row0)
     lo, hi = _query_tiles(n0, Tb, Sb, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
     _, _, full_lo, full_hi = query_span(n0, tl.minimum(n0 + BLOCK_N, Sb) - 1, Tb, Sb - Tb, CAUSAL, WINDOW)
-    for m0 in range(lo, hi, BLOCK_M):
-        offs_m = m0 + offs_m0
-        q = _tf32(_load_rows(q_base, offs_m, sqt, offs_d, Tb, D, False), ROUND_TF32)
-        do = _tf32(_load_rows(do_base, offs_m, sdot, offs_dv, Tb, DV, False), ROUND_TF32)
-        lse, delta = _row_stats(LSE, DELTA, stats, offs_m, Tb)
-        pt, seen = _probs_t(k, q, lse, offs_n, offs_m, Tb, Sb, qk_scale, CAUSAL, WINDOW, PREC)
-        dst = pt * (tl.dot(v, tl.trans(do), input_precision=PREC) - delta[None, :])
-        if (CAUSAL or WINDOW > 0) and _partial(m0, full_lo, full_hi, BLOCK_M):
-            # a non-finite query or dO row reaches only the keys it sees
-            dv = contained_dot(dv, _tf32(pt, ROUND_TF32), do, seen, PREC)
-            dk = contained_dot(dk, _tf32(tl.where(seen, dst, 0.0), ROUND_TF32), q, seen, PREC)
-        else:
-            dv = tl.dot(_tf32(pt.to(do.dtype), ROUND_TF32), do, dv, input_precision=PREC)
-            dk = tl.dot(_tf32(dst.to(q.dtype), ROUND_TF32), q, dk, input_precision=PREC)
+    _, a, b = tile_loop_bounds(lo, hi, full_lo, full_hi, BLOCK_M)  # lo is on a tile edge
+    dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, sqt, sdot, LSE, DELTA, stats, lo, a, offs_n, offs_m0, offs_d,
+                         offs_dv, Tb, Sb, qk_scale, D, DV, BLOCK_M, CAUSAL, WINDOW, True, PREC, ROUND_TF32)
+    dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, sqt, sdot, LSE, DELTA, stats, a, b, offs_n, offs_m0, offs_d,
+                         offs_dv, Tb, Sb, qk_scale, D, DV, BLOCK_M, CAUSAL, WINDOW, False, PREC, ROUND_TF32)
+    dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, sqt, sdot, LSE, DELTA, stats, b, hi, offs_n, offs_m0, offs_d,
+                         offs_dv, Tb, Sb, qk_scale, D, DV, BLOCK_M, CAUSAL, WINDOW, True, PREC, ROUND_TF32)
     dk = dk * sm_scale
     _store_rows(_head_rows(DK, bat, h, row0, sdkb, sdkh, sdkt), dk, offs_n, sdkt, offs_d, Sb, D)
     _store_rows(_head_rows(DVV, bat, h, row0, sdvb, sdvh, sdvt), dv, offs_n, sdvt, offs_dv, Sb, DV)
@@ -499,16 +534,13 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, CU,
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     lo, hi = _key_tiles(m0, Tb, Sb, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
     full_lo, full_hi = _full_keys(m0, Tb, Sb, BLOCK_M, CAUSAL, WINDOW)
-    for n0 in range(lo, hi, BLOCK_N):
-        offs_n = n0 + offs_n0
-        k = _tf32(_load_rows(k_base, offs_n, skt, offs_d, Sb, D, False), ROUND_TF32)
-        v = _tf32(_load_rows(v_base, offs_n, svt, offs_dv, Sb, DV, False), ROUND_TF32)
-        p, seen = _probs(q, k, lse, offs_m, offs_n, Tb, Sb, qk_scale, CAUSAL, WINDOW, PREC)
-        ds = _score_grads(p, do, v, delta, PREC)
-        if (CAUSAL or WINDOW > 0) and _partial(n0, full_lo, full_hi, BLOCK_N):
-            dq = contained_dot(dq, _tf32(tl.where(seen, ds, 0.0), ROUND_TF32), k, seen, PREC)
-        else:
-            dq = tl.dot(_tf32(ds.to(k.dtype), ROUND_TF32), k, dq, input_precision=PREC)
+    _, a, b = tile_loop_bounds(lo, hi, full_lo, full_hi, BLOCK_N)  # lo is on a tile edge
+    dq = _dq_tiles(dq, q, do, lse, delta, k_base, v_base, skt, svt, lo, a, offs_m, offs_n0, offs_d, offs_dv, Tb, Sb,
+                   qk_scale, D, DV, BLOCK_N, CAUSAL, WINDOW, True, PREC, ROUND_TF32)
+    dq = _dq_tiles(dq, q, do, lse, delta, k_base, v_base, skt, svt, a, b, offs_m, offs_n0, offs_d, offs_dv, Tb, Sb,
+                   qk_scale, D, DV, BLOCK_N, CAUSAL, WINDOW, False, PREC, ROUND_TF32)
+    dq = _dq_tiles(dq, q, do, lse, delta, k_base, v_base, skt, svt, b, hi, offs_m, offs_n0, offs_d, offs_dv, Tb, Sb,
+                   qk_scale, D, DV, BLOCK_N, CAUSAL, WINDOW, True, PREC, ROUND_TF32)
     dq = dq * sm_scale
     _store_rows(_head_rows(DQ, bat, h, row0, sdqb, sdqh, sdqt), dq, offs_m, sdqt, offs_d, Tb, D)
 
@@ -527,9 +559,11 @@ FWD_CONFIGS = {
                       (128, 32, 8, 3), (64, 32, 4, 3), (32, 64, 4, 3), (32, 32, 2, 2),
                       (64, 64, 4, 2), (128, 64, 8, 2), (64, 128, 8, 2)]),
 }
-# fp16/bf16 backward: one stage only. With the loop software-pipelined (2 or 3 stages) Triton 3.6 on the
-# H100 gave dk, dv (and dq at 64 x 64) of the causal backward 0.7 to 1.1 relative error, every tile alike;
-# one stage was exact for every tile shape tried (tests/gpu/test_scan.py covers the causal cases).
+# fp16/bf16 backward: one stage. While the backward's loops chose each tile's product at run time, Triton 3.6
+# on the H100 gave the causal dk, dv (and dq at 64 x 64) 0.7 to 1.1 relative error with the loop software-
+# pipelined (2 or 3 stages). With masked and unmasked tiles in loops of their own every tile is exact at 1 to
+# 3 stages, but pipelining was no faster at B1 H16 D64 causal (1.5% at T 16384 and 65536, slower at T 4096
+# and with a window): benchmarks/results/h100/tiles/scan-backward-stages.json.
 BWD_CONFIGS = {
     "half": tile_configs([(64, 64, 4, 1), (32, 64, 4, 1), (64, 64, 8, 1)]),
     "fp32": tile_configs([(32, 64, 4, 2), (64, 64, 4, 2), (64, 32, 4, 2)]),
