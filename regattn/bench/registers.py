@@ -82,12 +82,14 @@ def captured_launches():
         JITFunction.run = run
 
 
-def compile_launch(kernel, args, kwargs, target=SM90):
-    """The compiled kernel of a captured launch, specialised as Triton's launcher does for these arguments."""
+def compile_launch(kernel, args, kwargs, target=SM90, floats: str = "fp32"):
+    """The compiled kernel of a captured launch, specialised as Triton's launcher does for these arguments;
+    ``floats="fp64"`` types its float arguments as torch.compile's launches pass them."""
     backend = make_backend(target)
     binder = create_function_from_signature(kernel.signature, kernel.params, backend)
     bound, specialization, options = binder(*args, **kwargs)
     options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, specialization, options)
+    signature = {name: floats if kind == "fp32" else kind for name, kind in signature.items()}
     return triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target, options=options.__dict__)
 
 

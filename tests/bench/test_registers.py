@@ -5,6 +5,7 @@ import pytest
 import triton
 
 from regattn.bench import registers
+from regattn.ops.gatedfwa.gate import CHUNK_TILES_LARGE
 from regattn.ops.parallax.tiles import TILES
 
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
@@ -57,8 +58,9 @@ def test_chunked_gate_scan_candidates(monkeypatch):
     from regattn.bench.suites import gatedfwa
     monkeypatch.setattr(gatedfwa, "CHUNK_TILES", [(8192, 16, 16)])
     rows = list(registers.gate_rows(candidates=True, shapes=[(1, 65536, 64)], scans=["chunked"]))
-    assert [(r["BLOCK_T"], r["BLOCK_H"], r["num_warps"], r["table"]) for r in rows] == [
-        (32, 64, 4, True), (32, 64, 4, True), (512, 16, 16, False), (512, 16, 16, False)]
+    table = [(size // heads, heads, warps, True) for size, heads, warps in CHUNK_TILES_LARGE.values()]  # 2^22 elements
+    assert [(r["BLOCK_T"], r["BLOCK_H"], r["num_warps"], r["table"]) for r in rows] == table + [
+        (512, 16, 16, False), (512, 16, 16, False)]
     assert all(r["STACK"] == 0 for r in rows), rows
 
 
@@ -95,3 +97,35 @@ def test_scan_forward_loop_uses_the_fma_pipe_only_in_strict_fp32(precision):
         assert mix["MMA"] == 0 and mix["FFMA"] >= 2 * 32 * 32 * 64 // 128
     else:
         assert mix["MMA"] > 0
+
+
+def fp64_launches():
+    """Launches of kernels with float arguments, captured on the meta device: LLA's forward (CG, 2 x 2 and
+    1 x 1 solves) and backward, and the gate scans."""
+    from unittest import mock
+
+    import torch
+
+    from regattn.ops.gatedfwa import gate
+    from regattn.ops.lla import backward, forward
+    q = torch.empty(1, 256, 2, 64, device="meta", dtype=torch.bfloat16)
+    rows = torch.empty(1, 2, 256, device="meta")
+    with registers.captured_launches() as launches, mock.patch.object(forward, "AUTOTUNE", False), \
+            mock.patch.object(backward, "AUTOTUNE", False):
+        for blocks in (None, 32, 64):
+            forward.lla_forward(q, q, q, 0.5, scale=0.125, window=None, blocks=blocks, cg_iters=8, cg_tol=1e-6)
+        backward.lla_backward(q, q, q, q, 0.5, q.float(), rows, rows, rows.int(), rows, q.float().transpose(1, 2),
+                              scale=0.125, window=None, cg_iters=8, cg_tol=1e-6, lam_grad=False)
+        h = torch.empty(2, 1024, 16, device="meta")
+        for scan in ("one_pass", "scan_then_propagate", "chunked"):
+            gate.gate_forward(h, h, 1e-6, scan=scan)
+    return launches
+
+
+@compiles
+def test_float_arguments_may_come_as_fp64():
+    # torch.compile launches a kernel with its float arguments as fp64: its loops must keep their fp32 types
+    launches = fp64_launches()
+    assert len(launches) == 9
+    for kernel, args, kwargs in launches:
+        registers.compile_launch(kernel, args, kwargs, floats="fp64")

@@ -51,6 +51,7 @@ def _tile(H_ptr, BETA, b, t0, offs_h, T, NH, shb, sht, shh, sbb, sbt, sbh, BLOCK
 
 @triton.jit
 def _alpha(h, beta, mask, eps):
+    eps = tl.cast(eps, tl.float32)  # fp64 when torch.compile launches the kernel: keep the arithmetic fp32
     return tl.where(mask, _softplus(beta * h) / (beta + eps), 0.0)
 
 
@@ -198,6 +199,7 @@ def _gate_chunked_kernel(H_ptr, BETA, U, STATE, T, NH, n_chunks, n_head_blocks, 
 @triton.jit
 def _gate_grads(dalpha, h, beta, eps):
     """``(dh, dbeta)`` of ``alpha = softplus(beta * h) / (beta + eps)`` given ``dalpha``."""
+    eps = tl.cast(eps, tl.float32)  # fp64 when torch.compile launches the kernel: keep the arithmetic fp32
     z = beta * h
     inv = 1.0 / (beta + eps)
     sig = tl.sigmoid(z)

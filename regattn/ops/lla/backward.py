@@ -67,6 +67,8 @@ def lla_bwd_q_kernel(Q, K, V, LAM, DO, RHO, DELTA, M2, OMEGA, CENTRE, DQ, U, BET
                      T, S, HQ, GROUPS, D, DV, scale, qk_scale2, iters, tol2,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                      WINDOW: tl.constexpr, BD: tl.constexpr, DPREC: tl.constexpr, MPREC: tl.constexpr):
+    # float arguments come as fp64 when torch.compile launches the kernel: keep the arithmetic fp32
+    scale, qk_scale2, tol2 = tl.cast(scale, tl.float32), tl.cast(qk_scale2, tl.float32), tl.cast(tol2, tl.float32)
     start_m, b, h, hk = query_head(HQ, GROUPS, BLOCK_M)
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -181,6 +183,8 @@ def lla_bwd_kv_kernel(Q, K, V, DO, RHO, U, DELTA, M2, OMEGA, CENTRE, BETA, DK, D
                       T, S, HQ, H, GROUPS, D, DV, scale, qk_scale2,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                       BLOCK_DV: tl.constexpr, WINDOW: tl.constexpr, BD: tl.constexpr, DPREC: tl.constexpr):
+    # float arguments come as fp64 when torch.compile launches the kernel: keep the arithmetic fp32
+    scale, qk_scale2 = tl.cast(scale, tl.float32), tl.cast(qk_scale2, tl.float32)
     start_n = tl.program_id(0) * BLOCK_N
     bh = tl.program_id(1)
     b = bh // H

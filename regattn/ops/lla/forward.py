@@ -33,6 +33,8 @@ def lla_fwd_kernel(Q, K, V, LAM, O, RHO, DELTA, M2, ARGMAX, OMEGA, CENTRE,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                    WINDOW: tl.constexpr, SOLVER: tl.constexpr, G: tl.constexpr, DPREC: tl.constexpr,
                    MPREC: tl.constexpr):
+    # float arguments come as fp64 when torch.compile launches the kernel: keep the arithmetic fp32
+    qk_scale2, tol2 = tl.cast(qk_scale2, tl.float32), tl.cast(tol2, tl.float32)
     start_m, b, h, hk = query_head(HQ, GROUPS, BLOCK_M)
     offs_m = start_m + tl.arange(0, BLOCK_M)
     feat = block_columns(BLOCK_D, D, blk_size, G)  # the feature of each column (D: padding)
