@@ -117,7 +117,7 @@ def solve_or_zero(A, y) -> torch.Tensor:
     eye = torch.eye(A.shape[-1], dtype=A.dtype, device=A.device)
     A = torch.where(bad[..., None, None], eye, A)
     y = torch.where(bad[..., None], torch.zeros_like(y), y)
-    return torch.linalg.solve(A, y[..., None])[..., 0]
+    return torch.linalg.solve_ex(A, y[..., None])[0][..., 0]  # no error check: a host read, and none fails
 
 
 def guarded_denominator(delta, omega, mu, lam_min, blocks) -> torch.Tensor:

@@ -91,6 +91,8 @@ def add_common(p: argparse.ArgumentParser) -> None:
                    help="read the training loss and accuracy back every N steps (default 100)")
     p.add_argument("--compile", choices=COMPILE_MODES, default="none",
                    help="torch.compile the model and the loss with this mode (default none)")
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="on CUDA, replay each step as one CUDA graph (with --compile none or default)")
 
 
 def check_common(args, tasks: list[str], mixers: list[str]) -> None:
@@ -105,6 +107,12 @@ def check_common(args, tasks: list[str], mixers: list[str]) -> None:
     checks.at_least("--log-every", args.log_every, 1)
     for flag in ("weight_decay", "wda_gamma", "clip"):
         checks.non_negative("--" + flag.replace("_", "-"), getattr(args, flag))
+    if args.cuda_graph and args.compile == "reduce-overhead":
+        raise UsageError("--cuda-graph: captures the whole step itself; expected --compile none or default, "
+                         "got reduce-overhead")
+    if args.cuda_graph and args.wda_gamma:
+        raise UsageError(f"--wda-gamma: a CUDA graph holds the weight decay it was captured with; expected 0 "
+                         f"with --cuda-graph, got {args.wda_gamma}")
     checks.fraction("--warmup", args.warmup)
     checks.fraction("--decay-start", args.decay_start)
     betas = parse_list(args.betas, flag="--betas")
@@ -136,7 +144,8 @@ def base_config(args, **overrides) -> TrainConfig:
                   clip=args.clip, schedule=args.schedule, warmup=args.warmup, decay_start=args.decay_start,
                   wda_gamma=args.wda_gamma, steps=args.steps, epochs=args.epochs, batch_size=args.batch_size, eval_every=args.eval_every,
                   eval_batch_size=args.eval_batch_size, device=args.device, amp=not args.no_amp,
-                  progress=not args.quiet, log_every=args.log_every, compile=args.compile)
+                  progress=not args.quiet, log_every=args.log_every, compile=args.compile,
+                  cuda_graph=args.cuda_graph)
     fields.update(overrides)
     return TrainConfig(**fields)
 

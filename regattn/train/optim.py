@@ -25,7 +25,8 @@ orthogonalised together; a sharded matrix gathered whole once a step, where ``to
 DTensor would redistribute it inside every Newton-Schulz product). Both skip a step on the device when
 ``Optimizers.step(found_inf=...)`` is given a non-zero flag, with no host read. The learning rates stay
 Python floats: neither optimizer is compiled, so a schedule change recompiles nothing, and a tensor rate
-would cost ``torch.optim.Muon`` a host read per matrix (its ``add_(..., alpha=lr)``).
+would cost ``torch.optim.Muon`` a host read per matrix (its ``add_(..., alpha=lr)``). A step captured in a
+CUDA graph (:func:`capturable`) takes the fused forms' learning rates as device tensors instead.
 """
 from __future__ import annotations
 
@@ -195,7 +196,9 @@ class BatchedMuon(torch.optim.Optimizer):
         whole = newton_schulz(whole_matrices(grad.lerp(buf, momentum), params), group["ns_steps"], group["eps"])
         update = local_rows(whole, params)
         rows, cols = params[0].shape
-        new = old.mul(1 - lr * group["weight_decay"]).add_(update, alpha=-lr * max(1.0, rows / cols) ** 0.5)
+        new = old.mul(1 - lr * group["weight_decay"])
+        step = -lr * max(1.0, rows / cols) ** 0.5
+        new = new.addcmul_(update, step) if isinstance(step, torch.Tensor) else new.add_(update, alpha=step)
         if self.found_inf is not None:
             skip = self.found_inf != 0
             new, buf = torch.where(skip, old, new), torch.where(skip, old_buf, buf)
@@ -226,7 +229,24 @@ def local_rows(whole: torch.Tensor, params: list[torch.Tensor]) -> torch.Tensor:
 
 
 def apply_schedule(optimizer: Optimizers, lr_scale: float, wd_scale: float = 1.0) -> None:
-    """Set every group's ``lr = base_lr * lr_scale`` and ``weight_decay = base_wd * wd_scale``."""
+    """Set every group's ``lr = base_lr * lr_scale`` (in place where it is a device tensor, with no host
+    read) and ``weight_decay = base_wd * wd_scale``."""
     for group in optimizer.param_groups:
-        group["lr"] = group["base_lr"] * lr_scale
+        lr = group["base_lr"] * lr_scale
+        if isinstance(group["lr"], torch.Tensor):
+            group["lr"].fill_(lr)
+        else:
+            group["lr"] = lr
         group["weight_decay"] = group["base_wd"] * wd_scale
+
+
+def capturable(optimizer: Optimizers, device: torch.device) -> None:
+    """Ready the fused optimizers' step for capture in a CUDA graph: every group's learning rate a 0-dim
+    tensor on ``device`` (the graph reads it; :func:`apply_schedule` sets it in place) and fused AdamW's groups
+    marked ``capturable`` (they keep their step counts on the device either way). The weight decay stays the
+    number the graph was captured with."""
+    for group in optimizer.param_groups:
+        if not isinstance(group["lr"], torch.Tensor):
+            group["lr"] = torch.tensor(float(group["lr"]), device=device)
+        if group.get("fused"):
+            group["capturable"] = True

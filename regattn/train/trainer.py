@@ -52,7 +52,9 @@ class TrainConfig:
     test examples every that many steps, in ``history["analysis"]`` (COR during training, parallax Figure 4a);
     log_every: read the training loss and accuracy back every that many steps (a row of ``history["train"]``:
     the means over those steps); compile: "none", or a ``torch.compile`` mode ("default", "reduce-overhead")
-    for the model and the loss.
+    for the model and the loss; cuda_graph: on CUDA, each step after the first few replays one CUDA graph of
+    the whole step (:class:`regattn.train.step.TrainStep`; with compile "none" or "default", and a fixed
+    weight decay: no ``wda_gamma``).
     """
     task: str = "mqar"
     task_options: dict = field(default_factory=dict)
@@ -86,6 +88,7 @@ class TrainConfig:
     progress: bool = True
     log_every: int = 100
     compile: str = "none"
+    cuda_graph: bool = False
 
 
 def resolve_device(device: str) -> torch.device:
@@ -157,7 +160,8 @@ def config_from_checkpoint(state: dict) -> TrainConfig:
 def train(config: TrainConfig, *, data: TaskData | None = None, stop_at: int | None = None) -> dict:
     """Run (or resume) training; returns the result: config, final and best evaluation, history, and
     ``steps_per_second`` (optimizer steps per second from the first log point to the end, evaluations
-    left out: the first steps, which compile, are not counted; None with a single log point).
+    left out: the first steps, which compile, are not counted; None with a single log point), and
+    ``captured`` (whether the steps replayed a CUDA graph).
 
     stop_at: leave after that many steps in total (for a checkpoint to be resumed later).
     A step whose training loss or gradient norm is not finite makes no update (``result["skipped_steps"]``
@@ -168,6 +172,9 @@ def train(config: TrainConfig, *, data: TaskData | None = None, stop_at: int | N
         raise ValueError(f"compile: expected one of {COMPILE_MODES}, got {config.compile!r}")
     if config.log_every < 1:
         raise ValueError(f"log_every: expected a value >= 1, got {config.log_every}")
+    if config.cuda_graph and config.wda_gamma:
+        raise ValueError(f"wda_gamma: a CUDA graph holds the weight decay it was captured with; expected 0 with "
+                         f"cuda_graph, got {config.wda_gamma}")
     data, model, opt = build(config, data)
     device = next(model.parameters()).device
     history = {"train": [], "eval": []}
@@ -181,7 +188,8 @@ def train(config: TrainConfig, *, data: TaskData | None = None, stop_at: int | N
     end = total if stop_at is None else min(stop_at, total)
     sched = dict(warmup=config.warmup, decay_start=config.decay_start)
     batches = EpochBatches(static_examples(data.train, data.kind), config.batch_size, config.seed, device)
-    train_step = TrainStep(model, data.kind, opt, clip=config.clip, amp=config.amp, compile=config.compile)
+    train_step = TrainStep(model, data.kind, opt, clip=config.clip, amp=config.amp, compile=config.compile,
+                           cuda_graph=config.cuda_graph)
     log = TrainLog(history, "mse" if data.kind == "regression" else "accuracy",
                    Progress(total, start=step, enabled=config.progress, label=f"{config.task}/{config.mixer}"))
     started, clock = time.time(), Throughput()
@@ -210,7 +218,7 @@ def train(config: TrainConfig, *, data: TaskData | None = None, stop_at: int | N
                                 history=history)
     log.close()
     result = summarize(config, data, model, history, step, time.time() - started)
-    result.update(diverged=diverged, steps_per_second=clock.rate(),
+    result.update(diverged=diverged, steps_per_second=clock.rate(), captured=train_step.graph is not None,
                   skipped_steps=sum(row.get("skipped", 0) for row in history["train"]))
     return result
 

@@ -1,7 +1,7 @@
 """The flash-linear-attention baselines on a GPU (``-m gpu``, the ``baselines`` extra).
 
-Each baseline in a tiny task model: forward and backward under bf16 autocast, and a few training steps
-whose loss falls; in a DecoderLM: a training step and generation. The chunked kernels the gla and gdn
+Each baseline in a tiny task model: forward and backward under bf16 autocast, a few training steps
+whose loss falls, and the same steps captured in a CUDA graph; in a DecoderLM: a training step and generation. The chunked kernels the gla and gdn
 layers train with, against FLA's own naive recurrences, forward and backward. A baseline FLA
 refuses on this machine is skipped with FLA's reason.
 """
@@ -17,6 +17,7 @@ from regattn.models.stack import build_model
 from regattn.tasks import IGNORE, mad_task
 from regattn.train.trainer import TrainConfig, train
 from tests.gpu.rule import assert_within, leaves, outputs
+from tests.gpu.test_trainer import assert_graph_matches_eager
 
 pytestmark = pytest.mark.gpu
 pytest.importorskip("fla.layers")
@@ -56,9 +57,20 @@ def test_loss_falls(name):
     skip_if_refused(name)
     options = dict(vocab_size=32, seq_len=128, num_train=64, num_test=16)
     r = train(TrainConfig(task="mad_memorization", task_options=options, mixer=name, dim=DIM, heads=HEADS,
-                          steps=40, lr=3e-3, batch_size=8, schedule="constant", device="cuda", progress=False))
+                          steps=40, lr=3e-3, batch_size=8, schedule="constant", device="cuda", progress=False,
+                          log_every=1))
     losses = [row["loss"] for row in r["history"]["train"]]
     assert not r["diverged"] and sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5, losses
+
+
+@pytest.mark.parametrize("mode", ["none", "default"])
+@pytest.mark.parametrize("name", LAYERS)
+def test_trains_in_a_cuda_graph(name, mode):
+    skip_if_refused(name)
+    config = TrainConfig(task="mad_memorization", task_options=dict(vocab_size=32, seq_len=128, num_train=64,
+                         num_test=16), mixer=name, dim=DIM, heads=HEADS, steps=12, log_every=4, batch_size=8,
+                         device="cuda", progress=False, compile=mode)
+    assert_graph_matches_eager(config)
 
 
 # ---------------------------------------------------------------------------------- FLA's kernels

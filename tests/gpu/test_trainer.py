@@ -1,15 +1,20 @@
 """The task trainer on a GPU (``-m gpu``): no host read during training steps, compiled model and loss against
-eager, batches kept on the host against batches on the device, and the steps per second of each compile mode
-on the MAD configuration (printed with ``-s``, not judged against a clock)."""
+eager, the step captured in a CUDA graph against eager (every mixer, and a resumed run), batches kept on the
+host against batches on the device, and the steps per second of each compile mode on the MAD configuration
+(printed with ``-s``, not judged against a clock)."""
+import dataclasses
+
 import pytest
 import torch
 
+from regattn.models.mixers import MIXERS
 from regattn.models.stack import build_model
 from regattn.tasks import make_task
+from regattn.train import step as step_module
 from regattn.train import trainer
 from regattn.train.batches import EpochBatches, static_examples
-from regattn.train.optim import build_optimizer
-from regattn.train.step import TrainStep
+from regattn.train.optim import apply_schedule, build_optimizer
+from regattn.train.step import WARMUP_STEPS, TrainStep
 from regattn.train.trainer import TrainConfig, train
 
 pytestmark = pytest.mark.gpu
@@ -55,6 +60,73 @@ def test_compiled_run_matches_eager(mode):
     assert compiled["skipped_steps"] == 0 and compiled["steps_per_second"] > 0
 
 
+@pytest.mark.parametrize("mode", ["none", "default"])
+@pytest.mark.parametrize("mixer", sorted(MIXERS))
+def test_every_mixer_trains_in_a_cuda_graph(mixer, mode):
+    assert_graph_matches_eager(tiny(mixer=mixer, steps=12, compile=mode))
+
+
+def assert_graph_matches_eager(config):
+    """The run of ``config`` with its steps captured in a CUDA graph has the eager run's losses."""
+    eager, graphed = train(config), train(dataclasses.replace(config, cuda_graph=True))
+    for a, b in zip(eager["history"]["train"], graphed["history"]["train"], strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=5e-2, abs=5e-2), (eager["history"], graphed["history"])
+    assert graphed["skipped_steps"] == 0 and graphed["captured"]
+
+
+def test_a_step_that_reads_back_trains_eagerly(monkeypatch):
+    reads = step_module.batch_loss
+
+    def reading(*args):
+        out = reads(*args)
+        float(out[0])                                   # a host read: the capture fails
+        return out
+
+    monkeypatch.setattr(step_module, "batch_loss", reading)
+    with pytest.warns(UserWarning, match="could not be captured"):
+        graphed = train(tiny(cuda_graph=True))
+    eager = train(tiny())
+    assert not graphed["captured"] and graphed["skipped_steps"] == 0
+    for a, b in zip(eager["history"]["train"], graphed["history"]["train"], strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=5e-2, abs=5e-2)
+
+
+def test_captured_steps_read_nothing_back():
+    data = make_task("mad_recall", seed=0, num_train=64, num_test=8).to("cuda")
+    torch.manual_seed(0)
+    model = build_model(data, "parallax", dim=64, heads=2).cuda()
+    opt = build_optimizer(model, "muon", lr=1e-3, fused=True)
+    batches = EpochBatches(static_examples(data.train, data.kind), 16, 0, torch.device("cuda"))
+    step = TrainStep(model, data.kind, opt, clip=1.0, cuda_graph=True)
+    for s in range(WARMUP_STEPS + 1):                  # eager steps, then the capture
+        step(batches(s))
+    assert step.graph is not None
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for s in range(WARMUP_STEPS + 1, 12):          # crosses an epoch: its batches are gathered too
+            apply_schedule(opt, 0.5)
+            step(batches(s))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    stats = step.read()
+    assert stats["steps"] == 12 and stats["skipped"] == 0
+
+
+def test_cuda_graph_run_resumes(tmp_path):
+    # the resumed run captures a new graph after eager steps of its own; the rounding of the learning rates
+    # (fp32 tensors in a graph) and Newton-Schulz in bf16 keep it from the uninterrupted run's bits
+    kw = dict(steps=16, eval_every=8, mixer="parallax", cuda_graph=True, compile="default")
+    whole = train(tiny(**kw))
+    path = str(tmp_path / "ckpt.pt")
+    assert train(tiny(checkpoint=path, **kw), stop_at=8)["steps"] == 8
+    second = train(tiny(checkpoint=path, **kw))
+    assert second["captured"] and second["steps"] == 16
+    for a, b in zip(whole["history"]["train"], second["history"]["train"], strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=5e-2, abs=5e-2)
+    assert second["final"]["loss"] == pytest.approx(whole["final"]["loss"], rel=5e-2, abs=5e-2)
+
+
 def test_batches_from_the_host_match_batches_on_the_device(monkeypatch):
     on_device = train(tiny(steps=6, optimizer="adamw", amp=False))
     monkeypatch.setattr(trainer, "DEVICE_DATA_BYTES", 0)
@@ -62,10 +134,11 @@ def test_batches_from_the_host_match_batches_on_the_device(monkeypatch):
     assert [r["loss"] for r in on_host["history"]["train"]] == [r["loss"] for r in on_device["history"]["train"]]
 
 
-@pytest.mark.parametrize("mode", ["none", "default", "reduce-overhead"])
-def test_steps_per_second_on_the_mad_configuration(mode):
+@pytest.mark.parametrize("mode,graph", [("none", False), ("default", False), ("reduce-overhead", False),
+                                        ("none", True), ("default", True)])
+def test_steps_per_second_on_the_mad_configuration(mode, graph):
     # the 2-layer d=128 model, batch 128, length 128, Muon: 500 steps (the first 100 are not timed)
-    r = train(TrainConfig(**MAD, task_options=dict(num_train=6400), epochs=10, compile=mode))
-    print(f"\nmad_recall softmax compile={mode}: {r['steps_per_second']:.0f} steps/s over {r['steps']} steps, "
-          f"test accuracy {r['final']['accuracy']:.3f}")
+    r = train(TrainConfig(**MAD, task_options=dict(num_train=6400), epochs=10, compile=mode, cuda_graph=graph))
+    print(f"\nmad_recall softmax compile={mode} cuda_graph={graph}: {r['steps_per_second']:.0f} steps/s over "
+          f"{r['steps']} steps, test accuracy {r['final']['accuracy']:.3f}")
     assert r["skipped_steps"] == 0 and r["steps"] == 500

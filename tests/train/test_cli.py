@@ -116,14 +116,15 @@ def test_sweep_varies_a_training_setting(tmp_path):
     assert runs[0]["parameters"] < runs[1]["parameters"]
 
 
-def test_compile_and_log_every_flags_reach_the_config():
+def test_compile_graph_and_log_every_flags_reach_the_config():
     parser = sweep.build_parser()
     for mode in ("none", "default", "reduce-overhead"):
         parsed = parser.parse_args(["mqar", "--mixers", "softmax", "--compile", mode, "--log-every", "7"])
         config = cli.base_config(parsed)
         assert config.compile == mode and config.log_every == 7
+    assert cli.base_config(parser.parse_args(["mqar", "--mixers", "softmax", "--cuda-graph"])).cuda_graph
     defaults = cli.base_config(parser.parse_args(["mqar", "--mixers", "softmax"]))
-    assert defaults.compile == "none" and defaults.log_every == 100
+    assert defaults.compile == "none" and defaults.log_every == 100 and not defaults.cuda_graph
 
 
 def test_sweep_jobs_run_in_processes_like_one_at_a_time(tmp_path, capsys):

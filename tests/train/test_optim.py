@@ -1,9 +1,10 @@
+import pytest
 import torch
 
 from regattn.layers import GatedFWANSA
 from regattn.models.stack import build_model
 from regattn.tasks import mqar
-from regattn.train.optim import BatchedMuon, apply_schedule, build_optimizer, parameter_roles
+from regattn.train.optim import BatchedMuon, apply_schedule, build_optimizer, capturable, parameter_roles
 
 
 def model():
@@ -124,3 +125,24 @@ def test_fused_optimizers_skip_on_found_inf():
             p.grad = torch.randn_like(p)
         opt.step(found_inf=torch.zeros(()))
         assert all(not torch.equal(a, p) for a, p in zip(before, m.parameters())), name
+
+
+def test_device_learning_rates_give_the_same_steps():
+    # a captured step reads its learning rates from tensors that the schedule sets in place
+    runs = []
+    for on_device in (False, True):
+        m = model()
+        start = [p.detach().clone() for p in m.parameters()]
+        opt = build_optimizer(m, "muon", lr=0.02, fused=True)
+        if on_device:
+            capturable(opt, torch.device("cpu"))
+            rates = [g["lr"] for g in opt.param_groups]
+        for scale in (1.0, 0.5, 0.25):
+            apply_schedule(opt, scale)
+            step(m, opt)
+        if on_device:
+            assert all(g["lr"] is r for g, r in zip(opt.param_groups, rates))   # the same tensors, set in place
+            assert all(float(g["lr"]) == pytest.approx(g["base_lr"] * 0.25, rel=1e-6) for g in opt.param_groups)
+        runs.append([p.detach().clone() for p in m.parameters()])
+    # the rates round to fp32 on the device; Newton-Schulz in bf16 may round a product the other way
+    assert all((a - b).norm() <= 1e-2 * (a - p0).norm() for a, b, p0 in zip(*runs, start))

@@ -147,3 +147,7 @@ def test_bad_trainer_options():
         train(tiny(compile="max"))
     with pytest.raises(ValueError, match="log_every"):
         train(tiny(log_every=0))
+    with pytest.raises(ValueError, match="cuda_graph"):
+        train(tiny(cuda_graph=True, compile="reduce-overhead"))
+    with pytest.raises(ValueError, match="wda_gamma"):
+        train(tiny(cuda_graph=True, wda_gamma=1.0))

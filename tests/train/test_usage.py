@@ -33,6 +33,8 @@ BAD = [
     (SWEEP + ["--compile", "fast"], "--compile"),
     (SWEEP + ["--log-every", "-1"], "--log-every"),
     (SWEEP + ["--jobs", "0"], "--jobs"),
+    (TRAIN + ["--cuda-graph", "--compile", "reduce-overhead"], "--cuda-graph"),
+    (SWEEP + ["--cuda-graph", "--wda-gamma", "1"], "--wda-gamma"),
     (SWEEP + ["--jobs", "two"], "--jobs"),
     (LM + ["--steps", "0"], "--steps"),
     (LM + ["--batch-size", "0"], "--batch-size"),
