@@ -6,6 +6,7 @@ from regattn.ops.softmax.api import softmax_attention
 from regattn.ops.gatedfwa.api import gatedfwa, gatedfwa_gate
 from regattn.ops.parallax.api import parallax, parallax_decode
 from regattn.ops.lla.api import lla, lla_decode
+from regattn.ops.mesanet.api import mesanet
 from regattn.ops.decay.api import (
     decay_linear_attention, decay_linear_prefill, decay_linear_step, register_decay_method,
 )
@@ -16,7 +17,7 @@ from regattn.ops.scan.sdpa import exact_attention
 __version__ = "0.1.0"
 
 __all__ = [
-    "softmax_attention", "gatedfwa_gate", "gatedfwa", "parallax", "parallax_decode", "lla", "lla_decode",
+    "softmax_attention", "gatedfwa_gate", "gatedfwa", "parallax", "parallax_decode", "lla", "lla_decode", "mesanet",
     "decay_linear_attention", "decay_linear_prefill", "decay_linear_step", "register_decay_method",
     "causal_linear_decoder",
     "scan_attention", "exact_attention",

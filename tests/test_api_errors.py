@@ -39,15 +39,15 @@ def attention_call(op, B, T, HQ, H, D):
         return [q, k, v, rand(B, T, HQ)], {"window": 2}, out
     if op == "parallax":
         return [q, rand(B, T, HQ, D), k, v], {}, out
-    if op == "lla":
+    if op in ("lla", "mesanet"):
         return [q, k, v], {"lam": 0.5}, out
     if op == "scan_attention":
         return [q, k, v], {}, out
     raise AssertionError(op)
 
 
-ATTENTION_OPS = ["softmax_attention", "gatedfwa", "parallax", "lla", "scan_attention"]
-QKV_POSITION = {"softmax_attention": 0, "gatedfwa": 0, "parallax": 0, "lla": 0, "scan_attention": 0}
+ATTENTION_OPS = ["softmax_attention", "gatedfwa", "parallax", "lla", "mesanet", "scan_attention"]
+QKV_POSITION = {"softmax_attention": 0, "gatedfwa": 0, "parallax": 0, "lla": 0, "mesanet": 0, "scan_attention": 0}
 
 
 def expect_error(fn, args, kwargs, name):

@@ -14,7 +14,7 @@ share: the q/k/v/o projections, a per-head RMSNorm of q and k, and RoPE.
 | lla      | Local Linear Attention (lla eq. 6-8, 27)    | regattn.layers.LLA, CG up to D iters |
 | bd_lla   | block-diagonal LLA (lla Appendix E.1), g=4  | regattn.layers.LLA(blocks=g)         |
 | linear   | causal linear attention, output RMSNorm     | regattn.reference.linear_attention   |
-| mesanet  | MesaNet (lla eq. 2), L2-normalised q and k  | regattn.reference.mesanet            |
+| mesanet  | MesaNet (lla eq. 2), L2-normalised q and k  | regattn.mesanet (exact, in chunks)   |
 | decay    | decaying linear attention (RetNet gammas)   | regattn.layers.Retention             |
 
 The baselines of :mod:`regattn.models.baselines` (``mamba2``, ``gdn``, ``gla``, ``deltanet``: FLA's own
@@ -114,9 +114,7 @@ class MesaNet(Attention):
         self.lam = lam
 
     def attend(self, q, k, v, x):
-        with torch.autocast(q.device.type, enabled=False):    # the solve runs in fp32 or better
-            dtype = torch.promote_types(q.dtype, torch.float32)
-            return reference.mesanet(q.to(dtype), k.to(dtype), v.to(dtype), lam=self.lam)
+        return regattn.mesanet(q, k, v, lam=self.lam)         # exact, in fp32 or better
 
 
 def _gatedfwa(dim, heads, *, window, rope=True, **options):

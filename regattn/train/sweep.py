@@ -178,8 +178,8 @@ def execute(configs: list[TrainConfig], jobs: int):
             yield dict(run_config(config), index=i)
         return
     context = multiprocessing.get_context("spawn")           # CUDA does not survive a fork
-    with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=context, initializer=share_cores,
-                                                initargs=(jobs,)) as pool:
+    pool = concurrent.futures.ProcessPoolExecutor(jobs, mp_context=context, initializer=share_cores, initargs=(jobs,))
+    try:
         futures = {pool.submit(run_config, config): i for i, config in enumerate(configs)}
         for future in concurrent.futures.as_completed(futures):
             i = futures[future]
@@ -188,6 +188,18 @@ def execute(configs: list[TrainConfig], jobs: int):
             except Exception as e:                           # noqa: BLE001 (a worker that died: recorded as failed)
                 run = failed(configs[i], e, 0.0)
             yield dict(run, index=i)
+    except BaseException:                                    # interrupted: stop the runs in flight, not wait for them
+        stop_workers(pool)
+        raise
+    pool.shutdown()
+
+
+def stop_workers(pool: concurrent.futures.ProcessPoolExecutor) -> None:
+    """Cancel the queued runs and end the running ones (``--resume`` runs them again)."""
+    processes = list((getattr(pool, "_processes", None) or {}).values())    # shutdown forgets them
+    pool.shutdown(wait=False, cancel_futures=True)
+    for process in processes:
+        process.terminate()
 
 
 def share_cores(jobs: int) -> None:

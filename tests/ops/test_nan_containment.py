@@ -77,8 +77,14 @@ def _lla_pairs(*args):  # BD-LLA by direct 2 x 2 solves
     return _lla(*args, blocks=D // 2)
 
 
+def _mesanet(q, k, v, aux, window, cu_seqlens, backend):
+    if window is not None or cu_seqlens is not None or backend == "triton":
+        pytest.skip("mesanet is causal over one sequence, in torch")
+    return regattn.mesanet(q, torch.nn.functional.normalize(k, dim=-1), v, chunk=8)
+
+
 OPS = {"softmax": _softmax, "gatedfwa": _gatedfwa, "parallax": _parallax, "scan": _scan, "lla": _lla,
-       "lla_pairs": _lla_pairs}
+       "lla_pairs": _lla_pairs, "mesanet": _mesanet}
 
 def _run(op, q, k, v, aux, do, window, cu_seqlens, backend):
     """Output and the gradients of q, k, v; ``aux`` feeds the probe (parallax) or the gate (gatedfwa)."""

@@ -1,0 +1,95 @@
+"""MesaNet (lla eq. 2, parallax eq. 5), exactly, in chunks.
+
+``o_i = S_i H_i^-1 q_i`` with ``H_i = lam I + sum_{j<=i} k_j k_j^T`` and ``S_i = sum_{j<=i} v_j k_j^T``.
+The reference solves one ``D x D`` system per query (``B T H`` of them). Here the queries are taken in
+chunks of ``C`` positions: with ``G`` the chunk's starting ``H`` (previous chunks' keys) and ``U`` its
+keys, query ``r`` of the chunk has ``H = G + U_{<=r}^T U_{<=r}``, and Woodbury's identity gives
+
+    H^-1 q = A q - A U_{<=r}^T (M_{<=r})^-1 U_{<=r} A q,    A = G^-1,  M = I + U A U^T,
+
+where ``M_{<=r}`` is the leading ``(r+1) x (r+1)`` block of ``M``. With ``M = L L^T`` that block's inverse
+is ``L_{<=r}^-T L_{<=r}^-1``, the leading blocks of ``L``'s inverse, so every query of the chunk is
+served by two triangular solves with one factor and a causal mask. A non-finite key or value entry
+reaches only the rows that see it (they give NaN). Per chunk: one ``D x D`` and one
+``C x C`` Cholesky factorisation (``B T H / C`` of each), batched matrix products, no host read; the
+numbers are the reference's up to rounding (``H`` and ``M`` are positive definite for ``lam > 0``).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from regattn.ops._common.checks import check_attention_inputs, check_int, check_positive, resolve_backend
+from regattn.reference.common import accumulation_dtype, repeat_kv
+
+
+def mesanet(q, k, v, *, lam: float = 1.0, chunk: int = 64, backend="auto"):
+    """MesaNet ``[B, T, HQ, Dv]`` in q's dtype, computed in fp32 (float64 for float64).
+
+    Args:
+        q: ``[B, T, HQ, D]`` queries, aligned to the last ``T`` of the ``S`` keys.
+        k: ``[B, S, H, D]`` keys (``HQ % H == 0``); v: ``[B, S, H, Dv]`` values.
+        lam: the ridge ``lam > 0`` (a float, as the MesaNet layer has it).
+        chunk: positions per chunk (cost, not numbers).
+        backend: ``"auto"`` or ``"torch"`` (this form is torch; there is no Triton kernel).
+
+    Matches :func:`regattn.reference.mesanet` with a float ``lam``.
+    """
+    B, T, S, HQ, H, D, Dv = check_attention_inputs(q, k, v)
+    lam = check_positive("lam", lam)
+    check_int("chunk", chunk, minimum=1)
+    resolve_backend(backend, q, op="mesanet", has_triton=False)
+    if T > S:
+        raise ValueError(f"q: expected at most as many queries as keys ({S}), got {T}")
+    dtype = accumulation_dtype(q.dtype)
+    C = min(chunk, S)
+    n = -(-S // C)
+    pad = n * C - S
+
+    def chunks(x, front=0):          # [B, S', HQ, E] -> [B, HQ, n, C, E], zeros appended (and prepended)
+        x = F.pad(repeat_kv(x, HQ).to(dtype), (0, 0, 0, 0, front, pad))
+        return x.permute(0, 2, 1, 3).reshape(B, HQ, n, C, x.shape[-1])
+
+    seen = _sees_nonfinite(k, v, HQ)[:, S - T:]
+    k, v = (torch.where(torch.isfinite(x), x, 0.0) for x in (k, v))
+    with torch.autocast(q.device.type, enabled=False):
+        o = _chunked(chunks(q, front=S - T), chunks(k), chunks(v), lam)
+    o = o.reshape(B, HQ, n * C, Dv)[:, :, S - T:S].transpose(1, 2)
+    return torch.where(seen[..., None], float("nan"), o).to(q.dtype)
+
+
+def _sees_nonfinite(k, v, HQ):
+    """``[B, S, HQ]``: the query at each position sees a non-finite key or value entry.
+
+    Within a chunk every row's products touch every key, so such entries are zeroed before the chunked
+    algebra and the rows that see them are set to NaN after it (the rows that cannot see them are exact).
+    """
+    bad = ~(torch.isfinite(k).all(-1) & torch.isfinite(v).all(-1))
+    return repeat_kv(bad.cumsum(1).gt(0)[..., None], HQ)[..., 0]
+
+
+def _exclusive_sum(x):
+    """Sums over the chunks before each chunk (dim 2)."""
+    return x.cumsum(2) - x
+
+
+def _right_spd_solve(R, L):
+    """``R G^-1`` with ``G = L L^T``: two triangular solves."""
+    return torch.linalg.solve_triangular(L, torch.linalg.solve_triangular(L.mT, R, upper=True, left=False),
+                                         upper=False, left=False)
+
+
+def _chunked(Q, U, V, lam):
+    """``[B, H, n, C, D]`` chunks -> outputs ``[B, H, n, C, Dv]`` (see the module's text)."""
+    C, D = U.shape[-2:]
+    eye_d = torch.eye(D, dtype=U.dtype, device=U.device)
+    eye_c = torch.eye(C, dtype=U.dtype, device=U.device)
+    G = lam * eye_d + _exclusive_sum(U.mT @ U)                 # H at each chunk's start
+    S = _exclusive_sum(V.mT @ U)                               # [.., Dv, D]
+    Lg = torch.linalg.cholesky_ex(G)[0]                        # positive definite: no error check (a host read)
+    QA, UA = _right_spd_solve(torch.cat([Q, U], -2), Lg).split(C, -2)
+    Lm = torch.linalg.cholesky_ex(eye_c + UA @ U.mT)[0]
+    Z = torch.linalg.solve_triangular(Lm.mT, QA @ U.mT, upper=True, left=False).tril()
+    Y = torch.linalg.solve_triangular(Lm, Z, upper=False, left=False)
+    X = QA - Y @ UA                                            # H_i^-1 q_i, each row
+    return X @ S.mT + (X @ U.mT).tril() @ V

@@ -1,0 +1,95 @@
+"""MesaNet in chunks (regattn.mesanet) against the per-query float64 spec (regattn.reference.mesanet)."""
+import pytest
+import torch
+
+import regattn
+from regattn import reference
+from tests.helpers import no_host_reads, randn, rel_err
+
+
+def _inputs(B, T, S, HQ, H, D, Dv, dtype=torch.float64):
+    q = randn(B, T, HQ, D, dtype=dtype, requires_grad=True)
+    k = torch.nn.functional.normalize(randn(B, S, H, D, dtype=dtype), dim=-1).requires_grad_(True)
+    v = randn(B, S, H, Dv, dtype=dtype, requires_grad=True)
+    return q, k, v
+
+
+def _outputs(fn, x, do):
+    o = fn(*x)
+    return [o, *torch.autograd.grad(o, x, do)]
+
+
+CASES = [
+    # B, T, S, HQ, H, D, Dv, chunk, lam
+    (2, 37, 37, 4, 2, 8, 5, 16, 0.7),      # GQA, Dv != D, T not a multiple of the chunk
+    (1, 64, 64, 2, 2, 16, 16, 64, 1.0),    # one whole chunk
+    (1, 50, 50, 1, 1, 32, 8, 7, 0.05),     # chunks smaller than D, a small ridge
+    (2, 5, 19, 2, 1, 6, 6, 4, 2.0),        # fewer queries than keys (aligned to the end)
+    (1, 9, 9, 2, 2, 4, 4, 1, 1.0),         # chunks of one position
+    (1, 1, 1, 1, 1, 8, 8, 64, 1.0),        # one token
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+def test_matches_reference_forward_backward(case):
+    B, T, S, HQ, H, D, Dv, chunk, lam = case
+    x = _inputs(B, T, S, HQ, H, D, Dv)
+    do = randn(B, T, HQ, Dv)
+    got = _outputs(lambda *a: regattn.mesanet(*a, lam=lam, chunk=chunk), x, do)
+    want = _outputs(lambda *a: reference.mesanet(*a, lam=lam), x, do)
+    for name, a, b in zip(["o", "dq", "dk", "dv"], got, want):
+        assert a.shape == b.shape and a.dtype == torch.float64
+        assert rel_err(a, b) < 1e-11, name
+
+
+def test_fp32_against_float64_on_learned_like_keys():
+    """Keys along few directions make ``H`` ill-conditioned (eigenvalues from lam to about T)."""
+    B, T, H, D = 2, 200, 2, 32
+    basis = torch.nn.functional.normalize(randn(4, D), dim=-1)
+    k = torch.nn.functional.normalize(randn(B, T, H, 4) @ basis + 0.05 * randn(B, T, H, D), dim=-1)
+    q, v, do = randn(B, T, H, D), randn(B, T, H, D), randn(B, T, H, D)
+    x64 = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    x32 = [t.float().requires_grad_(True) for t in (q, k, v)]
+    want = _outputs(lambda *a: reference.mesanet(*a, lam=1.0), x64, do)
+    got = _outputs(lambda *a: regattn.mesanet(*a, lam=1.0), x32, do.float())
+    for name, a, b in zip(["o", "dq", "dk", "dv"], got, want):
+        assert a.dtype == torch.float32
+        assert rel_err(a.double(), b) < 1e-5, name
+
+
+def test_low_precision_inputs_compute_in_fp32_under_autocast():
+    q, k, v = (t.detach() for t in _inputs(1, 40, 40, 2, 2, 16, 16))
+    want = reference.mesanet(q, k, v, lam=1.0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = regattn.mesanet(q.bfloat16(), k.bfloat16(), v.bfloat16(), lam=1.0)
+    assert got.dtype == torch.bfloat16
+    assert rel_err(got.double(), want) < 2e-2
+
+
+def test_reads_nothing_back():
+    x = [t.detach() for t in _inputs(2, 30, 30, 2, 2, 8, 8, dtype=torch.float32)]
+    with no_host_reads():
+        regattn.mesanet(*x, lam=1.0, chunk=8)
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(lam=0.0), ValueError, "lam"),
+    (dict(lam=float("nan")), ValueError, "lam"),
+    (dict(lam=torch.tensor(1.0)), TypeError, "lam"),
+    (dict(chunk=0), ValueError, "chunk"),
+    (dict(chunk=2.5), TypeError, "chunk"),
+    (dict(backend="triton"), NotImplementedError, "backend"),
+    (dict(backend="cuda"), ValueError, "backend"),
+])
+def test_bad_arguments(kwargs, error, match):
+    x = [t.detach() for t in _inputs(1, 8, 8, 2, 2, 4, 4)]
+    with pytest.raises(error, match=match):
+        regattn.mesanet(*x, **kwargs)
+
+
+def test_bad_shapes():
+    q, k, v = (t.detach() for t in _inputs(1, 8, 6, 2, 2, 4, 4))
+    with pytest.raises(ValueError, match="q: expected at most as many queries as keys"):
+        regattn.mesanet(q, k, v)
+    with pytest.raises(ValueError, match="k: expected head dim"):
+        regattn.mesanet(q[:, :6], k[..., :3], v)
