@@ -15,7 +15,7 @@ override it (a ``--vary`` of the same key replaces the preset's).
 
 ``--jobs N`` runs N runs at a time, each in its own process (spawned; the small task models leave room
 for several on one GPU). A run that raises is recorded with its ``error`` (and no score) and is run
-again by ``--resume``.
+again by ``--resume``; an interrupt (SIGINT) ends the runs in flight at once, and ``--resume`` runs them again.
 """
 from __future__ import annotations
 

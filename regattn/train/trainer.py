@@ -225,17 +225,17 @@ def train(config: TrainConfig, *, data: TaskData | None = None, stop_at: int | N
 
 class Throughput:
     """Steps per second between the first and the last log point (each right after a host read, so the
-    device has caught up), less the time of evaluations and checkpoints in between."""
+    device has caught up), less the time of evaluations and checkpoints in between (not those after the last)."""
 
     def __init__(self):
-        self.first = self.last = None                    # (step, time)
+        self.first = self.last = None                    # (step, time, paused time before it)
         self.excluded = 0.0
 
     def mark(self, step: int) -> None:
         now = time.perf_counter()
         if self.first is None:
-            self.first, self.excluded = (step, now), 0.0
-        self.last = (step, now)
+            self.first, self.excluded = (step, now, 0.0), 0.0
+        self.last = (step, now, self.excluded)
 
     @contextlib.contextmanager
     def paused(self):
@@ -249,7 +249,8 @@ class Throughput:
     def rate(self) -> float | None:
         if self.first is None or self.last[0] == self.first[0]:
             return None
-        return (self.last[0] - self.first[0]) / max(1e-9, self.last[1] - self.first[1] - self.excluded)
+        seconds = self.last[1] - self.first[1] - self.last[2]
+        return (self.last[0] - self.first[0]) / seconds if seconds > 0 else None
 
 
 def diagnose(model, data: TaskData, examples: int, step: int) -> dict:

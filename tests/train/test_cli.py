@@ -164,3 +164,49 @@ def test_failed_run_is_recorded_and_retried_on_resume(tmp_path, monkeypatch):
     runs = json.loads((out / "sweep-mqar.json").read_text())["runs"]
     assert [r["lr"] for r in runs] == [1e-3, 1e-2] and not any(r.get("error") for r in runs)
     assert runs[0] == payload["runs"][0]                                     # the finished run is kept
+
+
+def test_interrupted_sweep_stops_its_runs_in_flight(tmp_path):
+    """SIGINT ends a ``--jobs`` sweep and its workers at once (runs of a million steps would never finish);
+    the runs done before are saved for ``--resume``."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    out = tmp_path / "s"
+    args = [sys.executable, "-m", "regattn", "sweep", "mqar", "--mixers", "softmax", "--lrs", "1e-3,1e-2",
+            "--epochs", "1000000", "--batch-size", "4", "--set", "num_train=8", "--set", "num_test=4", "--dim", "8",
+            "--jobs", "2", "--quiet", "--out", str(out)]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    workers = []
+    while len(workers) < 2 and proc.poll() is None:               # both runs have started
+        time.sleep(0.5)
+        children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+        workers = [pid for pid in children if "spawn_main" in _command_line(pid)]
+    assert len(workers) == 2, f"the sweep ended before its runs started: {proc.communicate()[0][-2000:]}"
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.communicate(timeout=300)                              # a hang guard: waiting would take days
+    finally:
+        proc.kill()
+        for pid in workers:
+            subprocess.run(["kill", "-9", pid], capture_output=True)
+    assert proc.returncode not in (None, 0)
+    for pid in workers:
+        assert not _alive(int(pid)), f"worker {pid} still runs after the sweep was interrupted"
+
+
+def _command_line(pid: str) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False

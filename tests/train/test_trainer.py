@@ -151,3 +151,20 @@ def test_bad_trainer_options():
         train(tiny(cuda_graph=True, compile="reduce-overhead"))
     with pytest.raises(ValueError, match="wda_gamma"):
         train(tiny(cuda_graph=True, wda_gamma=1.0))
+
+
+def test_throughput_leaves_out_pauses_after_the_last_log_point(monkeypatch):
+    """An evaluation after the last log point (the end of a short run) is not time between the log points."""
+    from regattn.train import trainer
+    now = [0.0]
+    monkeypatch.setattr(trainer.time, "perf_counter", lambda: now[0])
+    clock = trainer.Throughput()
+    clock.mark(100)
+    now[0] = 2.0
+    with clock.paused():                                  # an evaluation between the log points
+        now[0] = 3.0
+    now[0] = 4.0
+    clock.mark(120)
+    with clock.paused():                                  # the final evaluation
+        now[0] = 40.0
+    assert clock.rate() == 20 / (4.0 - 1.0)
