@@ -57,6 +57,16 @@ def test_fp32_against_float64_on_learned_like_keys():
         assert rel_err(a.double(), b) < 1e-5, name
 
 
+@pytest.mark.xfail(strict=True, reason="fp32 Cholesky of a chunk's starting matrix fails when lam is below fp32's "
+                                       "rounding of sum k k^T; float64 stays finite")
+def test_fp32_stays_finite_for_a_tiny_ridge_on_low_rank_keys():
+    basis = torch.nn.functional.normalize(randn(2, 64), dim=-1)
+    k = torch.nn.functional.normalize(randn(1, 2048, 1, 2) @ basis, dim=-1)
+    q, v = randn(1, 2048, 1, 64), randn(1, 2048, 1, 64)
+    assert torch.isfinite(regattn.mesanet(q, k, v, lam=1e-6)).all()          # float64: finite
+    assert torch.isfinite(regattn.mesanet(q.float(), k.float(), v.float(), lam=1e-6)).all()
+
+
 def test_low_precision_inputs_compute_in_fp32_under_autocast():
     q, k, v = (t.detach() for t in _inputs(1, 40, 40, 2, 2, 16, 16))
     want = reference.mesanet(q, k, v, lam=1.0)

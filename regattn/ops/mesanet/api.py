@@ -33,7 +33,10 @@ def mesanet(q, k, v, *, lam: float = 1.0, chunk: int = 64, backend="auto"):
         chunk: positions per chunk (cost, not numbers).
         backend: ``"auto"`` or ``"torch"`` (this form is torch; there is no Triton kernel).
 
-    Matches :func:`regattn.reference.mesanet` with a float ``lam``.
+    Matches :func:`regattn.reference.mesanet` with a float ``lam``. In fp32 ``lam`` must stay well above
+    fp32's rounding of ``sum k k^T`` (about ``1e-7 T max|k|^2``): below it the chunk's starting matrix is
+    singular to fp32 and its Cholesky factor fails (NaN rows), where the reference's fp32 solve is finite
+    but wrong. The MesaNet layer (L2-normalised keys, ``lam = 1``) is far from that bound.
     """
     B, T, S, HQ, H, D, Dv = check_attention_inputs(q, k, v)
     lam = check_positive("lam", lam)
