@@ -43,4 +43,7 @@ def cases(shape: dict, setup):
         yield mode, ours(regattn.mesanet, q, setup,
                          lambda: regattn.mesanet(q, k, v, lam=LAM, chunk=chunk, backend=setup.backend), leaves,
                          check=truth, **n)
-        yield from reference_case(setup, mode, lambda: reference.mesanet(q, k, v, lam=LAM), leaves, check=truth, **n)
+        # the reference in fp32, the precision ours computes in (torch has no half-precision LU on CUDA)
+        q32, k32, v32 = (x.detach().float().requires_grad_(bwd) for x in (q, k, v))
+        yield from reference_case(setup, mode, lambda: reference.mesanet(q32, k32, v32, lam=LAM),
+                                  [q32, k32, v32] if bwd else [], check=truth, **n)
