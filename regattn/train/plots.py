@@ -92,6 +92,8 @@ def plot_sweep(summary: dict, path: str, *, xlabel: str, metric: str, title: str
         stds = np.array([0.0 if r["std"] is None else r["std"] for r in rows])
         ax.errorbar(xs, means, yerr=stds, marker="o", capsize=3, label=mixer)
     ax.set_xlabel(xlabel)
+    if max((len(str(x)) for points in summary.values() for x in points), default=0) > 8:
+        ax.tick_params(axis="x", labelrotation=30)           # task names: keep them apart
     ax.set_ylabel(f"test {metric} (best lr, mean over seeds)")
     if metric == "mse":
         ax.set_yscale("log")

@@ -57,6 +57,11 @@ PRESETS = {
     # gatedfwa Section 4.1 (w = N / 2 is the windowed mixers' default; training settings as lla-mqar)
     "gatedfwa-mqar": f"mqar --vary length=128,256,512 --vary cfg.dim=64,128,256,512 --lrs 1e-4,5e-4,1e-3 --epochs 32 --set num_train=20000 "
                      f"--set num_test=1000 --mixers softmax,swa,gatedfwa {_ADAMW}",
+    # both papers' MQAR at the lengths they share, trimmed to fit about 15 minutes of one H100: lla's model
+    # (d = 128) and middle setting (L/8 pairs, 40000 examples), one seed, lla's two highest rates
+    "mqar-trimmed": f"mqar --vary length=128,256,512 --lrs 1e-3,5e-4 --epochs 32 --set pairs_per_length=8 "
+                    f"--set num_train=40000 --set vocab_size=8192 --set num_test=1000 "
+                    f"--mixers softmax,swa,gatedfwa,parallax,lla {_ADAMW} --seeds 0",
     # parallax Appendix E (Muon, WSD without warm-up, last 20% decayed, 60 epochs, three peak rates)
     # Table 1a's Mamba and GDN are flash-linear-attention's layers (the baselines extra); a baseline FLA
     # refuses on this machine is skipped, with its reason in the sweep's JSON
@@ -328,12 +333,16 @@ def main(argv=None) -> int:
         raise UsageError(f"--mixers: none runs on this machine: {skipped}")
     base = base_config(args, task=args.task if args.task in TASKS else "mad_recall")
     stem = os.path.join(args.out, f"sweep-{args.task}")
-    head = dict(task=args.task, mixers=mixers, lrs=parse_list(args.lrs), seeds=parse_list(args.seeds, int),
-                vary=[k for k, _ in vary], skipped=skipped)
-    done = []
+    previous = {}
     if args.resume and os.path.exists(stem + ".json"):
         with open(stem + ".json") as f:
-            done = json.load(f)["runs"]
+            previous = json.load(f)
+    done = previous.get("runs", [])
+    ran = {r["mixer"] for r in done if not r.get("error")}
+    shown_mixers = [m for m in dict.fromkeys(previous.get("mixers", []) + mixers) if m in mixers or m in ran]
+    skipped = {**{m: why for m, why in previous.get("skipped", {}).items() if m not in mixers}, **skipped}
+    head = dict(task=args.task, mixers=shown_mixers, lrs=parse_list(args.lrs), seeds=parse_list(args.seeds, int),
+                vary=[k for k, _ in vary], skipped=skipped)
 
     def save(runs):
         payload = dict(head, summary=summarize_sweep(runs), runs=runs)
@@ -366,7 +375,7 @@ def main(argv=None) -> int:
     plot_sweep(shown, stem + ".png", xlabel=xlabel, metric=metric, title=args.task)
     for i, (_, _, x) in enumerate(points):
         best = {m: [r for r in done_runs if r["mixer"] == m and str(r["x"]) == str(x)
-                    and r["lr"] == summary[m][str(x)]["best_lr"]] for m in mixers if str(x) in summary.get(m, {})}
+                    and r["lr"] == summary[m][str(x)]["best_lr"]] for m in shown_mixers if str(x) in summary.get(m, {})}
         plot_curves(best, f"{stem}-curves-{i}.png", title=f"{args.task} {x}")
     print(json.dumps({m: {k: round(c["mean"], 4) for k, c in pts.items()} for m, pts in summary.items()}))
     if "average" in payload:

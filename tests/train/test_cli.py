@@ -66,6 +66,19 @@ def test_sweep_resume_keeps_done_runs(tmp_path):
     assert [r["seed"] for r in runs] == [0, 1] and runs[0] == first[0]
 
 
+def test_sweep_resume_with_other_mixers_keeps_the_earlier_ones_and_their_skips(tmp_path):
+    out = tmp_path / "r"
+    args = ["mqar", "--lrs", "1e-3", "--out", str(out)] + TINY
+    assert sweep.main(args + ["--mixers", "softmax"]) == 0
+    path = out / "sweep-mqar.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "skipped": {"gdn": "refused here"}}))
+    assert sweep.main(args + ["--mixers", "parallax", "--resume"]) == 0
+    assert sweep.main(args + ["--mixers", "parallax", "--resume"]) == 0      # the order stays the first run's
+    payload = json.loads(path.read_text())
+    assert payload["mixers"] == ["softmax", "parallax"] and set(payload["summary"]) == {"softmax", "parallax"}
+    assert payload["skipped"] == {"gdn": "refused here"}
+
+
 def test_summary_ranks_failed_runs_last():
     def run(lr, seed, value, metric="accuracy"):
         return dict(mixer="m", x=1, lr=lr, seed=seed, metric=metric, best=None if value is None else {metric: value})
