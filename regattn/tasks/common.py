@@ -83,15 +83,21 @@ def randint(g: torch.Generator, low: int, high: int, shape) -> torch.Tensor:
 ROWS_PER_CHUNK = 1024
 
 
-def random_subsets(g: torch.Generator, rows: int, n: int, k: int, *, sort: bool = False) -> torch.Tensor:
+def random_subsets(g: torch.Generator, rows: int, n: int, k: int, *, sort: bool = False,
+                   weights: torch.Tensor | None = None) -> torch.Tensor:
     """``[rows, k]`` distinct indices in ``[0, n)`` per row (uniform k-subsets, random order unless sort).
 
-    The ``k`` largest of ``n`` uniform keys per row, drawn ``ROWS_PER_CHUNK`` rows at a time so that
-    memory stays ``O(ROWS_PER_CHUNK * n)``.
+    The ``k`` largest of ``n`` random keys per row, drawn ``ROWS_PER_CHUNK`` rows at a time so that
+    memory stays ``O(ROWS_PER_CHUNK * n)``. With ``weights`` (``[n]``, positive) the keys are
+    ``log(u) / w``: index ``i`` is drawn in proportion to ``weights[i]``, one after another without
+    replacement (Efraimidis and Spirakis); without them the subsets are uniform.
     """
     if k > n:
         raise ValueError(f"k: cannot draw {k} distinct items from {n}")
-    parts = [torch.rand(min(ROWS_PER_CHUNK, rows - r), n, generator=g).topk(k, dim=1).indices
-             for r in range(0, rows, ROWS_PER_CHUNK)]
+
+    def keys(m):
+        u = torch.rand(m, n, generator=g)
+        return u if weights is None else u.log() / weights
+    parts = [keys(min(ROWS_PER_CHUNK, rows - r)).topk(k, dim=1).indices for r in range(0, rows, ROWS_PER_CHUNK)]
     idx = torch.cat(parts) if parts else torch.empty(0, k, dtype=torch.long)
     return idx.sort(dim=1).values if sort else idx

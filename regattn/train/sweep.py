@@ -50,17 +50,17 @@ PRESETS = {
     "lla-icr": f"icr --no-mlp --vary length=64,128,256,512 --vary segments=8,4,2,1 --lrs 5e-5,1e-4,5e-4,1e-3 "
                f"--epochs 100 --set num_train=100000 --set num_test=1000 --mixers softmax,lla {_ADAMW}",
     "lla-mqar": f"mqar --vary length=64,128,256,512 --vary pairs_per_length:num_train=16:20000,8:40000,4:60000 "
-                f"--lrs 1e-4,5e-4,1e-3 --epochs 32 --set vocab_size=8192 --set num_test=1000 "
+                f"--lrs 1e-4,5e-4,1e-3 --epochs 32 --set vocab_size=8192 --set num_test=1000 --set offset_power=0.01 "
                 f"--mixers softmax,parallax,lla {_ADAMW}",
     "lla-state": f"state --vary positions=16,24,48,96 --lrs 1e-4,5e-4,1e-3 --epochs 64 --set items=8192 --set queries=8 "
                  f"--set num_train=100000 --set num_test=1000 --mixers softmax,lla {_ADAMW}",
     # gatedfwa Section 4.1 (w = N / 2 is the windowed mixers' default; training settings as lla-mqar)
     "gatedfwa-mqar": f"mqar --vary length=128,256,512 --vary cfg.dim=64,128,256,512 --lrs 1e-4,5e-4,1e-3 --epochs 32 --set num_train=20000 "
-                     f"--set num_test=1000 --mixers softmax,swa,gatedfwa {_ADAMW}",
+                     f"--set num_test=1000 --set offset_power=0.01 --mixers softmax,swa,gatedfwa {_ADAMW}",
     # both papers' MQAR at the lengths they share, trimmed to fit about 15 minutes of one H100: lla's model
     # (d = 128) and middle setting (L/8 pairs, 40000 examples), one seed, lla's two highest rates
     "mqar-trimmed": f"mqar --vary length=128,256,512 --lrs 1e-3,5e-4 --epochs 32 --set pairs_per_length=8 "
-                    f"--set num_train=40000 --set vocab_size=8192 --set num_test=1000 "
+                    f"--set num_train=40000 --set vocab_size=8192 --set num_test=1000 --set offset_power=0.01 "
                     f"--mixers softmax,swa,gatedfwa,parallax,lla {_ADAMW} --seeds 0",
     # parallax Appendix E (Muon, WSD without warm-up, last 20% decayed, 60 epochs, three peak rates)
     # Table 1a's Mamba and GDN are flash-linear-attention's layers (the baselines extra); a baseline FLA

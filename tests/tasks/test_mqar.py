@@ -15,9 +15,10 @@ def test_shapes_and_seed():
     assert not torch.equal(a.train.inputs, c.train.inputs)
 
 
+@pytest.mark.parametrize("offset_power", [None, 0.01])
 @pytest.mark.parametrize("length,pairs", [(64, 4), (64, 16)])
-def test_answers_are_the_values_paired_earlier(length, pairs):
-    t = mqar(length=length, pairs=pairs, vocab_size=64, num_train=20, num_test=2, seed=0)
+def test_answers_are_the_values_paired_earlier(length, pairs, offset_power):
+    t = mqar(length=length, pairs=pairs, vocab_size=64, num_train=20, num_test=2, seed=0, offset_power=offset_power)
     x, y = t.train.inputs, t.train.targets
     for n in range(20):
         keys, values = x[n, 0:2 * pairs:2].tolist(), x[n, 1:2 * pairs:2].tolist()
@@ -37,6 +38,25 @@ def test_bad_input():
         mqar(length=32, pairs=9, num_train=1, num_test=1)
     with pytest.raises(TypeError, match="length"):
         mqar(length=32.0, num_train=1, num_test=1)
+
+
+def test_power_law_offsets_are_drawn_in_proportion_to_their_weights():
+    n, a = 4000, 0.01
+    t = mqar(length=64, pairs=1, vocab_size=64, num_train=n, num_test=1, seed=3, offset_power=a)
+    slot = ((t.train.targets != IGNORE).nonzero()[:, 1] - 2) // 2        # the free offset of the one query
+    weights = torch.arange(1, 32, dtype=torch.float64) ** (a - 1)
+    p = weights / weights.sum()
+    seen = torch.bincount(slot, minlength=31).double() / n
+    assert torch.all((seen - p).abs() <= 5 * (p * (1 - p) / n).sqrt() + 1e-3)
+    uniform = mqar(length=64, pairs=1, vocab_size=64, num_train=n, num_test=1, seed=3)
+    counts = torch.bincount(((uniform.train.targets != IGNORE).nonzero()[:, 1] - 2) // 2, minlength=31).double()
+    assert (counts / (n / 31) - 1).abs().max() < 0.4                         # uniform: every offset alike
+
+
+def test_offset_power_must_be_in_0_1():
+    for bad in (0.0, 1.5, "x"):
+        with pytest.raises(ValueError, match="offset_power"):
+            mqar(length=32, num_train=1, num_test=1, offset_power=bad)
 
 
 def test_pairs_per_length():
