@@ -309,6 +309,22 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def resumed(path: str | None, mixers: list[str], skipped: dict) -> tuple[list[dict], list[str], dict]:
+    """``(runs, mixers, skipped)`` of a sweep continued from its JSON at ``path`` (None or missing: a new one).
+
+    The earlier runs are kept; the mixers shown are the earlier ones with runs, in their order, then this
+    call's; a mixer skipped earlier and not named now keeps its reason."""
+    previous = {}
+    if path is not None and os.path.exists(path):
+        with open(path) as f:
+            previous = json.load(f)
+    done = previous.get("runs", [])
+    ran = {r["mixer"] for r in done if not r.get("error")}
+    shown = [m for m in dict.fromkeys(previous.get("mixers", []) + mixers) if m in mixers or m in ran]
+    kept = {m: why for m, why in previous.get("skipped", {}).items() if m not in mixers}
+    return done, shown, {**kept, **skipped}
+
+
 def main(argv=None) -> int:
     p = build_parser()
     args = p.parse_args(expand_preset(list(sys.argv[1:] if argv is None else argv)))
@@ -333,14 +349,7 @@ def main(argv=None) -> int:
         raise UsageError(f"--mixers: none runs on this machine: {skipped}")
     base = base_config(args, task=args.task if args.task in TASKS else "mad_recall")
     stem = os.path.join(args.out, f"sweep-{args.task}")
-    previous = {}
-    if args.resume and os.path.exists(stem + ".json"):
-        with open(stem + ".json") as f:
-            previous = json.load(f)
-    done = previous.get("runs", [])
-    ran = {r["mixer"] for r in done if not r.get("error")}
-    shown_mixers = [m for m in dict.fromkeys(previous.get("mixers", []) + mixers) if m in mixers or m in ran]
-    skipped = {**{m: why for m, why in previous.get("skipped", {}).items() if m not in mixers}, **skipped}
+    done, shown_mixers, skipped = resumed(stem + ".json" if args.resume else None, mixers, skipped)
     head = dict(task=args.task, mixers=shown_mixers, lrs=parse_list(args.lrs), seeds=parse_list(args.seeds, int),
                 vary=[k for k, _ in vary], skipped=skipped)
 
