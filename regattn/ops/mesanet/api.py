@@ -53,21 +53,23 @@ def mesanet(q, k, v, *, lam: float = 1.0, chunk: int = 64, backend="auto"):
         x = F.pad(repeat_kv(x, HQ).to(dtype), (0, 0, 0, 0, front, pad))
         return x.permute(0, 2, 1, 3).reshape(B, HQ, n, C, x.shape[-1])
 
-    seen = _sees_nonfinite(k, v, HQ)[:, S - T:]
-    k, v = (torch.where(torch.isfinite(x), x, 0.0) for x in (k, v))
+    k_ok, v_ok = torch.isfinite(k), torch.isfinite(v)
+    seen = _sees_nonfinite(k_ok, v_ok, HQ)[:, S - T:]
+    k, v = torch.where(k_ok, k, 0.0), torch.where(v_ok, v, 0.0)
     with torch.autocast(q.device.type, enabled=False):
         o = _chunked(chunks(q, front=S - T), chunks(k), chunks(v), lam)
     o = o.reshape(B, HQ, n * C, Dv)[:, :, S - T:S].transpose(1, 2)
     return torch.where(seen[..., None], float("nan"), o).to(q.dtype)
 
 
-def _sees_nonfinite(k, v, HQ):
-    """``[B, S, HQ]``: the query at each position sees a non-finite key or value entry.
+def _sees_nonfinite(k_ok, v_ok, HQ):
+    """``[B, S, HQ]``: the query at each position sees a non-finite key or value entry (``k_ok``, ``v_ok``:
+    which entries are finite).
 
     Within a chunk every row's products touch every key, so such entries are zeroed before the chunked
     algebra and the rows that see them are set to NaN after it (the rows that cannot see them are exact).
     """
-    bad = ~(torch.isfinite(k).all(-1) & torch.isfinite(v).all(-1))
+    bad = ~(k_ok.all(-1) & v_ok.all(-1))
     return repeat_kv(bad.cumsum(1).gt(0)[..., None], HQ)[..., 0]
 
 
