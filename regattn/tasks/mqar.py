@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from regattn.ops._common.checks import check_int
+from regattn.ops._common.checks import check_int, check_positive
 from regattn.tasks.common import IGNORE, TEST, TRAIN, Split, TaskData, generator, random_subsets
 
 FILLER = 0
@@ -64,7 +64,7 @@ def mqar(*, length: int = 64, pairs: int | None = None, pairs_per_length: int | 
     check_int("num_train", num_train, minimum=1)
     check_int("num_test", num_test, minimum=1)
     check_int("seed", seed, minimum=0)
-    if offset_power is not None and not (isinstance(offset_power, (int, float)) and 0 < offset_power <= 1):
+    if offset_power is not None and check_positive("offset_power", offset_power) > 1:
         raise ValueError(f"offset_power: expected None or a number in (0, 1], got {offset_power!r}")
     if 4 * pairs > length:
         raise ValueError(f"pairs: expected at most length // 4 = {length // 4} key-value pairs, got {pairs}")

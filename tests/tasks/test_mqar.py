@@ -53,10 +53,11 @@ def test_power_law_offsets_are_drawn_in_proportion_to_their_weights():
     assert (counts / (n / 31) - 1).abs().max() < 0.4                         # uniform: every offset alike
 
 
-def test_offset_power_must_be_in_0_1():
-    for bad in (0.0, 1.5, "x"):
-        with pytest.raises(ValueError, match="offset_power"):
-            mqar(length=32, num_train=1, num_test=1, offset_power=bad)
+@pytest.mark.parametrize("bad, error", [(0.0, ValueError), (1.5, ValueError), (float("nan"), ValueError),
+                                        ("x", TypeError), (True, TypeError)])
+def test_offset_power_must_be_in_0_1(bad, error):
+    with pytest.raises(error, match="offset_power"):
+        mqar(length=32, num_train=1, num_test=1, offset_power=bad)
 
 
 def test_pairs_per_length():
