@@ -139,6 +139,7 @@ DECODE_CASES = [  # B, Tn, S, HQ, H, D, window, cache_seqlens, num_splits
     (2, 1, 45, 4, 1, 16, None, None, None),
     (3, 1, 70, 8, 2, 32, None, [70, 1, 33], 4),
     (2, 6, 50, 4, 2, 16, 9, [50, 20], 2),      # chunk of new tokens, window
+    (1, 1, 70, 8, 2, 32, None, None, 16),      # more splits than key tiles: most splits see no key
 ]
 
 

@@ -26,12 +26,12 @@ PEERS = ("sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "fla")
 QUICK_PEERS = ("sdpa-cudnn", "sdpa-flash")
 MAIN = {"fwd": ("sdpa:cudnn",), "fwd+bwd": ("sdpa:cudnn",), "decode": ("sdpa:",)}  # decode: the fastest SDPA
 MODES = ("fwd", "fwd+bwd")
-PREFILL = [dict(B=4, H=16, T=8192, D=128)]
+PREFILL = [dict(B=4, H=16, T=8192, D=D) for D in (128, 64, 32, 256)]  # the targets hold at 128 and 64
 DECODE = [dict(B=B, HQ=32, H=8, ctx=c, D=128) for B in (1, 8, 64) for c in (4096, 8192, 32768)]
 GRIDS = {
     "tiny": [dict(B=1, H=2, T=40, D=16), dict(B=2, HQ=4, H=2, ctx=48, D=16)],
     "goal": PREFILL + DECODE,
-    "quick": PREFILL + [dict(B=B, HQ=32, H=8, ctx=8192, D=128) for B in (1, 64)],
+    "quick": PREFILL[:1] + [dict(B=B, HQ=32, H=8, ctx=8192, D=128) for B in (1, 64)],
     "full": [dict(B=4, H=16, T=T, D=D) for D in (32, 64, 128, 256) for T in (1024, 2048, 4096, 8192, 16384)]
     + [dict(B=B, HQ=32, H=8, ctx=c, D=128) for B in (1, 4, 16, 64, 256, 1024, 2048)
        for c in (128, 512, 2048, 8192, 32768)],

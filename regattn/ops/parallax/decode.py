@@ -151,7 +151,7 @@ def _parallax_decode_kernel(
     else:
         # write this split's partial state, then let the last split to finish merge all of them
         ws_o = WS_O + (pid * NUM_SPLITS + split) * BLOCK_M * BLOCK_DV
-        tl.store(ws_o + m[:, None] * BLOCK_DV + offs_dv[None, :], acc)
+        tl.store(ws_o + m[:, None] * BLOCK_DV + offs_dv[None, :], acc, mask=ok[:, None])  # real rows only
         ws_s = WS_S + (pid * NUM_SPLITS + split) * 3 * HALF
         tl.store(ws_s + orow, m_i)
         tl.store(ws_s + HALF + orow, d1)
@@ -161,15 +161,25 @@ def _parallax_decode_kernel(
         if done == NUM_SPLITS - 1:
             sp = tl.arange(0, NUM_SPLITS)
             s_base = WS_S + (pid * NUM_SPLITS + sp)[:, None] * 3 * HALF + orow[None, :]
-            m_all = tl.load(s_base, cache_modifier=".cg")
-            m_max = tl.max(m_all, 0)
-            w = tl.math.exp2(m_all - tl.where(m_max == float("-inf"), 0.0, m_max)[None, :])  # [NS, HALF]
-            d1 = tl.sum(w * tl.load(s_base + HALF, cache_modifier=".cg"), 0)
-            d2 = tl.sum(w * tl.load(s_base + 2 * HALF, cache_modifier=".cg"), 0)
-            w2 = tl.reshape(tl.permute(tl.join(w, w), (0, 2, 1)), (NUM_SPLITS, BLOCK_M))
-            o_base = WS_O + (pid * NUM_SPLITS + sp)[:, None, None] * BLOCK_M * BLOCK_DV
-            parts = tl.load(o_base + m[None, :, None] * BLOCK_DV + offs_dv[None, None, :], cache_modifier=".cg")
-            acc = tl.sum(w2[:, :, None] * parts, 0)
+            m_max = tl.max(tl.load(s_base, cache_modifier=".cg"), 0)
+            m_ref = tl.where(m_max == float("-inf"), 0.0, m_max)
+            d1 = tl.zeros([HALF], tl.float32)
+            d2 = tl.zeros([HALF], tl.float32)
+            acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+            # one split at a time (all at once spills from 16 splits on; a few at a time is slower), each read
+            # as a [1, ...] block: read as [BLOCK_M, BLOCK_DV] instead, the whole decode took 16.1 us, not 11.2,
+            # on an H100 at B = 1, 32/8 heads, 4k keys (benchmarks/results/h100/tiles/parallax-decode.json)
+            one = tl.arange(0, 1)
+            for s in range(NUM_SPLITS):
+                part = pid * NUM_SPLITS + s + one
+                s_part = WS_S + part[:, None] * 3 * HALF + orow[None, :]
+                w = tl.math.exp2(tl.load(s_part, cache_modifier=".cg") - m_ref[None, :])  # [1, HALF]
+                d1 += tl.sum(w * tl.load(s_part + HALF, cache_modifier=".cg"), 0)
+                d2 += tl.sum(w * tl.load(s_part + 2 * HALF, cache_modifier=".cg"), 0)
+                w2 = tl.reshape(tl.permute(tl.join(w, w), (0, 2, 1)), (1, BLOCK_M))
+                o_part = WS_O + part[:, None, None] * BLOCK_M * BLOCK_DV + m[None, :, None] * BLOCK_DV
+                acc += tl.sum(w2[:, :, None] * tl.load(o_part + offs_dv[None, None, :], mask=ok[None, :, None],
+                                                       other=0.0, cache_modifier=".cg"), 0)
             tl.store(o_ptr, _finish(acc, d1, d2).to(O.dtype.element_ty), mask=o_mask)
             tl.atomic_xchg(COUNT + pid, 0)
 
@@ -197,8 +207,9 @@ def decode_config(Tn: int, D: int, Dv: int, groups: int, dtype) -> dict:
 
 def choose_splits(programs: int, key_tiles: int, sms: int) -> int:
     """Splits of the K/V loop: a power of two, at most 16, with about two programs per SM and at least two
-    key tiles per split. On an H100 (B=1/8/64, 8 KV heads, 4k-32k keys) this picked the fastest of the
-    split counts measured (benchmarks/results/h100/parallax_check.json)."""
+    key tiles per split. On an H100 (8 KV heads, 4k-32k keys; benchmarks/results/h100/tiles/parallax-decode.json)
+    this picked the fastest count measured at B = 8 (4) and B = 64 (1), and at B = 1 (16) for 4k and 8k keys;
+    32 splits ran 4% faster at 32k keys and 4-15% slower at 4k and 8k."""
     limit = min(2 * sms // max(programs, 1), key_tiles // 2, 16)
     n = 1
     while n * 2 <= limit:
