@@ -24,7 +24,6 @@ import json
 import math
 import os
 import statistics
-import time
 from dataclasses import dataclass
 
 import torch
@@ -39,9 +38,10 @@ from regattn.data.text import ByteTokenizer, TextCorpus, stdlib_corpus
 from regattn.models.baselines import BASELINES
 from regattn.models.lm import LM_MIXERS, DecoderLM, LMArchitecture, LMConfig, build_lm_mixer
 from regattn.train import checks
+from regattn.train.batches import to_device
 from regattn.train.checkpoints import load_folder
 from regattn.train.optim import OPTIMIZERS, apply_schedule, build_optimizer
-from regattn.train.progress import Progress
+from regattn.train.progress import Progress, Throughput
 from regattn.train.schedules import SCHEDULES, lr_factor, wd_factor
 from regattn.usage import UsageError
 
@@ -59,7 +59,9 @@ class LMTrainConfig(LMArchitecture):
     weight_decay, wda_gamma (weight-decay annealing exponent, eq. 42; 0 = off), clip, schedule
     ("wsd" | "cosine" | "constant"), warmup / decay_start (fractions; None = the schedule's default),
     steps, eval_every (0 = at the end only), log_every.
-    Run: seed, device ("auto"), amp (bf16 autocast on CUDA), checkpoint (a folder; resumed from when it
+    Run: seed, device ("auto"), amp (bf16 autocast on CUDA), compile ("none", or "default": ``torch.compile``
+    of the model's forward and loss; CUDA-graph modes would overwrite the losses kept until a log point),
+    checkpoint (a folder; resumed from when it
     holds one), checkpoint_every (0 = at the end only), sample_tokens (greedy text after training,
     single process only), progress (a progress bar on stderr, updated every log_every steps).
     """
@@ -82,10 +84,14 @@ class LMTrainConfig(LMArchitecture):
     seed: int = 0
     device: str = "auto"
     amp: bool = True
+    compile: str = "none"
     checkpoint: str | None = None
     checkpoint_every: int = 0
     sample_tokens: int = 0
     progress: bool = True
+
+
+LM_COMPILE_MODES = ("none", "default")
 
 
 # ---------------------------------------------------------------------------------------------- process
@@ -135,7 +141,8 @@ def model_config(config: LMTrainConfig, vocab_size: int) -> LMConfig:
 
 
 def build_model(config: LMTrainConfig, rt: Runtime, vocab_size: int = ByteTokenizer.vocab_size) -> DecoderLM:
-    """The seeded model on ``rt.device``; with several ranks, each block and then the root sharded by FSDP2."""
+    """The seeded model on ``rt.device``; with several ranks, each block and then the root sharded by FSDP2;
+    compiled in place with ``config.compile == "default"`` (the state dict keeps its keys)."""
     torch.manual_seed(config.seed)
     model = DecoderLM(model_config(config, vocab_size)).to(rt.device)
     if rt.distributed:
@@ -143,6 +150,8 @@ def build_model(config: LMTrainConfig, rt: Runtime, vocab_size: int = ByteTokeni
         for block in model.blocks:
             fully_shard(block)
         fully_shard(model)
+    if config.compile == "default":
+        model.compile(dynamic=False)
     return model
 
 
@@ -232,9 +241,10 @@ def train_step(model, opt, config: LMTrainConfig, corpus: TextCorpus, step: int,
     sched = dict(warmup=config.warmup, decay_start=config.decay_start)
     apply_schedule(opt, lr_factor(config.schedule, step, config.steps, **sched),
                    wd_factor(config.schedule, step, config.steps, gamma=config.wda_gamma, **sched))
-    x, y = train_batch(corpus, config, step, rt.rank)
+    pinned = rt.device.type == "cuda"  # a copy from pageable memory would wait for the device's queue
+    x, y = (to_device(t, rt.device, pinned) for t in train_batch(corpus, config, step, rt.rank))
     with autocast(rt, config.amp):
-        loss = model(x.to(rt.device), y.to(rt.device))
+        loss = model(x, y)
     opt.zero_grad()
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), config.clip if config.clip > 0 else math.inf)
@@ -254,6 +264,8 @@ def train_lm(config: LMTrainConfig, *, corpus: TextCorpus | None = None, stop_at
     The progress bar shows the latest training loss and validation perplexity; without it (``progress``
     off) ``log`` gets them as lines.
     """
+    if config.compile not in LM_COMPILE_MODES:
+        raise ValueError(f"compile: expected one of {LM_COMPILE_MODES}, got {config.compile!r}")
     rt = setup_runtime(config.device)
     if rt.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(rt.device)
@@ -269,34 +281,38 @@ def train_lm(config: LMTrainConfig, *, corpus: TextCorpus | None = None, stop_at
             log(f"resumed at step {step}: val nll {loaded['nll']:.4f}")
     end = config.steps if stop_at is None else min(stop_at, config.steps)
     tokens_per_step = config.batch_size * config.seq_len * rt.world
-    seconds, pending, rates = 0.0, [], []          # optimizer-step time of the current log interval
+    pending, rates = [], []             # the losses of the current log interval; tokens/s of each interval
+    clock = Throughput(sync=torch.cuda.synchronize if rt.device.type == "cuda" else None)
     name = config.mixer if isinstance(config.mixer, str) else "-".join(config.mixer)
     bar = Progress(config.steps, start=step, enabled=config.progress and rt.main, label=f"lm/{name}")
     model.train()
+    clock.mark(step)
     while step < end:
-        started = time.perf_counter()
         pending.append(train_step(model, opt, config, corpus, step, rt))
-        if rt.device.type == "cuda":
-            torch.cuda.synchronize()
-        seconds += time.perf_counter() - started
         step += 1
         if step % config.log_every == 0 or step == end:
-            rates.append(tokens_per_step * len(pending) / max(seconds, 1e-9))
-            mean = all_sum([torch.stack(pending).double().mean().item()], rt)[0] / rt.world
+            mean = all_sum([torch.stack(pending).double().mean().item()], rt)[0] / rt.world  # a host read
+            rates.append(tokens_per_step * clock.mark(step))
             history["train"].append({"step": step, "loss": mean, "lr": opt.param_groups[0]["lr"],
                                      "tokens_per_second": rates[-1]})
-            seconds, pending = 0.0, []
+            pending = []
             ppl = {"val_ppl": history["eval"][-1]["ppl"]} if history["eval"] else {}
             bar.update(step, loss=mean, tok_s=rates[-1], **ppl)
             if rt.main and not config.progress:
                 log(f"step {step}/{config.steps} loss {mean:.4f} ({rates[-1]:.0f} tok/s)")
-        if (config.eval_every and step % config.eval_every == 0) or step == config.steps:
-            history["eval"].append({"step": step, **perplexity(model, corpus, config, rt)})
-            if rt.main and not config.progress:
-                log(f"step {step} val nll {history['eval'][-1]['nll']:.4f} ppl {history['eval'][-1]['ppl']:.3f}")
-        if config.checkpoint and ((config.checkpoint_every and step % config.checkpoint_every == 0) or step == end):
-            save_checkpoint(config.checkpoint, model, opt,
-                            dict(step=step, history=history, config=dataclasses.asdict(config)), rt)
+        evaluate_now = (config.eval_every and step % config.eval_every == 0) or step == config.steps
+        checkpoint_now = config.checkpoint and ((config.checkpoint_every and step % config.checkpoint_every == 0)
+                                                or step == end)
+        if evaluate_now or checkpoint_now:
+            with clock.paused():
+                if evaluate_now:
+                    history["eval"].append({"step": step, **perplexity(model, corpus, config, rt)})
+                    if rt.main and not config.progress:
+                        log(f"step {step} val nll {history['eval'][-1]['nll']:.4f} "
+                            f"ppl {history['eval'][-1]['ppl']:.3f}")
+                if checkpoint_now:
+                    save_checkpoint(config.checkpoint, model, opt,
+                                    dict(step=step, history=history, config=dataclasses.asdict(config)), rt)
     bar.close()
     result = dict(config=dataclasses.asdict(config), corpus=corpus.info, metric="ppl", world_size=rt.world,
                   batch_size_per_rank=config.batch_size, rank=rt.rank, device=str(rt.device),
@@ -358,6 +374,8 @@ def parse_args(argv=None) -> tuple[LMTrainConfig, argparse.Namespace]:
     p.add_argument("--activation-checkpointing", action="store_true")
     p.add_argument("--device", default="auto")
     p.add_argument("--no-amp", action="store_true")
+    p.add_argument("--compile", choices=LM_COMPILE_MODES, default=d.compile,
+                   help="torch.compile the model's forward and loss with this mode (default none)")
     p.add_argument("--checkpoint", default=None, help="checkpoint folder (resumed from when it holds one)")
     p.add_argument("--stop-at", type=int, default=None,
                    help="leave after this many steps in total, the schedule still that of --steps (with "

@@ -5,6 +5,7 @@ every tenth of the run, so logs stay short.
 """
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 
@@ -43,3 +44,44 @@ class Progress:
         if self.enabled and self.tty and self.line:
             self.stream.write("\n")
             self.stream.flush()
+
+
+class Throughput:
+    """Steps per second between log points (each right after a host read, so the device has caught up), less
+    the time of evaluations and checkpoints in between (``paused``; not those after the last point).
+
+    ``sync``: called as a pause begins (e.g. ``torch.cuda.synchronize``), so training work still queued on the
+    device counts as training, not as the pause; pause only around actual work, never every step.
+    """
+
+    def __init__(self, sync=None):
+        self.sync = sync
+        self.first = self.last = None                    # (step, time, paused time before it)
+        self.excluded = 0.0
+
+    def mark(self, step: int) -> float | None:
+        """Record a log point at ``step``; returns the steps per second since the previous one (None at the first)."""
+        now = time.perf_counter()
+        if self.first is None:
+            self.first, self.excluded = (step, now, 0.0), 0.0
+        previous, self.last = self.last, (step, now, self.excluded)
+        return None if previous is None else self._between(previous, self.last)
+
+    @contextlib.contextmanager
+    def paused(self):
+        if self.sync is not None:
+            self.sync()
+        began = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.first is not None:
+                self.excluded += time.perf_counter() - began
+
+    def rate(self) -> float | None:
+        """Steps per second from the first log point to the last (None before two points)."""
+        return None if self.first is None else self._between(self.first, self.last)
+
+    @staticmethod
+    def _between(a, b) -> float | None:
+        return (b[0] - a[0]) / max(b[1] - a[1] - (b[2] - a[2]), 1e-9) if b[0] > a[0] else None

@@ -15,7 +15,6 @@ norm is not finite is skipped on the device and counted, and ``compile`` compile
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import os
@@ -29,7 +28,7 @@ from regattn.tasks import Split, TaskData, make_task
 from regattn.train.batches import EpochBatches, static_examples
 from regattn.train.checkpoints import load_data
 from regattn.train.optim import apply_schedule, build_optimizer
-from regattn.train.progress import Progress
+from regattn.train.progress import Progress, Throughput
 from regattn.train.schedules import lr_factor, wd_factor
 from regattn.train.step import COMPILE_MODES, TrainStep, autocast, batch_loss
 
@@ -192,7 +191,7 @@ def train(config: TrainConfig, *, data: TaskData | None = None, stop_at: int | N
                            cuda_graph=config.cuda_graph)
     log = TrainLog(history, "mse" if data.kind == "regression" else "accuracy",
                    Progress(total, start=step, enabled=config.progress, label=f"{config.task}/{config.mixer}"))
-    started, clock = time.time(), Throughput()
+    started, clock = time.time(), Throughput(sync=torch.cuda.synchronize if device.type == "cuda" else None)
     diverged = False
     model.train()
     while step < end:
@@ -208,49 +207,23 @@ def train(config: TrainConfig, *, data: TaskData | None = None, stop_at: int | N
             if not log.add(step, config.lr * lr_scale, stats):
                 diverged = True
                 break
-        with clock.paused():
-            if (config.eval_every and step % config.eval_every == 0) or step == total:
-                log.evaluation(step, evaluate(model, data, data.test, batch_size=config.eval_batch_size, amp=config.amp))
-            if config.analyze_every and (step % config.analyze_every == 0 or step == total):
-                history.setdefault("analysis", []).append(diagnose(model, data, config.analyze_examples, step))
-            if checkpoint_now:
-                save_checkpoint(config.checkpoint, config=config, model=model, optimizer=opt, step=step,
-                                history=history)
+        evaluate_now = (config.eval_every and step % config.eval_every == 0) or step == total
+        analyze_now = config.analyze_every and (step % config.analyze_every == 0 or step == total)
+        if evaluate_now or analyze_now or checkpoint_now:
+            with clock.paused():
+                if evaluate_now:
+                    log.evaluation(step, evaluate(model, data, data.test, batch_size=config.eval_batch_size,
+                                                  amp=config.amp))
+                if analyze_now:
+                    history.setdefault("analysis", []).append(diagnose(model, data, config.analyze_examples, step))
+                if checkpoint_now:
+                    save_checkpoint(config.checkpoint, config=config, model=model, optimizer=opt, step=step,
+                                    history=history)
     log.close()
     result = summarize(config, data, model, history, step, time.time() - started)
     result.update(diverged=diverged, steps_per_second=clock.rate(), captured=train_step.graph is not None,
                   skipped_steps=sum(row.get("skipped", 0) for row in history["train"]))
     return result
-
-
-class Throughput:
-    """Steps per second between the first and the last log point (each right after a host read, so the
-    device has caught up), less the time of evaluations and checkpoints in between (not those after the last)."""
-
-    def __init__(self):
-        self.first = self.last = None                    # (step, time, paused time before it)
-        self.excluded = 0.0
-
-    def mark(self, step: int) -> None:
-        now = time.perf_counter()
-        if self.first is None:
-            self.first, self.excluded = (step, now, 0.0), 0.0
-        self.last = (step, now, self.excluded)
-
-    @contextlib.contextmanager
-    def paused(self):
-        began = time.perf_counter()
-        try:
-            yield
-        finally:
-            if self.first is not None:
-                self.excluded += time.perf_counter() - began
-
-    def rate(self) -> float | None:
-        if self.first is None or self.last[0] == self.first[0]:
-            return None
-        seconds = self.last[1] - self.first[1] - self.last[2]
-        return (self.last[0] - self.first[0]) / seconds if seconds > 0 else None
 
 
 def diagnose(model, data: TaskData, examples: int, step: int) -> dict:

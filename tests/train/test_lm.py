@@ -170,3 +170,11 @@ def test_command_compare(tmp_path):
         result = json.load(open(out / f"lm-{name}-world1.json"))
         assert result["config"]["mixer"] == name and math.isfinite(result["final"]["ppl"])
     assert (out / "lm-compare-world1-curves.png").stat().st_size > 0
+
+
+
+def test_compile_mode_is_checked_before_anything_is_built(corpus):
+    with pytest.raises(ValueError, match="compile"):
+        train_lm(small(compile="reduce-overhead"), corpus=corpus)
+    config, _ = parse_args(["--compile", "default", "--device", "cpu"])
+    assert config.compile == "default"

@@ -22,3 +22,22 @@ def test_disabled_and_resumed():
     assert out.getvalue() == ""                      # no line for the tenth it resumed in
     bar.update(6, loss=1.0)
     assert out.getvalue().count("\n") == 1
+
+
+def test_throughput_between_log_points_less_pauses(monkeypatch):
+    """Each mark gives the steps per second since the previous one, less the pauses in between; a pause first
+    lets queued work finish (``sync``), so that work counts as training."""
+    from regattn.train import progress
+    now, synced = [0.0], []
+    monkeypatch.setattr(progress.time, "perf_counter", lambda: now[0])
+    clock = progress.Throughput(sync=lambda: synced.append(now[0]))
+    assert clock.mark(0) is None
+    now[0] = 2.0
+    assert clock.mark(10) == 5.0
+    now[0] = 3.0
+    with clock.paused():
+        now[0] = 7.0
+    now[0] = 8.0
+    assert clock.mark(20) == 10 / (8.0 - 2.0 - 4.0)
+    assert synced == [3.0]
+    assert clock.rate() == 20 / (8.0 - 4.0)

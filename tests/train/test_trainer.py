@@ -155,10 +155,10 @@ def test_bad_trainer_options():
 
 def test_throughput_leaves_out_pauses_after_the_last_log_point(monkeypatch):
     """An evaluation after the last log point (the end of a short run) is not time between the log points."""
-    from regattn.train import trainer
+    from regattn.train import progress
     now = [0.0]
-    monkeypatch.setattr(trainer.time, "perf_counter", lambda: now[0])
-    clock = trainer.Throughput()
+    monkeypatch.setattr(progress.time, "perf_counter", lambda: now[0])
+    clock = progress.Throughput()
     clock.mark(100)
     now[0] = 2.0
     with clock.paused():                                  # an evaluation between the log points
