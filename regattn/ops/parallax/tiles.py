@@ -36,10 +36,12 @@ TILES: dict[int, dict[str, dict]] = {
     32: _row(fwd=(128, 64, 8, 3), dq=(64, 64, 4, 2), dk=(64, 64, 4, 2), decode=(128, 4, 3), decode_chunk=(64, 4, 2)),
     64: _row(fwd=(128, 64, 8, 3), dq=(64, 64, 4, 2), dk=(64, 64, 4, 2), decode=(128, 4, 3), decode_chunk=(64, 4, 2)),
     # H100, bf16, B=4 H=16 T=8192 D=128 causal: 64 x 64 with 4 warps was the fastest backward measured for
-    # both passes (benchmarks/results/h100/parallax_check.json); dk: 128 keys streaming 32 query rows on 8 warps
+    # both passes (benchmarks/results/h100/tiles/parallax-d128.json); dk: 128 keys streaming 32 query rows on 8 warps
     # and 3 stages is the screen's tile of most keys that spills no register on sm_90 (64 x 64 spills 2 KB)
     128: _row(fwd=(128, 64, 8, 3), dq=(64, 64, 4, 2), dk=(32, 128, 8, 3), decode=(128, 4, 3), decode_chunk=(64, 4, 2)),
-    256: _row(fwd=(64, 32, 4, 2), dq=(32, 32, 4, 2), dk=(32, 32, 4, 2), decode=(64, 4, 2), decode_chunk=(64, 4, 2)),
+    # H100, bf16, B=4 H=16 T=8192 D=256: the forward's 32 x 32 tile spills nothing and ran 21.5 ms, the
+    # former 64 x 32 (1120 bytes of stack) 55.7 ms (benchmarks/results/h100/tiles/parallax-d256.json)
+    256: _row(fwd=(32, 32, 4, 3), dq=(32, 32, 4, 2), dk=(32, 32, 4, 2), decode=(64, 4, 2), decode_chunk=(64, 4, 2)),
 }
 FP32_TILES: dict[str, dict] = dict(fwd=dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2),
                                    dq=dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=2),
