@@ -325,6 +325,32 @@ def resumed(path: str | None, mixers: list[str], skipped: dict) -> tuple[list[di
     return done, shown, {**kept, **skipped}
 
 
+def point_order(runs: list[dict]) -> list[str]:
+    """The points of ``runs`` (their ``x``): ascending where all are numbers, else in order of appearance."""
+    xs = list(dict.fromkeys(str(r["x"]) for r in runs))
+    try:
+        return sorted(xs, key=float)
+    except ValueError:
+        return xs
+
+
+def plot_results(stem: str, payload: dict) -> None:
+    """The sweep's plot (best rate per point and mixer) and the curves of each point's best runs, from its JSON
+    ``payload``, beside ``stem``: every point the runs hold, so a resumed sweep redraws the earlier ones too."""
+    summary, vary = payload["summary"], payload["vary"]
+    runs = [r for r in payload["runs"] if not r.get("error")]
+    first = vary[0].split(":")[0] if vary else None
+    single = len(vary) == 1 and ":" not in vary[0]
+    shown = summary if single or not vary else by_first_key(summary, runs, first)
+    others = [k for key in vary for k in key.split(":") if k != first]
+    xlabel = "task" if not vary else first + (f" (mean over {', '.join(others)})" if others else "")
+    plot_sweep(shown, stem + ".png", xlabel=xlabel, metric=runs[0]["metric"], title=payload["task"])
+    for i, x in enumerate(point_order(runs)):
+        best = {m: [r for r in runs if r["mixer"] == m and str(r["x"]) == x and r["lr"] == summary[m][x]["best_lr"]]
+                for m in payload["mixers"] if x in summary.get(m, {})}
+        plot_curves(best, f"{stem}-curves-{i}.png", title=f"{payload['task']} {x}")
+
+
 def main(argv=None) -> int:
     p = build_parser()
     args = p.parse_args(expand_preset(list(sys.argv[1:] if argv is None else argv)))
@@ -350,8 +376,10 @@ def main(argv=None) -> int:
     base = base_config(args, task=args.task if args.task in TASKS else "mad_recall")
     stem = os.path.join(args.out, f"sweep-{args.task}")
     done, shown_mixers, skipped = resumed(stem + ".json" if args.resume else None, mixers, skipped)
-    head = dict(task=args.task, mixers=shown_mixers, lrs=parse_list(args.lrs), seeds=parse_list(args.seeds, int),
-                vary=[k for k, _ in vary], skipped=skipped)
+    lrs, seeds = parse_list(args.lrs), parse_list(args.seeds, int)
+    head = dict(task=args.task, mixers=shown_mixers, lrs=list(dict.fromkeys([r["lr"] for r in done] + lrs)),
+                seeds=list(dict.fromkeys([r["seed"] for r in done] + seeds)), vary=[k for k, _ in vary],
+                skipped=skipped)  # the rates and seeds of every run kept, then this call's
 
     def save(runs):
         payload = dict(head, summary=summarize_sweep(runs), runs=runs)
@@ -361,7 +389,7 @@ def main(argv=None) -> int:
         return payload
 
     started = time.time()
-    runs = run_sweep(base, mixers=mixers, lrs=head["lrs"], seeds=head["seeds"], points=points, done=done,
+    runs = run_sweep(base, mixers=mixers, lrs=lrs, seeds=seeds, points=points, done=done,
                      on_run=save, jobs=args.jobs)
     wall = time.time() - started
     payload = save(runs)
@@ -375,17 +403,7 @@ def main(argv=None) -> int:
           f"({args.jobs} at a time){f'; {failed} failed (run again with --resume)' if failed else ''}")
     if not done_runs:
         return 1
-    metric = done_runs[0]["metric"]
-    first = vary[0][0].split(":")[0] if vary else None
-    single = len(vary) == 1 and ":" not in vary[0][0]
-    shown = summary if single or not vary else by_first_key(summary, runs, first)
-    others = [k for key, _ in vary for k in key.split(":") if k != first]
-    xlabel = "task" if not vary else first + (f" (mean over {', '.join(others)})" if others else "")
-    plot_sweep(shown, stem + ".png", xlabel=xlabel, metric=metric, title=args.task)
-    for i, (_, _, x) in enumerate(points):
-        best = {m: [r for r in done_runs if r["mixer"] == m and str(r["x"]) == str(x)
-                    and r["lr"] == summary[m][str(x)]["best_lr"]] for m in shown_mixers if str(x) in summary.get(m, {})}
-        plot_curves(best, f"{stem}-curves-{i}.png", title=f"{args.task} {x}")
+    plot_results(stem, payload)
     print(json.dumps({m: {k: round(c["mean"], 4) for k, c in pts.items()} for m, pts in summary.items()}))
     if "average" in payload:
         print(json.dumps({m: round(a["average"], 4) for m, a in payload["average"].items()}))

@@ -64,6 +64,10 @@ def test_sweep_resume_keeps_done_runs(tmp_path):
     assert sweep.main(args + ["--seeds", "0,1", "--resume"]) == 0
     runs = json.loads((out / "sweep-mqar.json").read_text())["runs"]
     assert [r["seed"] for r in runs] == [0, 1] and runs[0] == first[0]
+    assert sweep.main(args[:3] + ["--lrs", "2e-3", "--seeds", "1"] + args[5:] + ["--resume"]) == 0
+    payload = json.loads((out / "sweep-mqar.json").read_text())
+    assert sorted((r["lr"], r["seed"]) for r in payload["runs"]) == [(1e-3, 0), (1e-3, 1), (2e-3, 1)]
+    assert payload["lrs"] == [1e-3, 2e-3] and payload["seeds"] == [0, 1]     # every run's, not only this call's
 
 
 def test_sweep_resume_with_other_mixers_keeps_the_earlier_ones_and_their_skips(tmp_path):
@@ -223,3 +227,14 @@ def _alive(pid: int) -> bool:
             return f.read().split(")")[-1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def test_sweep_plots_every_point_its_runs_hold(tmp_path):
+    """A resumed sweep at another length redraws the earlier length's curves too, at the same index."""
+    out = tmp_path / "r"
+    args = ["mqar", "--mixers", "softmax", "--lrs", "1e-3", "--set", "pairs=2", "--out", str(out)] + BASE
+    assert sweep.main(args + ["--vary", "length=24"]) == 0
+    assert sweep.main(args + ["--vary", "length=16", "--resume"]) == 0
+    assert (out / "sweep-mqar-curves-0.png").exists() and (out / "sweep-mqar-curves-1.png").exists()
+    assert sweep.point_order([{"x": 512}, {"x": 128}, {"x": "256"}]) == ["128", "256", "512"]
+    assert sweep.point_order([{"x": "recall"}, {"x": "copy"}, {"x": "recall"}]) == ["recall", "copy"]
