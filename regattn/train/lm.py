@@ -61,9 +61,9 @@ class LMTrainConfig(LMArchitecture):
     steps, eval_every (0 = at the end only), log_every.
     Run: seed, device ("auto"), amp (bf16 autocast on CUDA), compile ("none", or "default": ``torch.compile``
     of the model's forward and loss; CUDA-graph modes would overwrite the losses kept until a log point),
-    checkpoint (a folder; resumed from when it
-    holds one), checkpoint_every (0 = at the end only), sample_tokens (greedy text after training,
-    single process only), progress (a progress bar on stderr, updated every log_every steps).
+    checkpoint (a folder; resumed from when it holds one), checkpoint_every (0 = at the end only),
+    sample_tokens (greedy text after training, single process only), progress (a progress bar on stderr,
+    updated every log_every steps).
     """
     activation_checkpointing: bool = False
     seq_len: int = 256
