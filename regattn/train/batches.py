@@ -82,11 +82,10 @@ class EpochBatches:
     def gather(self, epoch: int) -> Examples:
         """All the batches of ``epoch``: ``[steps_per_epoch, B, ...]`` on the device."""
         index = epoch_permutation(len(self.examples), self.seed, epoch)[: self.steps_per_epoch * self.rows]
-        pinned = self.device.type == "cuda"
         if self.examples.inputs.device.type == self.device.type:  # cuda:0 is the trainer's cuda
-            picked = self.examples[to_device(index, self.device, pinned)]
+            picked = self.examples[to_device(index, self.device)]
         else:
-            picked = self.examples[index].map(lambda x: to_device(x, self.device, pinned))
+            picked = self.examples[index].map(lambda x: to_device(x, self.device))
         return picked.map(lambda x: x.view(self.steps_per_epoch, self.rows, *x.shape[1:]))
 
     def __call__(self, step: int) -> Examples:
@@ -96,10 +95,11 @@ class EpochBatches:
         return self.batches[i]
 
 
-def to_device(x: torch.Tensor, device: torch.device, pinned: bool) -> torch.Tensor:
-    """``x`` (on the host) on ``device``; through pinned memory and without blocking the host on CUDA."""
+def to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``x`` (on the host) on ``device``; to CUDA through pinned memory and without blocking the host (a copy
+    from pageable memory would wait for the device's queue)."""
     if x.device == device:
         return x
-    if pinned and x.device.type == "cpu":
+    if device.type == "cuda" and x.device.type == "cpu":
         return x.pin_memory().to(device, non_blocking=True)
     return x.to(device)

@@ -241,8 +241,7 @@ def train_step(model, opt, config: LMTrainConfig, corpus: TextCorpus, step: int,
     sched = dict(warmup=config.warmup, decay_start=config.decay_start)
     apply_schedule(opt, lr_factor(config.schedule, step, config.steps, **sched),
                    wd_factor(config.schedule, step, config.steps, gamma=config.wda_gamma, **sched))
-    pinned = rt.device.type == "cuda"  # a copy from pageable memory would wait for the device's queue
-    x, y = (to_device(t, rt.device, pinned) for t in train_batch(corpus, config, step, rt.rank))
+    x, y = (to_device(t, rt.device) for t in train_batch(corpus, config, step, rt.rank))
     with autocast(rt, config.amp):
         loss = model(x, y)
     opt.zero_grad()
