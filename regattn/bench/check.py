@@ -20,7 +20,7 @@ import torch
 # How each named input is sliced: query-side tensors by rows, key-side ones by keys, per-head
 # parameters by head. Output "o" is query-side; a gradient "dX" is sliced as X.
 ROLES = {"q": "row", "r": "row", "u": "row", "h": "row", "beta": "row", "b": "row",
-         "k": "key", "v": "key", "c": "key", "gamma": "head"}
+         "k": "key", "v": "key", "c": "key", "kc": "key", "vc": "key", "gamma": "head"}
 
 
 @dataclass

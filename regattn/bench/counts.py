@@ -50,6 +50,16 @@ def parallax_flops(B, T, S, HQ, D, Dv, *, causal=True, window=None, backward=Fal
     return 2.0 * attention_flops(B, T, S, HQ, D, Dv, causal=causal, window=window, backward=backward)
 
 
+def nsa_flops(B, T, HQ, D, Dv, *, block_cmp, stride_cmp, block_slc, topk, backward=False) -> float:
+    """NSA's compression and selection branches (gatedfwa.md eq. 16-22) as softmax attention over the pairs
+    each query sees: the compressed blocks that end at or before it (``n_t``) and the tokens at or before it
+    of its ``topk`` selected blocks (``min(t + 1, topk block_slc)``, the selection's most)."""
+    window = topk * block_slc
+    cmp_pairs = sum(max(0, (t - block_cmp + 1) // stride_cmp + 1) for t in range(T))
+    pairs = cmp_pairs + visible_pairs(T, T, window=window)
+    return 2.0 * pairs * (D + Dv) * B * HQ * (3.5 if backward else 1.0)
+
+
 def gate_flops(B, T, H) -> float:
     """GatedFWA gate (gatedfwa.md eq. 9-11): per element the product ``beta*h``, the safe
     softplus (max, exp, log1p: 3), the division and the scan's add: 6 FLOPs."""

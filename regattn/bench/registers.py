@@ -330,12 +330,32 @@ def gate_rows(head_dims=None, kinds=None, candidates=False, *, shapes=GATE_SHAPE
                            table=blocks is None, **launch_usage(kernel, args, kwargs))
 
 
+def nsa_rows(head_dims=(128,), kinds=None, candidates=False, *, B=1, T=32768, HQ=16, H=4, block_slc=64, topk=16):
+    """One row per (head dim, kernel) of NSA's selected attention, forward and backward, bf16, at the bench's
+    shape (a group of 4 query heads, selection blocks of 64; ``kinds`` and ``candidates`` do not apply)."""
+    from unittest import mock
+
+    from regattn.ops.nsa.kernels import selected_backward, selected_forward
+    for D in head_dims:
+        q = torch.empty(B, T, HQ, D, device="meta", dtype=torch.bfloat16)
+        kv = torch.empty(B, T, H, D, device="meta", dtype=torch.bfloat16)
+        blocks = torch.empty(B, H, T, topk, device="meta", dtype=torch.int32)
+        lse = torch.empty(B, HQ, T, device="meta")
+        with captured_launches() as launches, mock.patch("regattn.ops.nsa.kernels.row_dot", lambda o, do: lse):
+            selected_forward(q, kv, kv, blocks, block_slc=block_slc, offset=0, scale=D ** -0.5)
+            selected_backward(q, q, kv, kv, blocks, q, lse, block_slc=block_slc, offset=0, scale=D ** -0.5)
+        for kernel, args, kwargs in launches:
+            yield dict(head_dim=D, kind=kernel.__name__.removesuffix("_kernel"), table=True,
+                       **launch_settings(kwargs), **launch_usage(kernel, args, kwargs))
+
+
 USAGE = ("REG", "STACK", "LOCAL", "SHARED")
 OPS = {"parallax": (parallax_rows, KINDS, COLUMNS),
        "gatedfwa": (functools.partial(attention_rows, gated=True), ATTENTION_KINDS, COLUMNS),
        "softmax": (functools.partial(attention_rows, gated=False), ATTENTION_KINDS, COLUMNS),
        "scan": (scan_rows, ("ieee", "tf32x3"), COLUMNS + ("loop", "FFMA", "FFMA%", "FFMA/w", "LDS", "MMA", "LDL", "STL")),
        "lla": (lla_rows, tuple(LLA_KINDS), COLUMNS + ("loop", "MMA", "LDL", "STL")),
+       "nsa": (nsa_rows, (), COLUMNS),
        "gatedfwa_gate": (gate_rows, (), ("shape", "scan", "kernel", "BLOCK_T", "BLOCK_H", "num_warps") + USAGE)}
 
 
@@ -356,7 +376,7 @@ def main(argv=None) -> int:
         parser.error(f"--kinds: not kernels of {args.op}: {args.kinds}")
     print(" ".join(f"{c:>10}" for c in columns), " table")
     head_dims = args.head_dims or {"parallax": list(HEAD_DIMS), "lla": [128], "gatedfwa": [128],
-                                   "softmax": [128]}.get(args.op, [64])
+                                   "softmax": [128], "nsa": [128]}.get(args.op, [64])
     for row in rows(head_dims, args.kinds or kinds, args.candidates):
         cells = [f"{row.get(c, '-'):>10}" for c in columns]
         note = " *" if row["table"] else "  "

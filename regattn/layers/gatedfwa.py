@@ -268,7 +268,8 @@ class GatedFWANSA(GatedFWA):
     def _sparse(self, q, k, v, kc, vc, offset: int = 0):
         """``(o_cmp, o_slc)`` of the queries at ``offset ..`` over the keys ``k, v`` and blocks ``kc, vc``."""
         return nsa_attention(q, k, v, kc, vc, block_cmp=self.block_cmp, stride_cmp=self.stride_cmp,
-                             block_slc=self.block_slc, topk=self.topk, scale=self.head_dim ** -0.5, offset=offset)
+                             block_slc=self.block_slc, topk=self.topk, scale=self.head_dim ** -0.5, offset=offset,
+                             backend=self.backend)
 
     def _branches(self, x):
         """The three branch outputs and ``(k, v, u, kc, vc)``."""

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from regattn.reference.common import accumulation_dtype
+from regattn.reference.common import accumulation_dtype, contained_matmul, repeat_kv
 
 
 def compressed_ends(n: int, *, block_cmp: int, stride_cmp: int, device=None) -> torch.Tensor:
@@ -67,8 +67,9 @@ def nsa_attention(q, k, v, kc, vc, *, block_cmp, stride_cmp, block_slc, topk, sc
 
     ends = compressed_ends(n, block_cmp=block_cmp, stride_cmp=stride_cmp, device=q.device)
     logits = torch.einsum("bhtd,bnhd->bhtn", qh, kc.repeat_interleave(G, 2)) * scale
-    p_cmp = masked_softmax(logits, ends[None, :] <= t[:, None])
-    o_cmp = torch.einsum("bhtn,bnhd->bthd", p_cmp, vc.repeat_interleave(G, 2))
+    seen_cmp = ends[None, :] <= t[:, None]
+    p_cmp = masked_softmax(logits, seen_cmp)
+    o_cmp = contained_matmul(p_cmp, repeat_kv(vc, HQ).transpose(1, 2), seen_cmp).transpose(1, 2)
 
     n_slc = -(-T // block_slc)
     cmp_lo = torch.arange(n, device=q.device) * stride_cmp
@@ -79,6 +80,7 @@ def nsa_attention(q, k, v, kc, vc, *, block_cmp, stride_cmp, block_slc, topk, sc
     picked = torch.zeros_like(importance, dtype=torch.bool).scatter_(-1, blocks, chosen)
     seen = picked[..., t // block_slc] & (t[None, :] <= t[:, None])                  # [B, H, T, T]
     logits = torch.einsum("bhtd,bshd->bhts", qh, k.repeat_interleave(G, 2)) * scale
-    p_slc = masked_softmax(logits, seen.repeat_interleave(G, 1))
-    o_slc = torch.einsum("bhts,bshd->bthd", p_slc, v.repeat_interleave(G, 2))
+    seen = seen.repeat_interleave(G, 1)
+    p_slc = masked_softmax(logits, seen)
+    o_slc = contained_matmul(p_slc, repeat_kv(v, HQ).transpose(1, 2), seen).transpose(1, 2)
     return o_cmp.to(dtype), o_slc.to(dtype)

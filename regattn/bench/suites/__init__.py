@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import importlib
 
-NAMES = ("softmax", "parallax", "gatedfwa", "decay", "lla", "scan", "mesanet")
+NAMES = ("softmax", "parallax", "gatedfwa", "decay", "lla", "scan", "mesanet", "nsa")
 
 
 def get(name: str):

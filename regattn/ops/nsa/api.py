@@ -5,7 +5,8 @@ The queries are taken in chunks of ``chunk`` positions. A chunk's compression at
 (each query's selected tokens, gathered), so the whole costs ``O(T (T / stride_cmp + topk block_slc))``
 time and at most one chunk's worth of that memory at a time: each chunk is checkpointed (saving only its
 inputs, recomputed in the backward), and no ``[T, T]`` mask exists anywhere. The numbers are those of
-:func:`regattn.reference.nsa.nsa_attention`; there is no Triton kernel yet.
+:func:`regattn.reference.nsa.nsa_attention`. The selection branch runs either in torch, gathering each
+chunk's selected tokens, or in the Triton kernel of :mod:`regattn.ops.nsa.kernels`, which reads them in place.
 """
 from __future__ import annotations
 
@@ -13,13 +14,27 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from regattn.ops._common.checks import (
-    check_attention_inputs, check_int, check_same, check_scale, check_shape, check_tensor,
+    check_attention_inputs, check_int, check_same, check_scale, check_shape, check_tensor, resolve_kernel_backend,
 )
-from regattn.reference.common import accumulation_dtype
+from regattn.ops.nsa.function import selected_attention
+from regattn.reference.common import accumulation_dtype, contained_matmul
 from regattn.reference.nsa import compressed_ends, masked_softmax, select_blocks
 
+HAS_TRITON = True
+TORCH_CHUNK = 128
+COMPRESSION_ELEMENTS = 2 ** 26  # the compression logits of one chunk on the kernel path: 256 MiB in fp32
 
-def nsa_attention(q, k, v, kc, vc, *, block_cmp, stride_cmp, block_slc, topk, scale=None, offset=0, chunk=128):
+
+def kernel_chunk(B: int, HQ: int, n: int) -> int:
+    """Queries per chunk on the kernel path: as many as keep a chunk's compression logits ``[B, HQ, chunk, n]``
+    within :data:`COMPRESSION_ELEMENTS`, a multiple of 128 from 128 to 4096. Each chunk costs a dozen small
+    launches, so small chunks leave the GPU waiting on the host (on the H100, B1 HQ16 H4 D128 at T = 8192, the
+    forward took 95 ms with chunks of 128 and 6.8 ms with chunks of 2048)."""
+    return max(128, min(4096, COMPRESSION_ELEMENTS // max(B * HQ * n, 1) // 128 * 128))
+
+
+def nsa_attention(q, k, v, kc, vc, *, block_cmp, stride_cmp, block_slc, topk, scale=None, offset=0, chunk=None,
+                  backend="auto"):
     """NSA compression and selection attention: ``(o_cmp, o_slc)``, each ``[B, T, HQ, Dv]`` in q's dtype.
 
     Args:
@@ -33,7 +48,12 @@ def nsa_attention(q, k, v, kc, vc, *, block_cmp, stride_cmp, block_slc, topk, sc
         block_slc, topk: selection block length and the number of blocks each query selects.
         scale: defaults to ``D ** -0.5``.
         offset: position of the first query (decoding: the cache length before the new token).
-        chunk: queries per chunk (memory, not numbers).
+        chunk: queries per chunk (memory, not numbers); by default 128 on the torch path (whose chunk gathers
+            ``chunk * topk * block_slc`` tokens) and :func:`kernel_chunk` on the kernel path.
+        backend: ``"auto" | "torch" | "triton"``. The compression branch and the selection run in torch on
+            either; ``"triton"`` (fp16, bf16, fp32; the default on CUDA) attends the selected blocks with the
+            kernel of :mod:`regattn.ops.nsa.kernels` over all queries at once, ``"torch"`` gathers each
+            chunk's selected tokens.
 
     See :mod:`regattn.reference.nsa` for what each branch attends. Computed in fp32 (float64 for float64).
     """
@@ -45,7 +65,7 @@ def nsa_attention(q, k, v, kc, vc, *, block_cmp, stride_cmp, block_slc, topk, sc
     check_shape("kc", kc, (B, n, H, D), "[B, n, H, D]")
     check_shape("vc", vc, (B, n, H, Dv), "[B, n, H, Dv]")
     for name, value in (("block_cmp", block_cmp), ("stride_cmp", stride_cmp), ("block_slc", block_slc),
-                        ("topk", topk), ("chunk", chunk)):
+                        ("topk", topk), ("chunk", 1 if chunk is None else chunk)):
         check_int(name, value, minimum=1)
     check_int("offset", offset, minimum=0)
     if stride_cmp > block_cmp:
@@ -56,15 +76,26 @@ def nsa_attention(q, k, v, kc, vc, *, block_cmp, stride_cmp, block_slc, topk, sc
         raise ValueError(f"kc: expected at most {max(0, (S - block_cmp) // stride_cmp + 1)} compressed blocks "
                          f"of {S} keys, got {n}")
     scale = check_scale(scale, D)
+    backend = resolve_kernel_backend(backend, q, op="nsa_attention", has_triton=HAS_TRITON)
+    if chunk is None:
+        chunk = TORCH_CHUNK if backend == "torch" else kernel_chunk(B, HQ, n)
     options = dict(block_cmp=block_cmp, stride_cmp=stride_cmp, block_slc=block_slc, topk=topk, scale=scale)
     save = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, kc, vc))
+
+    def run(fn, *args):  # a chunk keeps only its inputs for the backward
+        return checkpoint(fn, *args, **options, use_reentrant=False) if save else fn(*args, **options)
     outs = []
     for lo in range(0, T, chunk):
         t = torch.arange(offset + lo, offset + min(lo + chunk, T), device=q.device)
-        args = (q[:, lo:lo + chunk], t, k, v, kc, vc)
-        outs.append(checkpoint(_chunk, *args, **options, use_reentrant=False) if save else _chunk(*args, **options))
-    o_cmp, o_slc = (torch.cat(o, 1) for o in zip(*outs))
-    return o_cmp, o_slc
+        if backend == "torch":
+            outs.append(run(_chunk, q[:, lo:lo + chunk], t, k, v, kc, vc))
+        else:
+            outs.append(run(_chunk_blocks, q[:, lo:lo + chunk], t, kc, vc, S))
+    o_cmp = torch.cat([o[0] for o in outs], 1)
+    if backend == "torch":
+        return o_cmp, torch.cat([o[1] for o in outs], 1)
+    blocks = torch.cat([o[1] for o in outs], 2)
+    return o_cmp, selected_attention(q, k, v, blocks, block_slc=block_slc, offset=offset, scale=scale)
 
 
 def block_importance(p_cmp: torch.Tensor, *, block_cmp: int, stride_cmp: int, block_slc: int,
@@ -83,19 +114,18 @@ def block_importance(p_cmp: torch.Tensor, *, block_cmp: int, stride_cmp: int, bl
     return (picked * hit).sum(-1)
 
 
-def _chunk(q, t, k, v, kc, vc, *, block_cmp, stride_cmp, block_slc, topk, scale):
-    """Both branches for the queries ``q: [B, C, HQ, D]`` at positions ``t: [C]``."""
-    dtype, acc = q.dtype, accumulation_dtype(q.dtype)
+def _compress_select(q, t, kc, vc, S, *, block_cmp, stride_cmp, block_slc, topk, scale):
+    """The compression branch of the queries ``q: [B, C, HQ, D]`` at positions ``t: [C]`` and their selection:
+    ``(o_cmp [B, C, HQ, Dv] in q's dtype, blocks, chosen)``, the last two ``[B, H, C, k]``."""
+    acc = accumulation_dtype(q.dtype)
     B, C, HQ, D = q.shape
-    S, H, n, Dv = k.shape[1], k.shape[2], kc.shape[1], v.shape[3]
-    G = HQ // H
-    qg = q.to(acc).view(B, C, H, G, D)
-
+    H, n, Dv = kc.shape[2], kc.shape[1], vc.shape[3]
+    qg = q.to(acc).view(B, C, H, HQ // H, D)
     ends = compressed_ends(n, block_cmp=block_cmp, stride_cmp=stride_cmp, device=q.device)
     logits = torch.einsum("bchgd,bnhd->bhgcn", qg, kc.to(acc)) * scale
-    p_cmp = masked_softmax(logits, ends[None, :] <= t[:, None])                       # [B, H, G, C, n]
-    o_cmp = torch.einsum("bhgcn,bnhd->bchgd", p_cmp, vc.to(acc))
-
+    seen_cmp = ends[None, :] <= t[:, None]                                             # [C, n]
+    p_cmp = masked_softmax(logits, seen_cmp)                                          # [B, H, G, C, n]
+    o_cmp = contained_matmul(p_cmp, vc.to(acc).transpose(1, 2)[:, :, None], seen_cmp)  # [B, H, G, C, Dv]
     n_slc = -(-S // block_slc)
     if n:
         importance = block_importance(p_cmp.detach().sum(2), block_cmp=block_cmp, stride_cmp=stride_cmp,
@@ -103,6 +133,15 @@ def _chunk(q, t, k, v, kc, vc, *, block_cmp, stride_cmp, block_slc, topk, scale)
     else:
         importance = p_cmp.new_zeros(B, H, C, n_slc)
     blocks, chosen = select_blocks(importance, t, block_slc=block_slc, topk=topk)     # [B, H, C, k]
+    return o_cmp.permute(0, 3, 1, 2, 4).reshape(B, C, HQ, Dv).to(q.dtype), blocks, chosen
+
+
+def _selected_gather(q, t, k, v, blocks, chosen, *, block_slc, scale):
+    """The selection branch in torch: each query's selected tokens gathered, ``[B, C, HQ, Dv]`` in q's dtype."""
+    acc = accumulation_dtype(q.dtype)
+    B, C, HQ, D = q.shape
+    S, H, Dv = k.shape[1], k.shape[2], v.shape[3]
+    qg = q.to(acc).view(B, C, H, HQ // H, D)
     tokens = blocks[..., None] * block_slc + torch.arange(block_slc, device=q.device)  # [B, H, C, k, b]
     seen = (chosen[..., None] & (tokens <= t[:, None, None])).flatten(-2)             # [B, H, C, L]
     tokens = tokens.clamp_max(S - 1).flatten(-2)
@@ -112,6 +151,19 @@ def _chunk(q, t, k, v, kc, vc, *, block_cmp, stride_cmp, block_slc, topk, scale)
         index = tokens.reshape(B, H, C * L, 1).expand(-1, -1, -1, x.shape[-1])
         return x.to(acc).transpose(1, 2).gather(2, index).view(B, H, C, L, x.shape[-1])
     logits = torch.einsum("bchgd,bhcld->bhgcl", qg, gather(k)) * scale
-    p_slc = masked_softmax(logits, seen[:, :, None])
-    o_slc = torch.einsum("bhgcl,bhcld->bchgd", p_slc, gather(v))
-    return o_cmp.reshape(B, C, HQ, Dv).to(dtype), o_slc.reshape(B, C, HQ, Dv).to(dtype)
+    p_slc = masked_softmax(logits, seen[:, :, None]).transpose(2, 3)                  # [B, H, C, G, L]
+    o_slc = contained_matmul(p_slc, gather(v), seen[:, :, :, None].expand_as(p_slc))  # [B, H, C, G, Dv]
+    return o_slc.transpose(1, 2).reshape(B, C, HQ, Dv).to(q.dtype)
+
+
+def _chunk(q, t, k, v, kc, vc, *, block_slc, scale, **options):
+    """Both branches in torch for the queries ``q: [B, C, HQ, D]`` at positions ``t: [C]``."""
+    o_cmp, blocks, chosen = _compress_select(q, t, kc, vc, k.shape[1], block_slc=block_slc, scale=scale, **options)
+    return o_cmp, _selected_gather(q, t, k, v, blocks, chosen, block_slc=block_slc, scale=scale)
+
+
+def _chunk_blocks(q, t, kc, vc, S, **options):
+    """The compression branch and the selection as the kernel takes it: ``(o_cmp, blocks [B, H, C, k] int32)``,
+    ``-1`` where a query selected no block."""
+    o_cmp, blocks, chosen = _compress_select(q, t, kc, vc, S, **options)
+    return o_cmp, torch.where(chosen, blocks, -1).to(torch.int32)
