@@ -4,7 +4,7 @@
 - :mod:`counts`: the FLOP and byte count of each op, its formula in the docstring;
 - :func:`machine_info`, :func:`write_result`, :func:`read_result` (``results``);
 - :mod:`peers`: torch SDPA backends, FlexAttention, flash-linear-attention, our reference;
-- :mod:`suites`: softmax, parallax, gatedfwa, decay, lla, scan; :func:`run_suite` runs one;
+- :mod:`suites`: softmax, parallax, gatedfwa, decay, lla, scan, mesanet, nsa; :func:`run_suite` runs one;
 - :func:`benchmark_method`: a user's decay method, checked, then timed beside the built-ins;
 - ``regattn bench SUITE`` (:mod:`cli`) and ``regattn bench report`` (:mod:`report`).
 """
