@@ -6,6 +6,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from regattn import reference
 from regattn.ops.nsa import nsa_attention
 from regattn.ops.nsa.api import block_importance
+from regattn.ops.nsa.kernels import inverse_index
 from tests.helpers import randn, rel_err
 
 
@@ -89,6 +90,42 @@ def test_kernel_matches_reference_forward_backward(case, dtype, bound, interpret
         assert a.dtype == dtype and _close(a, b, bound), name
 
 
+@pytest.mark.parametrize("case", CASES[:3], ids=lambda c: "-".join(map(str, c)))
+def test_kernel_backward_with_several_segments_a_block(case, monkeypatch, interpret):
+    """dK and dV by segments of 10 queries, 16 rows a tile: a block chosen by more queries is summed over
+    several programs, and a segment over several tiles, the last one partly empty (a group of 3 heads leaves
+    a row of every tile unused)."""
+    monkeypatch.setattr("regattn.ops.nsa.kernels.SEGMENT", 10)
+    monkeypatch.setattr("regattn.ops.nsa.kernels.DKV_ROWS", 16)
+    B, T, HQ, H, D, Dv, bc, sc, bs, topk, chunk = case
+    x = _inputs(B, T, HQ, H, D, Dv, bc, sc)
+    kw = dict(block_cmp=bc, stride_cmp=sc, block_slc=bs, topk=topk)
+    do = [randn(B, T, HQ, Dv), randn(B, T, HQ, Dv)]
+    low = [t.detach().float().requires_grad_(True) for t in x]
+    got = _outputs(lambda *a: nsa_attention(*a, **kw, chunk=chunk, backend="triton"), low, do)
+    want = _outputs(lambda *a: reference.nsa_attention(*a, **kw), x, do)
+    for name, a, b in zip(["o_cmp", "o_slc", "dq", "dk", "dv", "dkc", "dvc"], got, want):
+        assert _close(a, b, 1e-5), name
+
+
+@pytest.mark.parametrize("segment", [1, 4, 1000])
+def test_inverse_index_lists_every_selection_once(segment):
+    """Each (block, query) selection appears in exactly one segment of its block, segments hold at most
+    ``segment`` queries, and the slots suffice."""
+    B, H, T, K, n_slc = 2, 3, 29, 4, 9
+    scores = torch.rand(B, H, T, n_slc)
+    blocks = scores.argsort(-1)[..., :K].to(torch.int32)
+    blocks = torch.where(torch.rand(B, H, T, K) < 0.2, -1, blocks)      # some queries selected fewer
+    queries, block, start, end = inverse_index(blocks, n_slc, segment)
+    for b in range(B):
+        for h in range(H):
+            listed = sorted((int(j), int(t)) for j, lo, hi in zip(block[b, h], start[b, h], end[b, h])
+                            for t in queries[b, h, lo:hi] if j >= 0)
+            wanted = sorted((int(j), t) for t in range(T) for j in blocks[b, h, t] if j >= 0)
+            assert listed == wanted
+            assert ((end - start)[b, h] <= segment).all() and ((end > start) | (block < 0))[b, h].all()
+
+
 def test_kernel_queries_at_an_offset_are_the_full_rows(interpret):
     """Decoding through the kernel: queries at positions a..b-1 over all the keys give the full forward's rows."""
     x = [t.detach().float() for t in _inputs(2, 41, 4, 2, 16, 16, 6, 2)]
@@ -105,14 +142,19 @@ def test_kernel_queries_at_an_offset_are_the_full_rows(interpret):
 @pytest.mark.parametrize("name", ["k", "v"])
 def test_a_hidden_nonfinite_token_reaches_no_row(name, backend, interpret):
     """NaN in a key or value of a token: no row before it turns non-finite, though the token's block is
-    selected by the rows before it in the block; the token's own row does."""
+    selected by the rows before it in the block; the token's own row does. Through the kernel, neither does
+    the gradient of an earlier query."""
     q, k, v, kc, vc = (t.detach().float() for t in _inputs(1, 40, 2, 1, 16, 16, 4, 4))
     kw = dict(block_cmp=4, stride_cmp=4, block_slc=8, topk=2, backend=backend)
     bad = 21
     (k if name == "k" else v)[0, bad] = float("nan")
+    q.requires_grad_(backend == "triton")
     _, o = nsa_attention(q, k, v, kc, vc, **kw)
     assert torch.isfinite(o[0, :bad]).all()
     assert not torch.isfinite(o[0, bad]).all()         # its own block is always selected
+    if backend == "triton":
+        dq, = torch.autograd.grad(o, q, torch.ones_like(o))
+        assert torch.isfinite(dq[0, :bad]).all()
 
 
 def test_kernel_refuses_float64():

@@ -5,9 +5,12 @@ before it of the blocks it selected, with the selection given as block indices.
   rows of its tiles (padded to 16, the smallest tile ``tl.dot`` takes), as in NSA's own kernel; it loops
   over the ``topk`` selected blocks, one key tile each, with the online softmax in base 2, and saves the
   log-sum-exp. Only visible tokens are loaded, so a non-finite key or value reaches only the rows that see it.
-* backward: the same loop recomputes each tile's probabilities and gives ``dQ`` in registers; ``dK`` and
-  ``dV`` of the tile's tokens are added into fp32 buffers atomically (queries select overlapping blocks),
-  so their sums are taken in no fixed order.
+* backward: the same loop, query by query, recomputes each tile's probabilities and gives ``dQ``. ``dK`` and
+  ``dV`` go block by block: :func:`inverse_index` lists, on the device, the queries that selected each block
+  (a sort of the selections by block), cut into segments of at most :data:`SEGMENT` queries; one program per
+  segment loads its block's keys and values once and takes the segment's queries, with their groups' query
+  heads, as the rows of its tiles. A block's segments add their sums into fp32 buffers atomically, so the
+  sums are taken in no fixed order.
 
 Layout: ``q: [B, T, HQ, D]`` (queries at positions ``offset .. offset + T - 1``), ``k: [B, S, H, D]``,
 ``v: [B, S, H, Dv]``, ``blocks: [B, H, T, topk]`` int32 selection-block indices, ``-1`` where a query
@@ -22,7 +25,11 @@ import triton.language as tl
 from regattn.ops._common.attention_tiles import (
     LOG2E, dot_precision, head_block, interpreting, online_softmax_step, row_dot, softmax_finish,
 )
-from regattn.ops._common.ints import next_pow2
+from regattn.ops._common.ints import ceil_div, next_pow2
+
+SEGMENT = 128   # queries of one selection block a dK/dV program takes; a block chosen by more has several
+DKV_ROWS = 32   # rows of a dK/dV tile: SEGMENT's queries taken DKV_ROWS // group at a time. On sm_90 at D 128,
+                # 64 rows need 251 registers a thread (triton 3.6) and spill with triton 3.9; 32 rows need 200
 
 
 @triton.jit
@@ -98,15 +105,14 @@ def selected_fwd_kernel(Q, K, V, BLK, O, LSE,
 
 
 @triton.jit
-def selected_bwd_kernel(Q, K, V, BLK, DO, LSE, DELTA, DQ, DK, DV_OUT,
-                        stride_qb, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh,
-                        stride_vb, stride_vs, stride_vh, stride_bb, stride_bh, stride_bt,
-                        stride_ob, stride_ot, stride_oh,
-                        T, S, H, D, DV, offset, topk, block_slc, qk_scale2, scale,
-                        GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                        BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr):
-    """``dQ`` of the program's query rows (``DO``, ``DQ`` share q's and o's strides); ``dK, dV`` (fp32, k's and
-    v's strides) atomically. ``LSE, DELTA: [B, HQ, T]`` fp32."""
+def selected_dq_kernel(Q, K, V, BLK, DO, LSE, DELTA, DQ,
+                       stride_qb, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh,
+                       stride_vb, stride_vs, stride_vh, stride_bb, stride_bh, stride_bt,
+                       stride_ob, stride_ot, stride_oh,
+                       T, S, H, D, DV, offset, topk, block_slc, qk_scale2, scale,
+                       GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                       BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr):
+    """``dQ`` of the program's query rows (``DO`` has o's strides, ``DQ`` q's). ``LSE, DELTA: [B, HQ, T]`` fp32."""
     t, b, h = _program(H)
     q, q_mask = _load_group_rows(Q, b, t, h, stride_qb, stride_qt, stride_qh, GROUP, D, BLOCK_G, BLOCK_D)
     do, do_mask = _load_group_rows(DO, b, t, h, stride_ob, stride_ot, stride_oh, GROUP, DV, BLOCK_G, BLOCK_DV)
@@ -130,18 +136,98 @@ def selected_bwd_kernel(Q, K, V, BLK, DO, LSE, DELTA, DQ, DK, DV_OUT,
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         ds = tl.where(seen, p * (dp - delta[:, None]), 0.0)
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
-        dk = tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=PRECISION) * scale
-        dv = tl.dot(tl.trans(p).to(do.dtype), do, input_precision=PRECISION)
-        dk_ptrs, _ = _token_ptrs(DK, b, tok, h, stride_kb, stride_ks, stride_kh, D, visible, BLOCK_D)
-        dv_ptrs, _ = _token_ptrs(DV_OUT, b, tok, h, stride_vb, stride_vs, stride_vh, DV, visible, BLOCK_DV)
-        tl.atomic_add(dk_ptrs, dk, mask=k_mask)
-        tl.atomic_add(dv_ptrs, dv, mask=v_mask)
     dq_ptrs, _ = _group_rows(DQ, b, t, h, stride_qb, stride_qt, stride_qh, GROUP, D, BLOCK_G, BLOCK_D)
     tl.store(dq_ptrs, (dq * scale).to(DQ.dtype.element_ty), mask=q_mask)
 
 
+@triton.jit
+def selected_dkv_kernel(Q, K, V, DO, LSE, DELTA, QUERIES, SEG_BLOCK, SEG_START, SEG_END, DK, DV_OUT,
+                        stride_qb, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh,
+                        stride_vb, stride_vs, stride_vh, stride_ob, stride_ot, stride_oh,
+                        T, S, H, D, DV, offset, entries, slots, block_slc, qk_scale2, scale,
+                        GROUP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                        BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr):
+    """``dK, dV`` (fp32, k's and v's strides) of one selection block from one segment of the queries that
+    selected it (:func:`inverse_index`): the segment's queries are taken ``BLOCK_R // GROUP`` at a time, each
+    with its group's query heads, as the rows of one tile; the block's sums are added atomically (a block
+    selected by more queries than a segment holds has several segments)."""
+    slot = tl.program_id(0)
+    b = tl.program_id(1) // H
+    h = tl.program_id(1) % H
+    seg = tl.program_id(1) * slots + slot
+    lo = tl.load(SEG_START + seg)
+    hi = tl.load(SEG_END + seg)
+    n = tl.arange(0, BLOCK_N)
+    blk = tl.load(SEG_BLOCK + seg + 0 * n)  # the index read as a vector: the interpreter takes no scalar in a mask
+    tok = blk * block_slc + n
+    in_block = (blk >= 0) & (n < block_slc) & (tok < S)
+    k_ptrs, k_mask = _token_ptrs(K, b, tok, h, stride_kb, stride_ks, stride_kh, D, in_block, BLOCK_D)
+    v_ptrs, v_mask = _token_ptrs(V, b, tok, h, stride_vb, stride_vs, stride_vh, DV, in_block, BLOCK_DV)
+    k = tl.load(k_ptrs, mask=k_mask, other=0.0)
+    v = tl.load(v_ptrs, mask=v_mask, other=0.0)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+    r = tl.arange(0, BLOCK_R)
+    d = tl.arange(0, BLOCK_D)
+    e = tl.arange(0, BLOCK_DV)
+    per_step = BLOCK_R // GROUP
+    head = h * GROUP + r % GROUP
+    for first in range(lo, hi, per_step):
+        entry = first + r // GROUP
+        real = (r < per_step * GROUP) & (entry < hi)
+        t = tl.load(QUERIES + tl.program_id(1) * entries + entry, mask=real, other=0)
+        q = tl.load(Q + b * stride_qb + t[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                    mask=real[:, None] & (d < D)[None, :], other=0.0)
+        do = tl.load(DO + b * stride_ob + t[:, None] * stride_ot + head[:, None] * stride_oh + e[None, :],
+                     mask=real[:, None] & (e < DV)[None, :], other=0.0)
+        rows = (b * H * GROUP + head) * T + t
+        lse2 = tl.load(LSE + rows, mask=real, other=0.0)
+        delta = tl.load(DELTA + rows, mask=real, other=0.0)
+        seen = real[:, None] & in_block[None, :] & (tok[None, :] <= (offset + t)[:, None])
+        s2 = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale2
+        p = tl.where(seen, tl.exp2(s2 - lse2[:, None]), 0.0)
+        dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision=PRECISION)
+        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+        ds = tl.where(seen, p * (dp - delta[:, None]), 0.0)
+        dk += tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=PRECISION)
+    dk_ptrs, _ = _token_ptrs(DK, b, tok, h, stride_kb, stride_ks, stride_kh, D, in_block, BLOCK_D)
+    dv_ptrs, _ = _token_ptrs(DV_OUT, b, tok, h, stride_vb, stride_vs, stride_vh, DV, in_block, BLOCK_DV)
+    tl.atomic_add(dk_ptrs, dk * scale, mask=k_mask)
+    tl.atomic_add(dv_ptrs, dv, mask=v_mask)
+
+
+def inverse_index(blocks: torch.Tensor, n_slc: int, segment: int):
+    """For each ``(b, h)``, the queries that selected each block, in segments of at most ``segment`` queries.
+
+    ``blocks [B, H, T, topk]`` (``-1``: none). Returns ``queries [B, H, T * topk]`` int32 (the query of each
+    selection, grouped by block in ascending order, unused entries last) and, for each of ``slots = ceil(T *
+    topk / segment) + n_slc`` segment slots (at least the number of segments), ``block, start, end [B, H,
+    slots]`` int32: the slot's block (``-1`` for an unused slot) and its range of ``queries``. On the device,
+    with no host read.
+    """
+    B, H, T, K = blocks.shape
+    key = blocks.reshape(B, H, T * K).long()
+    key = torch.where(key >= 0, key, n_slc)                                        # unused entries sort last
+    queries = (torch.sort(key, dim=-1, stable=True).indices // K).to(torch.int32)
+    counts = torch.zeros(B, H, n_slc + 1, dtype=torch.long, device=blocks.device)
+    counts = counts.scatter_add_(-1, key, torch.ones_like(key))[..., :n_slc]
+    first = counts.cumsum(-1) - counts
+    segments = (counts + segment - 1) // segment
+    last_slot = segments.cumsum(-1)                                                # one past each block's slots
+    slots = -(-T * K // segment) + n_slc
+    slot = torch.arange(slots, device=blocks.device).expand(B, H, slots).contiguous()
+    block = torch.searchsorted(last_slot, slot, right=True)                        # n_slc: an unused slot
+    used = block < n_slc
+    block = block.clamp_max(n_slc - 1)
+    start = first.gather(-1, block) + (slot - last_slot.gather(-1, block) + segments.gather(-1, block)) * segment
+    end = torch.minimum(start + segment, (first + counts).gather(-1, block))
+    block = torch.where(used, block, -1)
+    start, end = torch.where(used, start, 0), torch.where(used, end, 0)
+    return queries, block.to(torch.int32), start.to(torch.int32), end.to(torch.int32)
+
+
 def _launch(q, k, v, blocks, block_slc, num_warps):
-    """Grid, strides and tile sizes shared by both kernels."""
+    """Grid, strides and tile sizes of the query-centric kernels (forward and dQ)."""
     B, T, HQ, D = q.shape
     S, H, DV = k.shape[1], k.shape[2], v.shape[3]
     sizes = dict(GROUP=HQ // H, BLOCK_G=max(16, next_pow2(HQ // H)), BLOCK_N=max(16, next_pow2(block_slc)),
@@ -167,14 +253,26 @@ def selected_forward(q, k, v, blocks, *, block_slc: int, offset: int, scale: flo
 
 
 def selected_backward(do, q, k, v, blocks, o, lse, *, block_slc: int, offset: int, scale: float):
-    """``(dq, dk, dv)`` in the inputs' dtypes for contiguous inputs; ``dk, dv`` summed in fp32."""
+    """``(dq, dk, dv)`` in the inputs' dtypes for contiguous inputs: ``dq`` query by query, ``dk, dv`` block by
+    block over the queries that selected it (:func:`inverse_index`), summed in fp32."""
     do = do.contiguous()
     dq = torch.empty_like(q)
     dk = torch.zeros(k.shape, device=k.device, dtype=torch.float32)
     dv = torch.zeros(v.shape, device=v.device, dtype=torch.float32)
-    if q.shape[1]:
+    B, T, HQ, _ = q.shape
+    if T:
         delta = row_dot(o, do).transpose(1, 2).contiguous()   # [B, HQ, T]
-        grid, strides, dims, sizes = _launch(q, k, v, blocks, block_slc, num_warps=8)  # 4 spill at D = 128
-        selected_bwd_kernel[grid](q, k, v, blocks, do, lse, delta, dq, dk, dv, *strides, *o.stride()[:3], *dims,
-                                  offset, blocks.shape[3], block_slc, scale * LOG2E, scale, **sizes)
+        topk = blocks.shape[3]
+        grid, strides, dims, sizes = _launch(q, k, v, blocks, block_slc, num_warps=4)
+        selected_dq_kernel[grid](q, k, v, blocks, do, lse, delta, dq, *strides, *o.stride()[:3], *dims, offset, topk,
+                                 block_slc, scale * LOG2E, scale, **sizes)
+        queries, seg_block, seg_start, seg_end = inverse_index(blocks, ceil_div(k.shape[1], block_slc), SEGMENT)
+        group = sizes.pop("GROUP")
+        sizes.pop("BLOCK_G")
+        if not interpreting():
+            sizes.update(num_warps=8)
+        selected_dkv_kernel[(seg_block.shape[2], grid[1])](
+            q, k, v, do, lse, delta, queries, seg_block, seg_start, seg_end, dk, dv, *strides[:9], *do.stride()[:3],
+            *dims, offset, T * topk, seg_block.shape[2], block_slc, scale * LOG2E, scale, GROUP=group,
+            BLOCK_R=max(DKV_ROWS, next_pow2(group)), **sizes)
     return dq, dk.to(k.dtype), dv.to(v.dtype)
