@@ -22,7 +22,7 @@ PEERS = tuple(f"sdpa-{b}" for b in SDPA_BACKENDS) + ("flex", "fla", "reference",
 
 # flash-linear-attention functions and the submodule each lives in.
 FLA_MODULES = {
-    "parallel_parallax": "parallax", "parallax_decode_one_step": "parallax.decode",
+    "parallel_parallax": "parallax", "parallax_decode_one_step": "parallax.decode", "parallel_nsa": "nsa",
     "parallel_forgetting_attn": "forgetting_attn", "chunk_simple_gla": "simple_gla",
     "chunk_lightning_attn": "lightning_attn",
 }

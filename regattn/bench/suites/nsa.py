@@ -1,31 +1,41 @@
 """NSA's compression and selection branches (gatedfwa.md Appendix B, ``regattn.ops.nsa.nsa_attention``) at
-NSA's default blocks (compressed 32 with stride 16, selection 64, top 16), forward and forward+backward:
-the selection by the Triton kernel against the same op's torch path (each chunk's selected tokens
-gathered), and the dense float64-style reference in the run's dtype where it fits. A case returns the
-two branches' outputs side by side, ``[B, T, HQ, 2 Dv]``."""
+NSA's default blocks (compressed 32 with stride 16, selection 64, top 16), forward and forward+backward.
+
+* The whole op: the selection by the Triton kernel against the same op's torch path (each chunk's selected
+  tokens gathered), and the dense reference in the run's dtype where it fits. A case returns the two
+  branches' outputs side by side, ``[B, T, HQ, 2 Dv]``.
+* ``part="selection"``: the selected attention alone on given block indices (drawn once by the op's own
+  compression and selection), our kernel against flash-linear-attention's ``parallel_nsa`` (which takes
+  groups of 16 query heads or more a key/value head, NSA's layout)."""
 from __future__ import annotations
 
 import torch
 
 from regattn import reference
-from regattn.bench import counts
+from regattn.bench import counts, peers
 from regattn.bench.check import Check, Slice
-from regattn.bench.runner import backward, build, ours, randn, reference_case
+from regattn.bench.runner import backward, build, for_mode, ours, randn, reference_case
+from regattn.ops._common.attention_tiles import interpreting
 from regattn.ops.nsa import nsa_attention
+from regattn.ops.nsa.api import chunk_blocks, kernel_chunk, selected_gather
+from regattn.ops.nsa.function import selected_attention
 
 NAME = "nsa"
-PEERS = ("reference",)
-QUICK_PEERS = ("reference",)
-MAIN = {"fwd": ("regattn:torch",), "fwd+bwd": ("regattn:torch",)}
+PEERS = ("reference", "fla")
+QUICK_PEERS = ("reference", "fla")
+MAIN = {"fwd": ("regattn:torch", "fla"), "fwd+bwd": ("regattn:torch", "fla")}
 MODES = ("fwd", "fwd+bwd")
 BLOCKS = dict(block_cmp=32, stride_cmp=16, block_slc=64, topk=16)
+SELECTION = [dict(part="selection", B=1, HQ=64, H=4, T=T, D=128) for T in (8192, 32768)]
 GRIDS = {
-    "tiny": [dict(B=1, HQ=4, H=2, T=80, D=16, block_cmp=8, stride_cmp=4, block_slc=16, topk=2)],
-    "goal": [dict(B=1, HQ=16, H=4, T=T, D=128) for T in (8192, 32768)],
-    "quick": [dict(B=1, HQ=16, H=4, T=8192, D=128)],
-    "full": [dict(B=1, HQ=16, H=4, T=T, D=128) for T in (4096, 8192, 16384, 32768, 65536)],
+    "tiny": [dict(B=1, HQ=4, H=2, T=80, D=16, block_cmp=8, stride_cmp=4, block_slc=16, topk=2),
+             dict(part="selection", B=1, HQ=4, H=2, T=80, D=16, block_cmp=8, stride_cmp=4, block_slc=16, topk=2)],
+    "goal": [dict(B=1, HQ=16, H=4, T=T, D=128) for T in (8192, 32768)] + SELECTION,
+    "quick": [dict(B=1, HQ=16, H=4, T=8192, D=128), SELECTION[0]],
+    "full": [dict(B=1, HQ=16, H=4, T=T, D=128) for T in (4096, 8192, 16384, 32768, 65536)] + SELECTION,
 }
 CHECK_ROWS = 1024
+SELECTION_CHECK_ROWS = 256  # the float64 check gathers each row's selected tokens
 REFERENCE_MAX_T = 8192  # the dense reference builds [T, T] masks per head
 
 
@@ -35,9 +45,14 @@ def both(fn, **blocks):
 
 
 def cases(shape: dict, setup):
-    """Shape keys: B, HQ, H, T, D; optionally block_cmp, stride_cmp, block_slc, topk (NSA's by default)."""
-    B, HQ, H, T, D = shape["B"], shape["HQ"], shape["H"], shape["T"], shape["D"]
+    """Shape keys: part (optional), B, HQ, H, T, D; optionally block_cmp, stride_cmp, block_slc, topk (NSA's by
+    default)."""
     blocks = {name: shape.get(name, value) for name, value in BLOCKS.items()}
+    yield from (selection_cases if shape.get("part") == "selection" else op_cases)(shape, blocks, setup)
+
+
+def op_cases(shape, blocks, setup):
+    B, HQ, H, T, D = shape["B"], shape["HQ"], shape["H"], shape["T"], shape["D"]
     n = (T - blocks["block_cmp"]) // blocks["stride_cmp"] + 1
     for mode in MODES:
         bwd = backward(mode)
@@ -58,3 +73,54 @@ def cases(shape: dict, setup):
         if T <= REFERENCE_MAX_T:
             call = both(reference.nsa_attention, **blocks)
             yield from reference_case(setup, mode, lambda call=call: call(**x), leaves, check=truth, **n_counts)
+
+
+def selected_blocks(q, kc, vc, S, *, scale, **blocks) -> torch.Tensor:
+    """``[B, H, T, topk]`` int32: the blocks the op's compression and selection choose for ``q``."""
+    T, chunk = q.shape[1], kernel_chunk(q.shape[0], q.shape[2], kc.shape[1])
+    with torch.no_grad():
+        parts = [chunk_blocks(q[:, lo:lo + chunk], torch.arange(lo, min(lo + chunk, T), device=q.device), kc, vc, S,
+                              scale=scale, **blocks)[1] for lo in range(0, T, chunk)]
+    return torch.cat(parts, 2).contiguous()
+
+
+def selection_truth(q, k, v, chosen, *, block_slc, scale, bwd) -> Check:
+    """The float64 selected attention of the first rows of head group 0, by the op's torch path (each row's
+    selected tokens gathered)."""
+    rows = min(q.shape[1], SELECTION_CHECK_ROWS)
+    first = chosen[:1, :1, :rows].long()
+
+    def selected(q, k, v):
+        t = torch.arange(q.shape[1], device=q.device)
+        return selected_gather(q, t, k, v, first.clamp_min(0), first >= 0, block_slc=block_slc, scale=scale)
+    return Check(selected, dict(q=q, k=k, v=v), Slice(kv_heads=k.shape[2], rows=rows),
+                 grads=("q", "k", "v") if bwd else ())
+
+
+def fla_selection(q, k, v, chosen, topk, block_slc, scale):
+    fn = peers.fla_function("parallel_nsa")
+    index = chosen.permute(0, 2, 1, 3).contiguous()  # FLA's [B, T, H, topk]; it skips the -1 entries too
+    leaves = [peers.leaf(x) for x in (q, k, v)]
+    return (lambda: fn(*leaves, block_indices=index, block_counts=topk, block_size=block_slc, scale=scale)), leaves
+
+
+def selection_cases(shape, blocks, setup):
+    """The selected attention alone on the blocks the op chooses (Triton backend only)."""
+    B, HQ, H, T, D = shape["B"], shape["HQ"], shape["H"], shape["T"], shape["D"]
+    n = (T - blocks["block_cmp"]) // blocks["stride_cmp"] + 1
+    block_slc, topk, scale = blocks["block_slc"], blocks["topk"], D ** -0.5
+    q, k, v = randn(setup, B, T, HQ, D, grad=True), randn(setup, B, T, H, D, grad=True), randn(setup, B, T, H, D, grad=True)
+    chosen = selected_blocks(q.detach(), randn(setup, B, n, H, D), randn(setup, B, n, H, D), T, scale=scale, **blocks)
+    kernel = setup.backend != "torch" and (setup.cuda or interpreting())
+    for mode in MODES:
+        bwd = backward(mode)
+        truth = selection_truth(q, k, v, chosen, block_slc=block_slc, scale=scale, bwd=bwd)
+        n_counts = dict(flops=counts.attention_flops(B, T, T, HQ, D, D, window=topk * block_slc, backward=bwd),
+                        bytes=counts.attention_bytes(B, T, T, HQ, H, D, D, q.element_size(), backward=bwd))
+        if kernel:
+            call = lambda: selected_attention(q, k, v, chosen, block_slc=block_slc, offset=0, scale=scale)  # noqa: E731
+            yield mode, build("regattn:triton[selection]", lambda: (call, [q, k, v]), ours=True, check=truth,
+                              **n_counts)
+        if peers.wanted(setup.peers, "fla"):
+            yield mode, build("fla:parallel_nsa", lambda: fla_selection(*for_mode(mode, q, k, v), chosen, topk,
+                                                                        block_slc, scale), check=truth, **n_counts)

@@ -90,7 +90,7 @@ def nsa_attention(q, k, v, kc, vc, *, block_cmp, stride_cmp, block_slc, topk, sc
         if backend == "torch":
             outs.append(run(_chunk, q[:, lo:lo + chunk], t, k, v, kc, vc))
         else:
-            outs.append(run(_chunk_blocks, q[:, lo:lo + chunk], t, kc, vc, S))
+            outs.append(run(chunk_blocks, q[:, lo:lo + chunk], t, kc, vc, S))
     o_cmp = torch.cat([o[0] for o in outs], 1)
     if backend == "torch":
         return o_cmp, torch.cat([o[1] for o in outs], 1)
@@ -136,7 +136,7 @@ def _compress_select(q, t, kc, vc, S, *, block_cmp, stride_cmp, block_slc, topk,
     return o_cmp.permute(0, 3, 1, 2, 4).reshape(B, C, HQ, Dv).to(q.dtype), blocks, chosen
 
 
-def _selected_gather(q, t, k, v, blocks, chosen, *, block_slc, scale):
+def selected_gather(q, t, k, v, blocks, chosen, *, block_slc, scale):
     """The selection branch in torch: each query's selected tokens gathered, ``[B, C, HQ, Dv]`` in q's dtype."""
     acc = accumulation_dtype(q.dtype)
     B, C, HQ, D = q.shape
@@ -159,10 +159,10 @@ def _selected_gather(q, t, k, v, blocks, chosen, *, block_slc, scale):
 def _chunk(q, t, k, v, kc, vc, *, block_slc, scale, **options):
     """Both branches in torch for the queries ``q: [B, C, HQ, D]`` at positions ``t: [C]``."""
     o_cmp, blocks, chosen = _compress_select(q, t, kc, vc, k.shape[1], block_slc=block_slc, scale=scale, **options)
-    return o_cmp, _selected_gather(q, t, k, v, blocks, chosen, block_slc=block_slc, scale=scale)
+    return o_cmp, selected_gather(q, t, k, v, blocks, chosen, block_slc=block_slc, scale=scale)
 
 
-def _chunk_blocks(q, t, kc, vc, S, **options):
+def chunk_blocks(q, t, kc, vc, S, **options):
     """The compression branch and the selection as the kernel takes it: ``(o_cmp, blocks [B, H, C, k] int32)``,
     ``-1`` where a query selected no block."""
     o_cmp, blocks, chosen = _compress_select(q, t, kc, vc, S, **options)
