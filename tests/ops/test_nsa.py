@@ -57,16 +57,19 @@ def test_fp32_against_float64():
         assert a.dtype == torch.float32 and rel_err(a, b) < 1e-5
 
 
-def test_queries_at_an_offset_are_the_full_rows():
+@pytest.mark.parametrize("backend, dtype, bound", [("torch", torch.float64, 1e-14), ("triton", torch.float32, 1e-6)])
+def test_queries_at_an_offset_are_the_full_rows(backend, dtype, bound, request):
     """Decoding: queries at positions a..b-1 over all the keys (later keys unseen) give the full forward's rows."""
-    x = _inputs(2, 41, 4, 2, 8, 8, 6, 2)
-    kw = dict(block_cmp=6, stride_cmp=2, block_slc=5, topk=3)
+    if backend == "triton":
+        request.getfixturevalue("interpret")
+    x = [t.detach().to(dtype) for t in _inputs(2, 41, 4, 2, 16, 16, 6, 2)]
+    kw = dict(block_cmp=6, stride_cmp=2, block_slc=5, topk=3, backend=backend)
     full = nsa_attention(*x, **kw)
     q, k, v, kc, vc = x
     for a, b in [(17, 18), (30, 41), (0, 5)]:
         part = nsa_attention(q[:, a:b], k, v, kc, vc, **kw, offset=a)
         for o, f in zip(part, full):
-            assert rel_err(o, f[:, a:b]) < 1e-14
+            assert rel_err(o, f[:, a:b]) < bound
 
 
 def _close(got, want, bound):
@@ -75,11 +78,9 @@ def _close(got, want, bound):
     return rel_err(got, want) < bound or (got - want).abs().max() < bound
 
 
-@pytest.mark.parametrize("dtype, bound", [(torch.float32, 1e-5), (torch.float16, 5e-3)], ids=["fp32", "fp16"])
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
-def test_kernel_matches_reference_forward_backward(case, dtype, bound, interpret):
-    """The Triton selection kernel (interpreter) against the float64 spec on the same rounded inputs (rounding
-    them can change which blocks win a near tie), forward and every gradient."""
+def _kernel_against_spec(case, dtype, bound):
+    """The Triton path in ``dtype`` against the float64 spec on the same rounded inputs (rounding them can
+    change which blocks win a near tie), forward and every gradient."""
     B, T, HQ, H, D, Dv, bc, sc, bs, topk, chunk = case
     x = [t.detach().to(dtype) for t in _inputs(B, T, HQ, H, D, Dv, bc, sc)]
     kw = dict(block_cmp=bc, stride_cmp=sc, block_slc=bs, topk=topk)
@@ -92,6 +93,13 @@ def test_kernel_matches_reference_forward_backward(case, dtype, bound, interpret
         assert a.dtype == dtype and _close(a, b, bound), name
 
 
+@pytest.mark.parametrize("dtype, bound", [(torch.float32, 1e-5), (torch.float16, 5e-3)], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+def test_kernel_matches_reference_forward_backward(case, dtype, bound, interpret):
+    """The Triton selection kernels (interpreter) against the float64 spec."""
+    _kernel_against_spec(case, dtype, bound)
+
+
 @pytest.mark.parametrize("case", CASES[:3], ids=lambda c: "-".join(map(str, c)))
 def test_kernel_backward_with_several_segments_a_block(case, monkeypatch, interpret):
     """dK and dV by segments of 10 queries, 16 rows a tile: a block chosen by more queries is summed over
@@ -99,15 +107,7 @@ def test_kernel_backward_with_several_segments_a_block(case, monkeypatch, interp
     a row of every tile unused)."""
     monkeypatch.setattr("regattn.ops.nsa.kernels.SEGMENT", 10)
     monkeypatch.setattr("regattn.ops.nsa.kernels.DKV_ROWS", 16)
-    B, T, HQ, H, D, Dv, bc, sc, bs, topk, chunk = case
-    x = [t.detach().float() for t in _inputs(B, T, HQ, H, D, Dv, bc, sc)]
-    kw = dict(block_cmp=bc, stride_cmp=sc, block_slc=bs, topk=topk)
-    do = [randn(B, T, HQ, Dv), randn(B, T, HQ, Dv)]
-    got = _outputs(lambda *a: nsa_attention(*a, **kw, chunk=chunk, backend="triton"),
-                   [t.requires_grad_(True) for t in x], do)
-    want = _outputs(lambda *a: reference.nsa_attention(*a, **kw), [t.double().requires_grad_(True) for t in x], do)
-    for name, a, b in zip(["o_cmp", "o_slc", "dq", "dk", "dv", "dkc", "dvc"], got, want):
-        assert _close(a, b, 1e-5), name
+    _kernel_against_spec(case, torch.float32, 1e-5)
 
 
 @pytest.mark.parametrize("segment", [1, 4, 1000])
@@ -126,18 +126,6 @@ def test_inverse_index_lists_every_selection_once(segment):
             wanted = sorted((int(j), t) for t in range(T) for j in blocks[b, h, t] if j >= 0)
             assert listed == wanted
             assert ((end - start)[b, h] <= segment).all() and ((end > start) | (block < 0))[b, h].all()
-
-
-def test_kernel_queries_at_an_offset_are_the_full_rows(interpret):
-    """Decoding through the kernel: queries at positions a..b-1 over all the keys give the full forward's rows."""
-    x = [t.detach().float() for t in _inputs(2, 41, 4, 2, 16, 16, 6, 2)]
-    kw = dict(block_cmp=6, stride_cmp=2, block_slc=5, topk=3, backend="triton")
-    full = nsa_attention(*x, **kw)
-    q, k, v, kc, vc = x
-    for a, b in [(17, 18), (30, 41), (0, 5)]:
-        part = nsa_attention(q[:, a:b], k, v, kc, vc, **kw, offset=a)
-        for o, f in zip(part, full):
-            assert rel_err(o, f[:, a:b]) < 1e-6
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])

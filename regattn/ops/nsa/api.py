@@ -65,8 +65,10 @@ def nsa_attention(q, k, v, kc, vc, *, block_cmp, stride_cmp, block_slc, topk, sc
     check_shape("kc", kc, (B, n, H, D), "[B, n, H, D]")
     check_shape("vc", vc, (B, n, H, Dv), "[B, n, H, Dv]")
     for name, value in (("block_cmp", block_cmp), ("stride_cmp", stride_cmp), ("block_slc", block_slc),
-                        ("topk", topk), ("chunk", 1 if chunk is None else chunk)):
+                        ("topk", topk)):
         check_int(name, value, minimum=1)
+    if chunk is not None:
+        check_int("chunk", chunk, minimum=1)
     check_int("offset", offset, minimum=0)
     if stride_cmp > block_cmp:
         raise ValueError(f"stride_cmp: expected at most block_cmp = {block_cmp}, got {stride_cmp}")

@@ -52,7 +52,8 @@ def _load_group_rows(P, b, t, h, stride_b, stride_t, stride_h, GROUP: tl.constex
 
 @triton.jit
 def _program(H):
-    """``(query, batch row, key/value head)`` of a program of the grid ``(T, B * H)``."""
+    """``(first grid index, batch row, key/value head)`` of a program of a grid ``(n, B * H)``: the query for the
+    forward and dQ, the segment slot for dK/dV."""
     return tl.program_id(0), tl.program_id(1) // H, tl.program_id(1) % H
 
 
@@ -73,6 +74,13 @@ def _token_ptrs(P, b, tok, h, stride_b, stride_s, stride_h, E, visible, BLOCK_E:
 
 
 @triton.jit
+def _load_tokens(P, b, tok, h, stride_b, stride_s, stride_h, E, visible, BLOCK_E: tl.constexpr):
+    """The rows of :func:`_token_ptrs` loaded (0 where not visible), and their mask."""
+    ptrs, mask = _token_ptrs(P, b, tok, h, stride_b, stride_s, stride_h, E, visible, BLOCK_E)
+    return tl.load(ptrs, mask=mask, other=0.0), mask
+
+
+@triton.jit
 def selected_fwd_kernel(Q, K, V, BLK, O, LSE,
                         stride_qb, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh,
                         stride_vb, stride_vs, stride_vh, stride_bb, stride_bh, stride_bt,
@@ -89,13 +97,11 @@ def selected_fwd_kernel(Q, K, V, BLK, O, LSE,
     blk_list = BLK + b * stride_bb + h * stride_bh + t * stride_bt
     for i in range(topk):
         tok, visible = _block_tokens(blk_list, i, pos, S, block_slc, BLOCK_N)
-        k_ptrs, k_mask = _token_ptrs(K, b, tok, h, stride_kb, stride_ks, stride_kh, D, visible, BLOCK_D)
-        k = tl.load(k_ptrs, mask=k_mask, other=0.0)
+        k, _ = _load_tokens(K, b, tok, h, stride_kb, stride_ks, stride_kh, D, visible, BLOCK_D)
         s2 = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale2
         s2 = tl.where(visible[None, :], s2, float("-inf"))
         m_i, l_i, p, alpha = online_softmax_step(m_i, l_i, s2)
-        v_ptrs, v_mask = _token_ptrs(V, b, tok, h, stride_vb, stride_vs, stride_vh, DV, visible, BLOCK_DV)
-        v = tl.load(v_ptrs, mask=v_mask, other=0.0)
+        v, _ = _load_tokens(V, b, tok, h, stride_vb, stride_vs, stride_vh, DV, visible, BLOCK_DV)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     o, lse2 = softmax_finish(acc, m_i, l_i)
     o_ptrs, o_mask = _group_rows(O, b, t, h, stride_ob, stride_ot, stride_oh, GROUP, DV, BLOCK_G, BLOCK_DV)
@@ -126,10 +132,8 @@ def selected_dq_kernel(Q, K, V, BLK, DO, LSE, DELTA, DQ,
     blk_list = BLK + b * stride_bb + h * stride_bh + t * stride_bt
     for i in range(topk):
         tok, visible = _block_tokens(blk_list, i, pos, S, block_slc, BLOCK_N)
-        k_ptrs, k_mask = _token_ptrs(K, b, tok, h, stride_kb, stride_ks, stride_kh, D, visible, BLOCK_D)
-        v_ptrs, v_mask = _token_ptrs(V, b, tok, h, stride_vb, stride_vs, stride_vh, DV, visible, BLOCK_DV)
-        k = tl.load(k_ptrs, mask=k_mask, other=0.0)
-        v = tl.load(v_ptrs, mask=v_mask, other=0.0)
+        k, _ = _load_tokens(K, b, tok, h, stride_kb, stride_ks, stride_kh, D, visible, BLOCK_D)
+        v, _ = _load_tokens(V, b, tok, h, stride_vb, stride_vs, stride_vh, DV, visible, BLOCK_DV)
         seen = real[:, None] & visible[None, :]
         s2 = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale2
         p = tl.where(seen, tl.exp2(s2 - lse2[:, None]), 0.0)
@@ -151,9 +155,7 @@ def selected_dkv_kernel(Q, K, V, DO, LSE, DELTA, QUERIES, SEG_BLOCK, SEG_START, 
     selected it (:func:`inverse_index`): the segment's queries are taken ``BLOCK_R // GROUP`` at a time, each
     with its group's query heads, as the rows of one tile; the block's sums are added atomically (a block
     selected by more queries than a segment holds has several segments)."""
-    slot = tl.program_id(0)
-    b = tl.program_id(1) // H
-    h = tl.program_id(1) % H
+    slot, b, h = _program(H)
     seg = tl.program_id(1) * slots + slot
     lo = tl.load(SEG_START + seg)
     hi = tl.load(SEG_END + seg)
@@ -161,10 +163,8 @@ def selected_dkv_kernel(Q, K, V, DO, LSE, DELTA, QUERIES, SEG_BLOCK, SEG_START, 
     blk = tl.load(SEG_BLOCK + seg + 0 * n)  # the index read as a vector: the interpreter takes no scalar in a mask
     tok = blk * block_slc + n
     in_block = (blk >= 0) & (n < block_slc) & (tok < S)
-    k_ptrs, k_mask = _token_ptrs(K, b, tok, h, stride_kb, stride_ks, stride_kh, D, in_block, BLOCK_D)
-    v_ptrs, v_mask = _token_ptrs(V, b, tok, h, stride_vb, stride_vs, stride_vh, DV, in_block, BLOCK_DV)
-    k = tl.load(k_ptrs, mask=k_mask, other=0.0)
-    v = tl.load(v_ptrs, mask=v_mask, other=0.0)
+    k, k_mask = _load_tokens(K, b, tok, h, stride_kb, stride_ks, stride_kh, D, in_block, BLOCK_D)
+    v, v_mask = _load_tokens(V, b, tok, h, stride_vb, stride_vs, stride_vh, DV, in_block, BLOCK_DV)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
     r = tl.arange(0, BLOCK_R)
