@@ -204,6 +204,7 @@ def test_bad_inputs_name_the_argument():
         ((q, k, v, kc, vc), dict(offset=1), "k"),
         ((q, k, v, kc, vc), dict(offset=-1), "offset"),
         ((q, k, v, kc, vc), dict(chunk=0), "chunk"),
+        ((q, k, v, kc, vc), dict(backend="fast"), "backend"),
         ((q, k, v, kc, vc), dict(block_cmp=1), "stride_cmp"),
         ((q, k[:, :, :, :3], v, kc, vc), {}, "k"),
     ]:
