@@ -52,6 +52,7 @@ CASES = [
     (2, 45, 45, 4, 2, 32, 24, True, 17, True),      # gated window, GQA, Dv != D, padded head dim
     (1, 40, 40, 2, 2, 16, 16, True, 64, True),      # window >= T equals causal
     (1, 21, 34, 2, 1, 16, 16, False, None, False),  # non-causal, S != T
+    (1, 40, 7, 4, 2, 16, 16, False, None, False),   # non-causal with more queries than keys: every row sees all
     (1, 34, 21, 2, 2, 16, 16, True, 5, False),      # causal with more queries than keys: empty rows
 ]
 

@@ -109,8 +109,10 @@ def tile_loop_bounds(lo, hi, full_lo, full_hi, BLOCK: tl.constexpr):
 
 @triton.jit
 def _visible(pos, keys, Sk, CAUSAL: tl.constexpr, WINDOW: tl.constexpr):
-    """Visibility of broadcastable ``pos`` and ``keys`` (one a column, the other a row)."""
-    keep = (keys < Sk) & (keys >= 0) & (pos >= 0)
+    """Visibility of broadcastable ``pos`` and ``keys`` (one a column, the other a row). Without ``CAUSAL``
+    every key is visible, also to the rows before the keys' start (``pos < 0``) when there are more queries
+    than keys."""
+    keep = (keys + 0 * pos < Sk) & (keys >= 0)  # (0 * pos: the mask takes the tile's shape)
     if CAUSAL:
         keep = keep & (keys <= pos)
     if WINDOW > 0:
