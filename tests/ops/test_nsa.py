@@ -5,13 +5,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from regattn import reference
 from regattn.ops.nsa import nsa_attention
+from regattn.ops.nsa import compression
 from regattn.ops.nsa.api import block_importance
 from regattn.ops.nsa.kernels import inverse_index
+from regattn.reference.nsa import compressed_ends, masked_softmax
 from tests.helpers import randn, rel_err
 
 
-def _inputs(B, T, HQ, H, D, Dv, block_cmp, stride_cmp, dtype=torch.float64):
-    n = max(0, (T - block_cmp) // stride_cmp + 1)
+def _inputs(B, T, HQ, H, D, Dv, block_cmp, stride_cmp, dtype=torch.float64, n=None):
+    n = max(0, (T - block_cmp) // stride_cmp + 1) if n is None else n
     shapes = [(B, T, HQ, D), (B, T, H, D), (B, T, H, Dv), (B, n, H, D), (B, n, H, Dv)]
     return [randn(*s, dtype=dtype, requires_grad=True) for s in shapes]
 
@@ -29,6 +31,8 @@ CASES = [
     (2, 9, 2, 1, 4, 4, 16, 8, 4, 1, 3),      # T < block_cmp: no compressed block, o_cmp = 0
     (1, 1, 2, 2, 4, 4, 1, 1, 1, 1, 1),       # one token
 ]
+# As CASES, with fewer compressed blocks than fit: the queries past the last block see every block
+FEWER_BLOCKS = [(1, 40, 4, 2, 8, 8, 6, 2, 4, 3, 16, 5), (2, 29, 2, 1, 8, 4, 3, 3, 5, 2, 8, 1)]
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
@@ -81,8 +85,8 @@ def _close(got, want, bound):
 def _kernel_against_spec(case, dtype, bound):
     """The Triton path in ``dtype`` against the float64 spec on the same rounded inputs (rounding them can
     change which blocks win a near tie), forward and every gradient."""
-    B, T, HQ, H, D, Dv, bc, sc, bs, topk, chunk = case
-    x = [t.detach().to(dtype) for t in _inputs(B, T, HQ, H, D, Dv, bc, sc)]
+    B, T, HQ, H, D, Dv, bc, sc, bs, topk, chunk, *n = case
+    x = [t.detach().to(dtype) for t in _inputs(B, T, HQ, H, D, Dv, bc, sc, n=n[0] if n else None)]
     kw = dict(block_cmp=bc, stride_cmp=sc, block_slc=bs, topk=topk)
     do = [randn(B, T, HQ, Dv, dtype=dtype), randn(B, T, HQ, Dv, dtype=dtype)]
     got = _outputs(lambda *a: nsa_attention(*a, **kw, chunk=chunk, backend="triton"),
@@ -94,10 +98,37 @@ def _kernel_against_spec(case, dtype, bound):
 
 
 @pytest.mark.parametrize("dtype, bound", [(torch.float32, 1e-5), (torch.float16, 5e-3)], ids=["fp32", "fp16"])
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+@pytest.mark.parametrize("case", CASES + FEWER_BLOCKS, ids=lambda c: "-".join(map(str, c)))
 def test_kernel_matches_reference_forward_backward(case, dtype, bound, interpret):
-    """The Triton selection kernels (interpreter) against the float64 spec."""
+    """The kernel path (interpreter) against the float64 spec."""
     _kernel_against_spec(case, dtype, bound)
+
+
+def _importance(q, kc, offset, *, block_cmp, stride_cmp, block_slc, n_slc):
+    """``[B, H, T, n_slc]`` float64: the spec's block importance of the queries ``q`` at positions ``offset ..``."""
+    B, T, HQ, D = q.shape
+    n, H = kc.shape[1], kc.shape[2]
+    t = torch.arange(offset, offset + T)
+    logits = torch.einsum("bthd,bnhd->bhtn", q.double(), kc.double().repeat_interleave(HQ // H, 2)) * D ** -0.5
+    p = masked_softmax(logits, compressed_ends(n, block_cmp=block_cmp, stride_cmp=stride_cmp)[None, :] <= t[:, None])
+    lo, slc = torch.arange(n) * stride_cmp, torch.arange(n_slc) * block_slc
+    overlap = (lo[:, None] < slc[None, :] + block_slc) & (lo[:, None] + block_cmp > slc[None, :])
+    return (p @ overlap.double()).view(B, H, HQ // H, T, n_slc).sum(2)
+
+
+@pytest.mark.parametrize("bc, sc, bs", [(6, 2, 4), (5, 3, 7), (4, 4, 2)])
+def test_importance_kernel_is_the_overlap_sum_of_probabilities(bc, sc, bs, monkeypatch, interpret):
+    """The kernel's importance over several steps of selection blocks (16 compressed blocks a step), for
+    queries at an offset, from the log-sum-exp of the kernel's compression attention."""
+    monkeypatch.setattr(compression, "BLOCK_J", 16)
+    q, _, _, kc, vc = (t.detach().float() for t in _inputs(2, 70, 6, 2, 16, 16, bc, sc))
+    n_slc, first = -(-70 // bs), 23
+    options = dict(block_cmp=bc, stride_cmp=sc, block_slc=bs)
+    _, lse2 = compression.compressed_attention(q, kc, vc, offset=0, block_cmp=bc, stride_cmp=sc, scale=16 ** -0.5)
+    got = compression.importance_from_lse(q[:, first:], kc, lse2[:, first:], n_slc, offset=first, scale=16 ** -0.5,
+                                          **options)
+    assert compression.selection_step(bc, sc, bs) < n_slc    # several steps
+    assert rel_err(got, _importance(q[:, first:], kc, first, n_slc=n_slc, **options)) < 1e-5
 
 
 @pytest.mark.parametrize("case", CASES[:3], ids=lambda c: "-".join(map(str, c)))

@@ -17,7 +17,8 @@ from regattn.bench.check import Check, Slice
 from regattn.bench.runner import backward, build, for_mode, ours, randn, reference_case
 from regattn.ops._common.attention_tiles import interpreting
 from regattn.ops.nsa import nsa_attention
-from regattn.ops.nsa.api import chunk_blocks, kernel_chunk, selected_gather
+from regattn.ops.nsa.api import selected_gather
+from regattn.ops.nsa.compression import compressed_attention, selected_blocks
 from regattn.ops.nsa.function import selected_attention
 
 NAME = "nsa"
@@ -75,13 +76,13 @@ def op_cases(shape, blocks, setup):
             yield from reference_case(setup, mode, lambda call=call: call(**x), leaves, check=truth, **n_counts)
 
 
-def selected_blocks(q, kc, vc, S, *, scale, **blocks) -> torch.Tensor:
+def op_blocks(q, kc, vc, S, *, scale, **blocks) -> torch.Tensor:
     """``[B, H, T, topk]`` int32: the blocks the op's compression and selection choose for ``q``."""
-    T, chunk = q.shape[1], kernel_chunk(q.shape[0], q.shape[2], kc.shape[1])
+    options = dict(block_cmp=blocks["block_cmp"], stride_cmp=blocks["stride_cmp"], scale=scale)
     with torch.no_grad():
-        parts = [chunk_blocks(q[:, lo:lo + chunk], torch.arange(lo, min(lo + chunk, T), device=q.device), kc, vc, S,
-                              scale=scale, **blocks)[1] for lo in range(0, T, chunk)]
-    return torch.cat(parts, 2).contiguous()
+        _, lse2 = compressed_attention(q, kc, vc, offset=0, **options)
+        return selected_blocks(q, kc, lse2, S, offset=0, block_slc=blocks["block_slc"], topk=blocks["topk"],
+                               **options)
 
 
 def selection_truth(q, k, v, chosen, *, block_slc, scale, bwd) -> Check:
@@ -105,13 +106,16 @@ def fla_selection(q, k, v, chosen, topk, block_slc, scale):
 
 
 def selection_cases(shape, blocks, setup):
-    """The selected attention alone on the blocks the op chooses (Triton backend only)."""
+    """The selected attention alone on the blocks the op chooses (drawn by the op's kernels: none run on a CPU
+    outside the interpreter)."""
+    if not (setup.cuda or interpreting()):
+        return
     B, HQ, H, T, D = shape["B"], shape["HQ"], shape["H"], shape["T"], shape["D"]
     n = (T - blocks["block_cmp"]) // blocks["stride_cmp"] + 1
     block_slc, topk, scale = blocks["block_slc"], blocks["topk"], D ** -0.5
     q, k, v = randn(setup, B, T, HQ, D, grad=True), randn(setup, B, T, H, D, grad=True), randn(setup, B, T, H, D, grad=True)
-    chosen = selected_blocks(q.detach(), randn(setup, B, n, H, D), randn(setup, B, n, H, D), T, scale=scale, **blocks)
-    kernel = setup.backend != "torch" and (setup.cuda or interpreting())
+    chosen = op_blocks(q.detach(), randn(setup, B, n, H, D), randn(setup, B, n, H, D), T, scale=scale, **blocks)
+    kernel = setup.backend != "torch"
     for mode in MODES:
         bwd = backward(mode)
         truth = selection_truth(q, k, v, chosen, block_slc=block_slc, scale=scale, bwd=bwd)

@@ -1,12 +1,17 @@
 """NSA's compression and selection branches (gatedfwa.md Appendix B, eq. 16-19, 22) in linear memory.
 
-The queries are taken in chunks of ``chunk`` positions. A chunk's compression attention is ``[chunk, n]``
-(``n ~ T / stride_cmp`` compressed blocks) and its selection attention ``[chunk, topk * block_slc]``
-(each query's selected tokens, gathered), so the whole costs ``O(T (T / stride_cmp + topk block_slc))``
-time and at most one chunk's worth of that memory at a time: each chunk is checkpointed (saving only its
-inputs, recomputed in the backward), and no ``[T, T]`` mask exists anywhere. The numbers are those of
-:func:`regattn.reference.nsa.nsa_attention`. The selection branch runs either in torch, gathering each
-chunk's selected tokens, or in the Triton kernel of :mod:`regattn.ops.nsa.kernels`, which reads them in place.
+Two paths give the numbers of :func:`regattn.reference.nsa.nsa_attention`, neither building a ``[T, T]`` mask:
+
+* the kernel path (``backend="triton"``): the compression attention on the FlashAttention kernels, the block
+  importance in a Triton kernel with a top-k per chunk of queries (:mod:`regattn.ops.nsa.compression`), and
+  the selected attention in the kernel of :mod:`regattn.ops.nsa.kernels`, which reads the selected tokens in
+  place;
+* the torch path: the queries in chunks of ``chunk`` positions, a chunk's compression attention ``[chunk, n]``
+  (``n ~ T / stride_cmp`` compressed blocks) and its selection attention ``[chunk, topk * block_slc]`` (each
+  query's selected tokens, gathered), each chunk checkpointed (saving only its inputs, recomputed in the
+  backward).
+
+Either costs ``O(T (T / stride_cmp + topk block_slc))`` time and at most one chunk's worth of that memory.
 """
 from __future__ import annotations
 
@@ -16,21 +21,13 @@ from torch.utils.checkpoint import checkpoint
 from regattn.ops._common.checks import (
     check_attention_inputs, check_int, check_same, check_scale, check_shape, check_tensor, resolve_kernel_backend,
 )
+from regattn.ops.nsa.compression import compressed_attention, selected_blocks
 from regattn.ops.nsa.function import selected_attention
 from regattn.reference.common import accumulation_dtype, contained_matmul
 from regattn.reference.nsa import compressed_ends, masked_softmax, select_blocks
 
 HAS_TRITON = True
 TORCH_CHUNK = 128
-COMPRESSION_ELEMENTS = 2 ** 26  # the compression logits of one chunk on the kernel path: 256 MiB in fp32
-
-
-def kernel_chunk(B: int, HQ: int, n: int) -> int:
-    """Queries per chunk on the kernel path: as many as keep a chunk's compression logits ``[B, HQ, chunk, n]``
-    within :data:`COMPRESSION_ELEMENTS`, a multiple of 128 from 128 to 4096. Each chunk costs a dozen small
-    launches, so small chunks leave the GPU waiting on the host (on the H100, B1 HQ16 H4 D128 at T = 8192, the
-    forward took 95 ms with chunks of 128 and 6.8 ms with chunks of 2048)."""
-    return max(128, min(4096, COMPRESSION_ELEMENTS // max(B * HQ * n, 1) // 128 * 128))
 
 
 def nsa_attention(q, k, v, kc, vc, *, block_cmp, stride_cmp, block_slc, topk, scale=None, offset=0, chunk=None,
@@ -48,14 +45,14 @@ def nsa_attention(q, k, v, kc, vc, *, block_cmp, stride_cmp, block_slc, topk, sc
         block_slc, topk: selection block length and the number of blocks each query selects.
         scale: defaults to ``D ** -0.5``.
         offset: position of the first query (decoding: the cache length before the new token).
-        chunk: queries per chunk (memory, not numbers); by default 128 on the torch path (whose chunk gathers
-            ``chunk * topk * block_slc`` tokens) and :func:`kernel_chunk` on the kernel path.
-        backend: ``"auto" | "torch" | "triton"``. The compression branch and the selection run in torch on
-            either; ``"triton"`` (fp16, bf16, fp32; the default on CUDA) attends the selected blocks with the
-            kernel of :mod:`regattn.ops.nsa.kernels` over all queries at once, ``"torch"`` gathers each
-            chunk's selected tokens.
+        chunk: queries per chunk (memory, not numbers): on the torch path (128 by default) a chunk gathers
+            ``chunk * topk * block_slc`` tokens; on the kernel path it ranks ``[B, H, chunk, n_slc]``
+            importances (:func:`regattn.ops.nsa.compression.selection_chunk` by default).
+        backend: ``"auto" | "torch" | "triton"`` (the module text); ``"triton"`` takes fp16, bf16 and fp32 and
+            is the default on CUDA.
 
-    See :mod:`regattn.reference.nsa` for what each branch attends. Computed in fp32 (float64 for float64).
+    See :mod:`regattn.reference.nsa` for what each branch attends. The torch path computes in fp32 (float64 for
+    float64); the kernels accumulate in fp32, as FlashAttention does.
     """
     B, T, S, HQ, H, D, Dv = check_attention_inputs(q, k, v)
     for name, x, dim in (("kc", kc, D), ("vc", vc, Dv)):
@@ -79,25 +76,24 @@ def nsa_attention(q, k, v, kc, vc, *, block_cmp, stride_cmp, block_slc, topk, sc
                          f"of {S} keys, got {n}")
     scale = check_scale(scale, D)
     backend = resolve_kernel_backend(backend, q, op="nsa_attention", has_triton=HAS_TRITON)
-    if chunk is None:
-        chunk = TORCH_CHUNK if backend == "torch" else kernel_chunk(B, HQ, n)
     options = dict(block_cmp=block_cmp, stride_cmp=stride_cmp, block_slc=block_slc, topk=topk, scale=scale)
-    save = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, kc, vc))
-
-    def run(fn, *args):  # a chunk keeps only its inputs for the backward
-        return checkpoint(fn, *args, **options, use_reentrant=False) if save else fn(*args, **options)
-    outs = []
-    for lo in range(0, T, chunk):
-        t = torch.arange(offset + lo, offset + min(lo + chunk, T), device=q.device)
-        if backend == "torch":
-            outs.append(run(_chunk, q[:, lo:lo + chunk], t, k, v, kc, vc))
-        else:
-            outs.append(run(chunk_blocks, q[:, lo:lo + chunk], t, kc, vc, S))
-    o_cmp = torch.cat([o[0] for o in outs], 1)
     if backend == "torch":
-        return o_cmp, torch.cat([o[1] for o in outs], 1)
-    blocks = torch.cat([o[1] for o in outs], 2)
+        return _torch_path(q, k, v, kc, vc, offset=offset, chunk=chunk or TORCH_CHUNK, **options)
+    o_cmp, lse2 = compressed_attention(q, kc, vc, offset=offset, block_cmp=block_cmp, stride_cmp=stride_cmp,
+                                       scale=scale)
+    blocks = selected_blocks(q, kc, lse2, S, offset=offset, chunk=chunk, **options)
     return o_cmp, selected_attention(q, k, v, blocks, block_slc=block_slc, offset=offset, scale=scale)
+
+
+def _torch_path(q, k, v, kc, vc, *, offset, chunk, **options):
+    """Both branches in torch, chunk by chunk of queries, each chunk checkpointed when a gradient is wanted."""
+    save = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, kc, vc))
+    outs = []
+    for lo in range(0, q.shape[1], chunk):
+        t = torch.arange(offset + lo, offset + min(lo + chunk, q.shape[1]), device=q.device)
+        args = (q[:, lo:lo + chunk], t, k, v, kc, vc)
+        outs.append(checkpoint(_chunk, *args, **options, use_reentrant=False) if save else _chunk(*args, **options))
+    return torch.cat([o[0] for o in outs], 1), torch.cat([o[1] for o in outs], 1)
 
 
 def block_importance(p_cmp: torch.Tensor, *, block_cmp: int, stride_cmp: int, block_slc: int,
@@ -162,10 +158,3 @@ def _chunk(q, t, k, v, kc, vc, *, block_slc, scale, **options):
     """Both branches in torch for the queries ``q: [B, C, HQ, D]`` at positions ``t: [C]``."""
     o_cmp, blocks, chosen = _compress_select(q, t, kc, vc, k.shape[1], block_slc=block_slc, scale=scale, **options)
     return o_cmp, selected_gather(q, t, k, v, blocks, chosen, block_slc=block_slc, scale=scale)
-
-
-def chunk_blocks(q, t, kc, vc, S, **options):
-    """The compression branch and the selection as the kernel takes it: ``(o_cmp, blocks [B, H, C, k] int32)``,
-    ``-1`` where a query selected no block."""
-    o_cmp, blocks, chosen = _compress_select(q, t, kc, vc, S, **options)
-    return o_cmp, torch.where(chosen, blocks, -1).to(torch.int32)

@@ -27,9 +27,15 @@ from regattn.ops._common.attention_tiles import (
 )
 from regattn.ops._common.ints import ceil_div, next_pow2
 
-SEGMENT = 128   # queries of one selection block a dK/dV program takes; a block chosen by more has several
-DKV_ROWS = 32   # rows of a dK/dV tile: SEGMENT's queries taken DKV_ROWS // group at a time. On sm_90 at D 128,
-                # 64 rows need 251 registers a thread (triton 3.6) and spill with triton 3.9; 32 rows need 200
+# Launch settings, from a sweep on the H100 (bf16, B1 HQ16 H4 D128, NSA's blocks): the backward took 12.6 ms at
+# T = 32768 with segments of 256, 64 rows and 4 warps, against 15.7 ms with 128, 32 and 8 (segments of 64 to 512,
+# 16 to 64 rows, 4 or 8 warps); the forward 8.5 ms on 2 warps against 9.2 on 4 and 12.4 on 8, dQ 9.0 against 9.3
+# and 11.8. The dK/dV kernel on 64 rows and 4 warps holds 255 registers without spilling under triton 3.6 (it
+# spills 304 bytes under 3.9).
+SEGMENT = 256    # queries of one selection block a dK/dV program takes; a block chosen by more has several
+DKV_ROWS = 64    # rows of a dK/dV tile: SEGMENT's queries taken DKV_ROWS // group at a time
+DKV_WARPS = 4
+QUERY_WARPS = 2  # the forward's and dQ's (a tile of 16 rows)
 
 
 @triton.jit
@@ -246,7 +252,7 @@ def selected_forward(q, k, v, blocks, *, block_slc: int, offset: int, scale: flo
     lse = torch.empty(B, HQ, T, device=q.device, dtype=torch.float32)
     if T == 0:
         return o, lse
-    grid, strides, dims, sizes = _launch(q, k, v, blocks, block_slc, num_warps=4)
+    grid, strides, dims, sizes = _launch(q, k, v, blocks, block_slc, num_warps=QUERY_WARPS)
     selected_fwd_kernel[grid](q, k, v, blocks, o, lse, *strides, *o.stride()[:3], *dims, offset, blocks.shape[3],
                               block_slc, scale * LOG2E, **sizes)
     return o, lse
@@ -263,14 +269,14 @@ def selected_backward(do, q, k, v, blocks, o, lse, *, block_slc: int, offset: in
     if T:
         delta = row_dot(o, do).transpose(1, 2).contiguous()   # [B, HQ, T]
         topk = blocks.shape[3]
-        grid, strides, dims, sizes = _launch(q, k, v, blocks, block_slc, num_warps=4)
+        grid, strides, dims, sizes = _launch(q, k, v, blocks, block_slc, num_warps=QUERY_WARPS)
         selected_dq_kernel[grid](q, k, v, blocks, do, lse, delta, dq, *strides, *o.stride()[:3], *dims, offset, topk,
                                  block_slc, scale * LOG2E, scale, **sizes)
         queries, seg_block, seg_start, seg_end = inverse_index(blocks, ceil_div(k.shape[1], block_slc), SEGMENT)
         group = sizes.pop("GROUP")
         sizes.pop("BLOCK_G")
         if not interpreting():
-            sizes.update(num_warps=8)
+            sizes.update(num_warps=DKV_WARPS)
         selected_dkv_kernel[(seg_block.shape[2], grid[1])](
             q, k, v, do, lse, delta, queries, seg_block, seg_start, seg_end, dk, dv, *strides[:9], *do.stride()[:3],
             *dims, offset, T * topk, seg_block.shape[2], block_slc, scale * LOG2E, scale, GROUP=group,
