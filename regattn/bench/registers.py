@@ -331,12 +331,12 @@ def gate_rows(head_dims=None, kinds=None, candidates=False, *, shapes=GATE_SHAPE
 
 
 def nsa_rows(head_dims=(128,), kinds=None, candidates=False, *, B=1, T=32768, HQ=16, H=4, block_slc=64, topk=16):
-    """One row per (head dim, kernel) of NSA's block importance and selected attention, forward and backward,
+    """One row per (head dim, kernel) of NSA's block selection and selected attention, forward and backward,
     bf16, at the bench's shape (a group of 4 query heads, compressed blocks of 32 with stride 16, selection
     blocks of 64; ``kinds`` and ``candidates`` do not apply)."""
     from unittest import mock
 
-    from regattn.ops.nsa.compression import importance_from_lse
+    from regattn.ops.nsa.compression import selected_blocks
     from regattn.ops.nsa.kernels import selected_backward, selected_forward
     for D in head_dims:
         q = torch.empty(B, T, HQ, D, device="meta", dtype=torch.bfloat16)
@@ -345,8 +345,8 @@ def nsa_rows(head_dims=(128,), kinds=None, candidates=False, *, B=1, T=32768, HQ
         blocks = torch.empty(B, H, T, topk, device="meta", dtype=torch.int32)
         lse = torch.empty(B, HQ, T, device="meta")
         with captured_launches() as launches, mock.patch("regattn.ops.nsa.kernels.row_dot", lambda o, do: lse):
-            importance_from_lse(q, kc, lse.transpose(1, 2), T // block_slc, offset=0, block_cmp=32, stride_cmp=16,
-                                block_slc=block_slc, scale=D ** -0.5)
+            selected_blocks(q, kc, lse.transpose(1, 2), T, offset=0, block_cmp=32, stride_cmp=16, block_slc=block_slc,
+                            topk=topk, scale=D ** -0.5)
             selected_forward(q, kv, kv, blocks, block_slc=block_slc, offset=0, scale=D ** -0.5)
             selected_backward(q, q, kv, kv, blocks, q, lse, block_slc=block_slc, offset=0, scale=D ** -0.5)
         for kernel, args, kwargs in launches:

@@ -116,19 +116,36 @@ def _importance(q, kc, offset, *, block_cmp, stride_cmp, block_slc, n_slc):
     return (p @ overlap.double()).view(B, H, HQ // H, T, n_slc).sum(2)
 
 
-@pytest.mark.parametrize("bc, sc, bs", [(6, 2, 4), (5, 3, 7), (4, 4, 2)])
-def test_importance_kernel_is_the_overlap_sum_of_probabilities(bc, sc, bs, monkeypatch, interpret):
-    """The kernel's importance over several steps of selection blocks (16 compressed blocks a step), for
-    queries at an offset, from the log-sum-exp of the kernel's compression attention."""
+@pytest.mark.parametrize("bc, sc, bs, topk", [(6, 2, 4, 5), (5, 3, 7, 3), (4, 4, 2, 16), (8, 4, 4, 30), (4, 2, 40, 2)])
+def test_selection_kernel_picks_the_most_important_blocks(bc, sc, bs, topk, monkeypatch, interpret):
+    """The kernel's blocks and their importances, over several steps of selection blocks (16 compressed blocks a
+    step), for queries at an offset, against the float64 importance: each query has its own block first, then
+    the started blocks best first, each at its float64 importance, and no started block left out is more
+    important than one taken (up to fp32 rounding, which may reorder near ties); -1 only past the started ones.
+    The last case's selection blocks each overlap more compressed blocks than a step of 16 holds."""
     monkeypatch.setattr(compression, "BLOCK_J", 16)
-    q, _, _, kc, vc = (t.detach().float() for t in _inputs(2, 70, 6, 2, 16, 16, bc, sc))
-    n_slc, first = -(-70 // bs), 23
+    T, first = 70, 23
+    q, _, _, kc, vc = (t.detach().float() for t in _inputs(2, T, 6, 2, 16, 16, bc, sc))
+    n_slc = -(-T // bs)
     options = dict(block_cmp=bc, stride_cmp=sc, block_slc=bs)
     _, lse2 = compression.compressed_attention(q, kc, vc, offset=0, block_cmp=bc, stride_cmp=sc, scale=16 ** -0.5)
-    got = compression.importance_from_lse(q[:, first:], kc, lse2[:, first:], n_slc, offset=first, scale=16 ** -0.5,
-                                          **options)
-    assert compression.selection_step(bc, sc, bs) < n_slc    # several steps
-    assert rel_err(got, _importance(q[:, first:], kc, first, n_slc=n_slc, **options)) < 1e-5
+    blocks, scores = compression.selected_blocks(q[:, first:], kc, lse2[:, first:], T, offset=first, topk=topk,
+                                                 scale=16 ** -0.5, scores=True, **options)
+    assert compression.selection_tiles(bc, sc, bs)[1] < n_slc    # several steps
+    want = _importance(q[:, first:], kc, first, n_slc=n_slc, **options)
+    assert blocks.shape == (2, 2, T - first, min(topk, n_slc))
+    for t in range(T - first):
+        started = (first + t) // bs + 1
+        picked = blocks[:, :, t].long()
+        taken = min(topk, started)
+        assert (picked[..., :taken] >= 0).all() and (picked[..., taken:] == -1).all()
+        assert (picked[..., 0] == started - 1).all() and torch.isinf(scores[:, :, t, 0]).all()
+        if taken > 1:
+            got = scores[:, :, t, 1:taken].double()
+            exact = want[:, :, t].gather(-1, picked[..., 1:taken])
+            assert (got - exact).abs().max() < 1e-5 and (got[..., :-1] >= got[..., 1:]).all()
+            left = want[:, :, t, :started].scatter(-1, picked[..., :taken], float("-inf"))
+            assert (left.amax(-1) <= exact.amin(-1) + 1e-5).all()
 
 
 @pytest.mark.parametrize("case", CASES[:3], ids=lambda c: "-".join(map(str, c)))

@@ -3,15 +3,15 @@
 Two paths give the numbers of :func:`regattn.reference.nsa.nsa_attention`, neither building a ``[T, T]`` mask:
 
 * the kernel path (``backend="triton"``): the compression attention on the FlashAttention kernels, the block
-  importance in a Triton kernel with a top-k per chunk of queries (:mod:`regattn.ops.nsa.compression`), and
-  the selected attention in the kernel of :mod:`regattn.ops.nsa.kernels`, which reads the selected tokens in
-  place;
+  importance and its top-k in one Triton kernel (:mod:`regattn.ops.nsa.compression`), and the selected
+  attention in the kernel of :mod:`regattn.ops.nsa.kernels`, which reads the selected tokens in place;
 * the torch path: the queries in chunks of ``chunk`` positions, a chunk's compression attention ``[chunk, n]``
   (``n ~ T / stride_cmp`` compressed blocks) and its selection attention ``[chunk, topk * block_slc]`` (each
   query's selected tokens, gathered), each chunk checkpointed (saving only its inputs, recomputed in the
   backward).
 
-Either costs ``O(T (T / stride_cmp + topk block_slc))`` time and at most one chunk's worth of that memory.
+Either costs ``O(T (T / stride_cmp + topk block_slc))`` time; the kernel path's memory is linear in T, the torch
+path's one chunk's worth of that time.
 """
 from __future__ import annotations
 
@@ -45,9 +45,8 @@ def nsa_attention(q, k, v, kc, vc, *, block_cmp, stride_cmp, block_slc, topk, sc
         block_slc, topk: selection block length and the number of blocks each query selects.
         scale: defaults to ``D ** -0.5``.
         offset: position of the first query (decoding: the cache length before the new token).
-        chunk: queries per chunk (memory, not numbers): on the torch path (128 by default) a chunk gathers
-            ``chunk * topk * block_slc`` tokens; on the kernel path it ranks ``[B, H, chunk, n_slc]``
-            importances (:func:`regattn.ops.nsa.compression.selection_chunk` by default).
+        chunk: queries per chunk of the torch path (memory, not numbers; 128 by default): a chunk gathers
+            ``chunk * topk * block_slc`` tokens. The kernel path takes all queries at once.
         backend: ``"auto" | "torch" | "triton"`` (the module text); ``"triton"`` takes fp16, bf16 and fp32 and
             is the default on CUDA.
 
@@ -81,7 +80,7 @@ def nsa_attention(q, k, v, kc, vc, *, block_cmp, stride_cmp, block_slc, topk, sc
         return _torch_path(q, k, v, kc, vc, offset=offset, chunk=chunk or TORCH_CHUNK, **options)
     o_cmp, lse2 = compressed_attention(q, kc, vc, offset=offset, block_cmp=block_cmp, stride_cmp=stride_cmp,
                                        scale=scale)
-    blocks = selected_blocks(q, kc, lse2, S, offset=offset, chunk=chunk, **options)
+    blocks = selected_blocks(q, kc, lse2, S, offset=offset, **options)
     return o_cmp, selected_attention(q, k, v, blocks, block_slc=block_slc, offset=offset, scale=scale)
 
 
