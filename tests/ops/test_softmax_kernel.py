@@ -89,6 +89,31 @@ def test_window_one_returns_v_with_zero_grads_of_q_k_u(interpret):
         assert torch.isfinite(g).all() and g.abs().max() < 1e-5
 
 
+def test_gate_far_from_zero_keeps_fp32_precision(interpret):
+    """Late in a long sequence ``u`` is large (``|u| ~ 1e5``, an fp32 step of 0.008) while the differences the
+    window sees are small: the kernel forms the differences first, so fp32 stays within 2e-5 of float64,
+    forward and every gradient (adding ``u_i`` and ``u_j`` to the logits one at a time errs by about 1e-2)."""
+    q, k, v, u = _inputs(1, 45, 45, 2, 1, 16, 16, torch.float32, True)
+    u = (u.detach() - 1.0e5).requires_grad_(True)
+    do = randn(1, 45, 2, 16, device=DEV, dtype=torch.float32)
+    _compare(q, k, v, u, do, 2e-5, window=13)
+
+
+def test_non_finite_gate_stays_in_the_rows_that_read_it(interpret):
+    """A NaN gate at position 16 (in the interpreter the first row of a tile, whose gate the kernel subtracts
+    from the others) makes NaN the rows that read it, 16 to 19 with a window of 4, and leaves every other row
+    as the spec's."""
+    q, k, v, u = _inputs(1, 40, 40, 2, 2, 16, 16, torch.float32, True)
+    u = u.detach().clone()
+    u[0, 16, 1] = float("nan")
+    o = regattn.gatedfwa(q, k, v, u, window=4, backend="triton")
+    want = reference.gatedfwa(q.double(), k.double(), v.double(), u.double(), window=4)
+    reads = torch.zeros(40, 2, dtype=torch.bool)
+    reads[16:20, 1] = True
+    assert torch.isnan(o[0][reads]).all()
+    assert rel_err(o[0][~reads], want[0][~reads]) < 2e-5
+
+
 def test_strong_gates_no_nan_and_first_token_attends_to_itself(interpret):
     q, k, v, _ = _inputs(1, 40, 40, 2, 2, 16, 16, torch.float32, False)
     u = (-torch.cumsum(torch.full((1, 40, 2), 300.0), 1)).to(DEV).requires_grad_(True)

@@ -30,13 +30,13 @@ QUICK_PEERS = ("flex", "copy")
 MAIN = {"fwd": ("flex",), "fwd+bwd": ("flex",), "gate fwd": ("copy",), "gate fwd+bwd": ("copy",)}
 MODES = ("fwd", "fwd+bwd")
 ATTENTION = [dict(B=1, H=16, T=32768, D=128, w=512)]
-GATE = [dict(part="gate", B=1, T=65536, H=H) for H in (64, 128)]
+GATE = [dict(part="gate", B=1, T=T, H=H) for T in (8192, 65536) for H in (16, 64, 128)]
 GRIDS = {
     "tiny": [dict(B=1, H=2, T=48, D=16, w=16), dict(part="gate", B=1, T=64, H=4)],
     "goal": ATTENTION + GATE,
-    "quick": ATTENTION + GATE[1:],
+    "quick": ATTENTION + GATE[-1:],
     "full": [dict(B=1, H=16, T=T, D=128, w=w) for T in (4096, 8192, 16384, 32768, 65536, 131072) for w in (512, 1024)]
-    + [dict(part="gate", B=1, T=T, H=H) for T in (8192, 65536) for H in (16, 64, 128)],
+    + GATE,
 }
 CHECK_ROWS = 2048
 # Tiles of the chunked gate scan timed by time_chunked_tiles: (elements of a tile, heads of a block, num_warps).
@@ -158,23 +158,19 @@ def attention_cases(shape, setup):
 # The softmax kernels' tile kinds (attention_blocks), which a variant of time_tile_variants overrides.
 TILE_KINDS = ("fwd", "bwd_kv", "bwd_q")
 # Tile variants of the softmax kernels for time_tile_variants at D = 128, bf16, window 512: the table's entries
-# first, then an earlier sweep's winners one kernel at a time and together, then other tiles that compile
-# without spilling on sm_90, with the gate and without. REG per kernel with the gate / without, triton 3.6:
-# benchmarks/results/sm90-registers/gatedfwa.txt (python -m regattn.bench.registers gatedfwa --candidates;
-# softmax: without the gate); bwd_kv holds BLOCK_N keys and streams BLOCK_M query rows. The table's bwd_kv
-# spills (280 / 184 bytes of stack); the others fit.
+# first, then other tiles of one kernel that compile without spilling on sm_90, and the dK/dV pass on the
+# softmax's table. REG per kernel with the gate / without, triton 3.6: benchmarks/results/sm90-registers/gatedfwa.txt
+# (python -m regattn.bench.registers gatedfwa --candidates; softmax: without the gate); bwd_kv holds BLOCK_N keys
+# and streams BLOCK_M query rows.
 TILE_VARIANTS = [
-    {},                                                   # fwd REG 251 / 198, bwd_kv 255 / 255, bwd_q 254 / 247
-    {"fwd": tile(64, 32, 4, 3)},                          # REG 167 / 128
-    {"bwd_kv": tile(32, 64, 4, 3)},                       # REG 255 / 255
-    {"bwd_q": tile(64, 32, 4, 3)},                        # REG 224 / 153
-    {"fwd": tile(64, 32, 4, 3), "bwd_kv": tile(32, 64, 4, 3), "bwd_q": tile(64, 32, 4, 3)},
-    {"fwd": tile(128, 64, 8, 2)},                         # REG 211 / 217
-    {"fwd": tile(128, 32, 8, 3)},                         # REG 193 / 159
-    {"bwd_kv": tile(32, 128, 8, 2)},                      # REG 255 / 255
-    {"bwd_kv": tile(32, 64, 8, 3)},                       # REG 238 / 213
-    {"bwd_q": tile(128, 32, 8, 3)},                       # REG 214 / 151
-    {"bwd_q": tile(128, 64, 8, 2)},                       # REG 244 / 255
+    {},                                                   # fwd REG 206 / 166, bwd_kv 255 / 246, bwd_q 220 / 182
+    {"fwd": tile(64, 32, 4, 3)},                          # REG 152 / 128
+    {"fwd": tile(64, 64, 4, 2)},                          # REG 206 / 166
+    {"fwd": tile(128, 64, 8, 2)},                         # REG 206 / 161
+    {"bwd_q": tile(64, 64, 8, 2)},                        # REG 137 / 128
+    {"bwd_q": tile(64, 32, 4, 3)},                        # REG 156 / 139
+    {"bwd_kv": tile(32, 64, 8, 3)},                       # REG 209 / 180
+    {"bwd_kv": tile(64, 64, 4, 2)},                       # REG 255 / 255, spills 136 / 72 bytes
 ]
 
 

@@ -30,10 +30,10 @@ LOG2E = 1.4426950408889634
 BLOCK_OVERRIDES: dict[str, dict] = {}
 # fp16/bf16 launch settings per kind of the kernels with the gate bias (GatedFWA) where they differ from those of
 # the kernels without it. H100, bf16, B1 H16 T32768 D128 window 512 (``time_tile_variants`` of the gatedfwa
-# bench, 3 rounds): the forward 0.536 ms against 0.555 with the softmax's 64 x 64, forward+backward 2.41 ms
-# against 2.74 with the dK/dV pass on 32 x 64 tiles (3 stages; 64 x 64 spills 280 bytes a thread there).
+# bench, 3 rounds, benchmarks/results/h100/tiles/gatedfwa-d128.json): forward+backward 2.06 ms with the dK/dV
+# pass on 32 x 64 tiles (3 stages) against 2.21 on the softmax's 64 x 64 (which spills 136 bytes a thread
+# with the gate). The forward takes the softmax's 64 x 64 (0.467 ms, against 0.492 on 64 x 32).
 GATED_BLOCKS: dict[str, dict] = {
-    "fwd": dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=3),
     "bwd_kv": dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=3),
 }
 
@@ -133,16 +133,18 @@ def visible_mask_t(offs_k, pos, Sk, CAUSAL: tl.constexpr, WINDOW: tl.constexpr):
 
 
 @triton.jit
-def online_softmax_step(m_i, l_i, s2):
-    """One FlashAttention update with base-2 logits ``s2: [BM, BN]`` (``-inf`` where hidden).
+def online_softmax_step(m_i, l_i, s, scale2):
+    """One FlashAttention update with base-2 logits ``scale2 * s`` (``s: [BM, BN]``, ``-inf`` where hidden;
+    ``scale2 > 0``).
 
     Returns ``(m_new, l_new, p, alpha)``: the running max and sum, the tile's unnormalised
-    weights ``p = exp2(s2 - m_new)`` and the factor ``alpha`` that rescales the old accumulator.
-    Rows that have seen no key yet keep ``m = -inf`` and get ``p = 0`` (never NaN).
+    weights ``p = exp2(scale2 * s - m_new)`` (one fused multiply-add per entry) and the factor ``alpha`` that
+    rescales the old accumulator. Rows that have seen no key yet keep ``m = -inf`` and get ``p = 0`` (never
+    NaN). Callers whose logits are already scaled pass ``scale2 = 1.0``.
     """
-    m_new = tl.maximum(m_i, tl.max(s2, 1))
+    m_new = tl.maximum(m_i, tl.max(s, 1) * scale2)
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp2(s2 - m_use[:, None])
+    p = tl.exp2(s * scale2 - m_use[:, None])
     alpha = tl.exp2(m_i - m_use)
     l_new = l_i * alpha + tl.sum(p, 1)
     return m_new, l_new, p, alpha
@@ -233,7 +235,7 @@ def attention_blocks(head_dim: int, dtype: torch.dtype, kind: str, *, gated: boo
         return dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)
     if gated and kind in GATED_BLOCKS:
         return dict(GATED_BLOCKS[kind])
-    if kind == "fwd":  # H100 sweep, bf16, d=128, w=512: 64 x 64 beat 128 x 64 and 128 x 128
+    if kind == "fwd":  # H100 sweeps, bf16, d=128, w=512: 64 x 64 beat 128 x 64, 128 x 128 and 64 x 32
         return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)
     if kind in ("bwd_kv", "bwd_q"):
         return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)

@@ -60,7 +60,7 @@ def lla_fwd_kernel(Q, K, V, LAM, O, RHO, DELTA, M2, ARGMAX, OMEGA, CENTRE,
         s2 = tl.where(visible_mask(pos, offs_n, S, True, WINDOW), s2, float("-inf"))
         tile_max = tl.max(s2, 1)
         arg = tl.where(tile_max > m2, tl.argmax(s2, 1).to(tl.int32) + start_n, arg)
-        m2, omega, w, alpha = online_softmax_step(m2, omega, s2)
+        m2, omega, w, alpha = online_softmax_step(m2, omega, s2, 1.0)
         k = tl.trans(kt)
         # mu~ from weights split in two half-precision parts: mu = mu~ - omega q cancels, and the direct
         # solves' Sigma_dd cancels 2 q mu~ against the second moments (bf16 weights alone leave ~1e-4 to 1e-2)

@@ -106,7 +106,7 @@ def selected_fwd_kernel(Q, K, V, BLK, O, LSE,
         k, _ = _load_tokens(K, b, tok, h, stride_kb, stride_ks, stride_kh, D, visible, BLOCK_D)
         s2 = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale2
         s2 = tl.where(visible[None, :], s2, float("-inf"))
-        m_i, l_i, p, alpha = online_softmax_step(m_i, l_i, s2)
+        m_i, l_i, p, alpha = online_softmax_step(m_i, l_i, s2, 1.0)
         v, _ = _load_tokens(V, b, tok, h, stride_vb, stride_vs, stride_vh, DV, visible, BLOCK_DV)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     o, lse2 = softmax_finish(acc, m_i, l_i)

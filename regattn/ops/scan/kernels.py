@@ -223,7 +223,7 @@ def _fold_tiles(m_i, l_i, acc, q, q_base, sqt, k_base, v_base, skt, svt, lo, hi,
         if MASKED:
             seen = _visible(offs_m, offs_n, Tb, Sb, CAUSAL, WINDOW)
             s = tl.where(seen, s, float("-inf"))
-        m_i, l_i, p, alpha = online_softmax_step(m_i, l_i, s)
+        m_i, l_i, p, alpha = online_softmax_step(m_i, l_i, s, 1.0)
         v = _tf32(_load_rows(v_base, offs_n, svt, offs_dv, Sb, DV, EVEN_N), ROUND_TF32)
         p = _tf32(p.to(v.dtype), ROUND_TF32)
         if MASKED and (CAUSAL or WINDOW > 0):

@@ -3,14 +3,21 @@
 gatedfwa.md Algorithm 2 (forward) and Algorithm 4 (backward), FlashAttention-2 style:
 
 * forward: one program per (query tile, sequence, query head); only key tiles that meet the
-  causal window are visited; the gate bias ``u_i - u_j`` comes from two vector loads per tile;
-  online softmax in base 2; saves the log-sum-exp.
+  causal window are visited, in one loop that masks the partial tiles only; online softmax in base 2;
+  saves the log-sum-exp.
 * backward: ``delta = rowsum(o * dO)``; one kernel per key tile accumulates ``dK, dV`` over the
-  query heads of its group and the key part of the gate gradient ``du^k_j = -sum_i dS_ij``; a second
-  kernel per query tile gives ``dQ`` and adds the query part ``du^q_i = sum_j dS_ij``.
+  query heads of its group and the gate gradient ``du_j = -sum_i dS_ij``; a second kernel per query
+  tile gives ``dQ``.
 
-Layout: ``q: [B, T, HQ, D]``, ``k: [B, S, H, D]``, ``v: [B, S, H, Dv]``, ``u: [B, T, HQ]``; with
-``cu_seqlens`` the batch is one packed row (``B == 1``, ``S == T``).
+The gate bias ``u_i - u_j``: a row's own ``u_i`` shifts all its logits alike, so the softmax does not
+see it. The kernels add only ``-(u_j - r)`` to the logits, one vector per tile with ``r`` the gate at the
+program's first row (differences of nearby ``u``, exact where ``|u|`` is large), and move ``u_i - r`` into
+the saved log-sum-exp. For the same reason the query part of the gate gradient, ``sum_j dS_ij =
+sum_j P_ij dP_ij - delta_i``, is zero: ``du`` is the key part alone.
+
+Layout: ``q: [B, T, HQ, D]``, ``k: [B, S, H, D]``, ``v: [B, S, H, Dv]``, ``u: [B, T, HQ]`` (the kernels
+read it as :func:`gate_rows` lays it out); with ``cu_seqlens`` the batch is one packed row (``B == 1``,
+``S == T``).
 """
 from __future__ import annotations
 
@@ -24,6 +31,8 @@ from regattn.ops._common.attention_tiles import (
 )
 from regattn.ops._common.checks import longest_sequence
 from regattn.ops._common.ints import ceil_div
+
+GATE2 = tl.constexpr(LOG2E)  # u in base 2
 
 
 @triton.jit
@@ -74,12 +83,40 @@ def _load_tile(P, b, bos, rows, head, stride_b, stride_t, stride_h, n_rows, n_co
 
 
 @triton.jit
-def _gate2(U_h, rows, stride_ut, n_rows, GATED: tl.constexpr, BLOCK: tl.constexpr):
-    """The base-2 gate ``log2(e) * u`` of ``rows`` (``[BLOCK]``, zeros without a gate)."""
-    u2 = tl.zeros([BLOCK], dtype=tl.float32)
+def _gate_origin(G_h, row, GATED: tl.constexpr):
+    """``r``: the gate at ``row`` where finite, else 0 (0 without a gate)."""
+    r = 0.0
     if GATED:
-        u2 = tl.load(U_h + rows * stride_ut, mask=rows < n_rows, other=0.0).to(tl.float32) * 1.4426950408889634
-    return u2
+        r = tl.load(G_h + row)
+        r = tl.where(tl.abs(r) < float("inf"), r, 0.0)
+    return r
+
+
+@triton.jit
+def _gate_from(G_h, rows, r, unit, GATED: tl.constexpr, BLOCK: tl.constexpr):
+    """``(u - r) * unit`` at ``rows`` (``[BLOCK]``, zeros without a gate). The gate rows are padded (see
+    :func:`gate_rows`), so rows up to two tiles past the end read without a mask."""
+    g = tl.zeros([BLOCK], dtype=tl.float32)
+    if GATED:
+        g = (tl.load(G_h + rows) - r) * unit
+    return g
+
+
+@triton.jit
+def _row_stats(LSE_h, DELTA_h, G_h, rows, slt, Tq, r, GATED: tl.constexpr, BLOCK: tl.constexpr):
+    """``(lse2, delta)`` of query ``rows``: the base-2 log-sum-exp without the rows' own gate ``u_i - r``, and
+    ``rowsum(o * dO)``."""
+    rmask = rows < Tq
+    lse2 = tl.load(LSE_h + rows * slt, mask=rmask, other=float("inf"))
+    if GATED:
+        lse2 -= _gate_from(G_h, rows, r, GATE2, GATED, BLOCK)
+    return lse2, tl.load(DELTA_h + rows * slt, mask=rmask, other=0.0)
+
+
+@triton.jit
+def _in_mask(start, full_lo, full_hi):
+    """Whether the tile at ``start`` lies outside the full tiles ``[full_lo, full_hi)``: it takes the mask."""
+    return (start < full_lo) | (start >= full_hi)
 
 
 @triton.jit
@@ -95,31 +132,28 @@ def _key_tiles(start_m, Tq, Sk, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, BLOC
 
 
 @triton.jit
-def _gate_logits(s2, uq2, U_k, offs_n, stride_ut, kmask, GATED: tl.constexpr):
-    """Add the base-2 gate bias ``log2(e) * (u_i - u_j)`` to a tile of logits."""
-    if GATED:
-        uk = tl.load(U_k + offs_n * stride_ut, mask=kmask, other=0.0).to(tl.float32)
-        s2 = s2 + uq2[:, None] - uk[None, :] * 1.4426950408889634
-    return s2
-
-
-@triton.jit
-def _fwd_tiles(acc, m_i, l_i, q, uq2, pos, K_h, V_h, U_k, stride_kt, stride_vt, stride_ut, Sk, start, end,
-               sm_scale2, D, DV, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, GATED: tl.constexpr,
-               MASKED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-               PRECISION: tl.constexpr):
+def _fwd_tiles(acc, m_i, l_i, q, pos, K_h, V_h, G_h, stride_kt, stride_vt, Sk, start, end, full_lo, full_hi,
+               sm_scale2, r, gate_unit, D, DV, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, GATED: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr):
+    """Key tiles ``[start, end)``, masked outside ``[full_lo, full_hi)``, in one loop (one software pipeline).
+    Logits ``s`` in the units of ``q.k`` (``sm_scale2 * s`` in base 2), the key gate ``u_j - r`` among them
+    (loaded a tile ahead, so that its latency hides behind a tile's products)."""
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
+    gate_next = _gate_from(G_h, start + tl.arange(0, BLOCK_N), r, gate_unit, GATED, BLOCK_N)
     for start_n in range(start, end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
+        gate = gate_next
+        gate_next = _gate_from(G_h, offs_n + BLOCK_N, r, gate_unit, GATED, BLOCK_N)
         kmask = offs_n < Sk
         kt = tl.load(K_h + offs_n[None, :] * stride_kt + offs_d[:, None],
                      mask=kmask[None, :] & (offs_d < D)[:, None], other=0.0)
-        s2 = tl.dot(q, kt, input_precision=PRECISION) * sm_scale2
-        s2 = _gate_logits(s2, uq2, U_k, offs_n, stride_ut, kmask, GATED)
-        if MASKED:
-            s2 = tl.where(visible_mask(pos, offs_n, Sk, CAUSAL, WINDOW), s2, float("-inf"))
-        m_i, l_i, p, alpha = online_softmax_step(m_i, l_i, s2)
+        s = tl.dot(q, kt, input_precision=PRECISION)
+        if GATED:
+            s -= gate[None, :]
+        if _in_mask(start_n, full_lo, full_hi):
+            s = tl.where(visible_mask(pos, offs_n, Sk, CAUSAL, WINDOW), s, float("-inf"))
+        m_i, l_i, p, alpha = online_softmax_step(m_i, l_i, s, sm_scale2)
         v = tl.load(V_h + offs_n[:, None] * stride_vt + offs_dv[None, :],
                     mask=kmask[:, None] & (offs_dv < DV)[None, :], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
@@ -127,8 +161,8 @@ def _fwd_tiles(acc, m_i, l_i, q, uq2, pos, K_h, V_h, U_k, stride_kt, stride_vt, 
 
 
 @triton.jit
-def _fwd_kernel(Q, K, V, U, O, LSE, CU, sm_scale2, T, S, D, DV,
-                sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sub, sut, suh, sob, sot, soh, slb, slt, slh,
+def _fwd_kernel(Q, K, V, G, O, LSE, CU, sm_scale2, T, S, D, DV,
+                sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sgb, sgt, sgh, sob, sot, soh, slb, slt, slh,
                 GROUP: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, GATED: tl.constexpr,
                 VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                 BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr):
@@ -140,8 +174,8 @@ def _fwd_kernel(Q, K, V, U, O, LSE, CU, sm_scale2, T, S, D, DV,
     offs_m = start_m + tl.arange(0, BLOCK_M)
     pos = offs_m + off
     q = _load_tile(Q, b, bos, offs_m, hq, sqb, sqt, sqh, Tq, D, BLOCK_D)
-    U_h = _head_base(U, b, bos, hq, sub, sut, suh)
-    uq2 = _gate2(U_h, offs_m, sut, Tq, GATED, BLOCK_M)
+    G_h = _head_base(G, b, bos, hq, sgb, sgt, sgh)
+    r = _gate_origin(G_h, start_m, GATED)
     K_h = _head_base(K, b, bos, hk, skb, skt, skh)
     V_h = _head_base(V, b, bos, hk, svb, svt, svh)
     a, bb, c, hi = _key_tiles(start_m, Tq, Sk, CAUSAL, WINDOW, BLOCK_M, BLOCK_N)
@@ -149,43 +183,44 @@ def _fwd_kernel(Q, K, V, U, O, LSE, CU, sm_scale2, T, S, D, DV,
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, uq2, pos, K_h, V_h, U_h, skt, svt, sut, Sk, a, bb, sm_scale2,
-                               D, DV, CAUSAL, WINDOW, GATED, True, BLOCK_N, BLOCK_D, BLOCK_DV, PRECISION)
-    acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, uq2, pos, K_h, V_h, U_h, skt, svt, sut, Sk, bb, c, sm_scale2,
-                               D, DV, CAUSAL, WINDOW, GATED, False, BLOCK_N, BLOCK_D, BLOCK_DV, PRECISION)
-    acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, uq2, pos, K_h, V_h, U_h, skt, svt, sut, Sk, c, hi, sm_scale2,
-                               D, DV, CAUSAL, WINDOW, GATED, True, BLOCK_N, BLOCK_D, BLOCK_DV, PRECISION)
+    acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, pos, K_h, V_h, G_h, skt, svt, Sk, a, hi, bb, c, sm_scale2, r,
+                               GATE2 / sm_scale2, D, DV, CAUSAL, WINDOW, GATED, BLOCK_N, BLOCK_D, BLOCK_DV,
+                               PRECISION)
     o, lse2 = softmax_finish(acc, m_i, l_i)
+    if GATED:  # the rows' own gate, u_i - r in base 2; a non-finite u_i makes its row NaN
+        row2 = _gate_from(G_h, offs_m, r, GATE2, GATED, BLOCK_M)
+        lse2 += row2
+        o = tl.where(tl.abs(row2)[:, None] < float("inf"), o, float("nan"))
     tl.store(_tile_ptrs(O, b, bos, offs_m, hq, sob, sot, soh, BLOCK_DV), o.to(O.dtype.element_ty),
              mask=_tile_mask(offs_m, Tq, DV, BLOCK_DV))
     tl.store(LSE + b * slb + (bos + offs_m) * slt + hq * slh, lse2, mask=offs_m < Tq)
 
 
 @triton.jit
-def _bwd_kv_tiles(dk, dv, du, k, v, uk2, offs_n, Q_h, DO_h, U_h, LSE_h, DELTA_h, sqt, sdot, sut, slt, Tq, Sk,
-                  off, start, end, sm_scale2, D, DV, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
-                  GATED: tl.constexpr, MASKED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-                  BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr):
-    """Keys on the rows (``[BLOCK_N, BLOCK_M]`` tiles), so no computed tile is transposed before a dot."""
+def _bwd_kv_tiles(dk, dv, du, k, v, key_gate, offs_n, Q_h, DO_h, G_h, LSE_h, DELTA_h, sqt, sdot, slt, Tq, Sk, off,
+                  start, end, full_lo, full_hi, sm_scale2, r, D, DV, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
+                  GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                  PRECISION: tl.constexpr):
+    """Query tiles ``[start, end)``, masked outside ``[full_lo, full_hi)``. Keys on the rows (``[BLOCK_N,
+    BLOCK_M]`` tiles), so no computed tile is transposed before a dot. ``key_gate``: ``u_j - r`` in the units
+    of ``q.k``."""
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     for start_m in range(start, end, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
+        lse2, delta = _row_stats(LSE_h, DELTA_h, G_h, offs_m, slt, Tq, r, GATED, BLOCK_M)
         rmask = offs_m < Tq
         qt = tl.load(Q_h + offs_m[None, :] * sqt + offs_d[:, None], mask=rmask[None, :] & (offs_d < D)[:, None],
                      other=0.0)
         do = tl.load(DO_h + offs_m[:, None] * sdot + offs_dv[None, :],
                      mask=rmask[:, None] & (offs_dv < DV)[None, :], other=0.0)
-        lse2 = tl.load(LSE_h + offs_m * slt, mask=rmask, other=float("inf"))
-        delta = tl.load(DELTA_h + offs_m * slt, mask=rmask, other=0.0)
-        st = tl.dot(k, qt, input_precision=PRECISION) * sm_scale2                  # [BLOCK_N, BLOCK_M]
+        st = tl.dot(k, qt, input_precision=PRECISION)                               # [BLOCK_N, BLOCK_M]
         if GATED:
-            uq2 = tl.load(U_h + offs_m * sut, mask=rmask, other=0.0).to(tl.float32) * 1.4426950408889634
-            st = st + uq2[None, :] - uk2[:, None]
-        if MASKED:
+            st -= key_gate[:, None]
+        if _in_mask(start_m, full_lo, full_hi):
             st = tl.where(visible_mask_t(offs_n, offs_m + off, Sk, CAUSAL, WINDOW) & rmask[None, :], st,
                           float("-inf"))
-        pt = tl.exp2(st - lse2[None, :])
+        pt = tl.exp2(st * sm_scale2 - lse2[None, :])
         dv += tl.dot(pt.to(do.dtype), do, input_precision=PRECISION)
         dpt = tl.dot(v, tl.trans(do), input_precision=PRECISION)
         dst = pt * (dpt - delta[None, :])
@@ -196,14 +231,14 @@ def _bwd_kv_tiles(dk, dv, du, k, v, uk2, offs_n, Q_h, DO_h, U_h, LSE_h, DELTA_h,
 
 
 @triton.jit
-def _bwd_kv_kernel(Q, K, V, U, DO, LSE, DELTA, DK, DV, DU, CU, sm_scale, sm_scale2, T, S, D, DV_DIM,
-                   sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sub, sut, suh, sdob, sdot, sdoh,
+def _bwd_kv_kernel(Q, K, V, G, DO, LSE, DELTA, DK, DV, DU, CU, sm_scale, sm_scale2, T, S, D, DV_DIM,
+                   sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sgb, sgt, sgh, sdob, sdot, sdoh,
                    slb, slt, slh, sdkb, sdkt, sdkh, sdvb, sdvt, sdvh,
                    GROUP: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, GATED: tl.constexpr,
                    VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr):
     """``dK, dV`` of ``BLOCK_N`` keys of one key/value head (its query heads summed in the program), and
-    the key part of the gate gradient of each query head."""
+    the gate gradient of each query head at these positions."""
     pid_n = tl.program_id(0)
     n = tl.program_id(1)
     hk = tl.program_id(2)
@@ -226,19 +261,14 @@ def _bwd_kv_kernel(Q, K, V, U, DO, LSE, DELTA, DK, DV, DU, CU, sm_scale, sm_scal
         hq = hk * GROUP + g
         Q_h = _head_base(Q, b, bos, hq, sqb, sqt, sqh)
         DO_h = _head_base(DO, b, bos, hq, sdob, sdot, sdoh)
-        U_h = _head_base(U, b, bos, hq, sub, sut, suh)
+        G_h = _head_base(G, b, bos, hq, sgb, sgt, sgh)
         LSE_h = _head_base(LSE, b, bos, hq, slb, slt, slh)
         DELTA_h = _head_base(DELTA, b, bos, hq, slb, slt, slh)
         du = tl.zeros([BLOCK_N], dtype=tl.float32)
-        uk2 = _gate2(U_h, offs_n, sut, Sk, GATED, BLOCK_N)
-        dk, dv, du = _bwd_kv_tiles(dk, dv, du, k, v, uk2, offs_n, Q_h, DO_h, U_h, LSE_h, DELTA_h, sqt, sdot, sut, slt,
-                                   Tq, Sk, off, a, bb, sm_scale2, D, DV_DIM, CAUSAL, WINDOW, GATED, True,
-                                   BLOCK_M, BLOCK_D, BLOCK_DV, PRECISION)
-        dk, dv, du = _bwd_kv_tiles(dk, dv, du, k, v, uk2, offs_n, Q_h, DO_h, U_h, LSE_h, DELTA_h, sqt, sdot, sut, slt,
-                                   Tq, Sk, off, bb, c, sm_scale2, D, DV_DIM, CAUSAL, WINDOW, GATED, False,
-                                   BLOCK_M, BLOCK_D, BLOCK_DV, PRECISION)
-        dk, dv, du = _bwd_kv_tiles(dk, dv, du, k, v, uk2, offs_n, Q_h, DO_h, U_h, LSE_h, DELTA_h, sqt, sdot, sut, slt,
-                                   Tq, Sk, off, c, hi, sm_scale2, D, DV_DIM, CAUSAL, WINDOW, GATED, True,
+        r = _gate_origin(G_h, start_n, GATED)
+        key_gate = _gate_from(G_h, offs_n, r, GATE2 / sm_scale2, GATED, BLOCK_N)
+        dk, dv, du = _bwd_kv_tiles(dk, dv, du, k, v, key_gate, offs_n, Q_h, DO_h, G_h, LSE_h, DELTA_h, sqt, sdot,
+                                   slt, Tq, Sk, off, a, hi, bb, c, sm_scale2, r, D, DV_DIM, CAUSAL, WINDOW, GATED,
                                    BLOCK_M, BLOCK_D, BLOCK_DV, PRECISION)
         if GATED:
             tl.store(DU + b * slb + (bos + offs_n) * slt + hq * slh, du, mask=offs_n < Sk)
@@ -249,9 +279,10 @@ def _bwd_kv_kernel(Q, K, V, U, DO, LSE, DELTA, DK, DV, DU, CU, sm_scale, sm_scal
 
 
 @triton.jit
-def _bwd_q_tiles(dq, duq, q, do, uq2, lse2, delta, pos, K_h, V_h, U_k, skt, svt, sut, Sk, start, end, sm_scale2,
-                 D, DV, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, GATED: tl.constexpr, MASKED: tl.constexpr,
+def _bwd_q_tiles(dq, q, do, lse2, delta, pos, K_h, V_h, G_h, skt, svt, Sk, start, end, full_lo, full_hi, sm_scale2,
+                 r, gate_unit, D, DV, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, GATED: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr):
+    """Key tiles and logits as in :func:`_fwd_tiles`; ``lse2`` without the rows' own gate."""
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     for start_n in range(start, end, BLOCK_N):
@@ -261,59 +292,47 @@ def _bwd_q_tiles(dq, duq, q, do, uq2, lse2, delta, pos, K_h, V_h, U_k, skt, svt,
                     other=0.0)
         vt = tl.load(V_h + offs_n[None, :] * svt + offs_dv[:, None],
                      mask=kmask[None, :] & (offs_dv < DV)[:, None], other=0.0)
-        s2 = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale2
-        s2 = _gate_logits(s2, uq2, U_k, offs_n, sut, kmask, GATED)
-        if MASKED:
-            s2 = tl.where(visible_mask(pos, offs_n, Sk, CAUSAL, WINDOW), s2, float("-inf"))
-        p = tl.exp2(s2 - lse2[:, None])
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        if GATED:
+            s -= _gate_from(G_h, offs_n, r, gate_unit, GATED, BLOCK_N)[None, :]
+        if _in_mask(start_n, full_lo, full_hi):
+            s = tl.where(visible_mask(pos, offs_n, Sk, CAUSAL, WINDOW), s, float("-inf"))
+        p = tl.exp2(s * sm_scale2 - lse2[:, None])
         dp = tl.dot(do, vt, input_precision=PRECISION)
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
-        if GATED:
-            duq += tl.sum(ds, 1)
-    return dq, duq
+    return dq
 
 
 @triton.jit
-def _bwd_q_kernel(Q, K, V, U, DO, LSE, DELTA, DQ, DU, CU, sm_scale, sm_scale2, T, S, D, DV,
-                  sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sub, sut, suh, sdob, sdot, sdoh,
+def _bwd_q_kernel(Q, K, V, G, DO, LSE, DELTA, DQ, CU, sm_scale, sm_scale2, T, S, D, DV,
+                  sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sgb, sgt, sgh, sdob, sdot, sdoh,
                   slb, slt, slh, sdqb, sdqt, sdqh,
                   GROUP: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, GATED: tl.constexpr,
                   VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                   BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr):
-    """``dQ`` of ``BLOCK_M`` queries of one query head, and the query part of the gate gradient."""
+    """``dQ`` of ``BLOCK_M`` queries of one query head."""
     b, bos, Tq, Sk, hq, hk, start_m = _query_program(CU, T, S, GROUP, VARLEN, BLOCK_M)
     if start_m >= Tq:
         return
     off = Sk - Tq
     offs_m = start_m + tl.arange(0, BLOCK_M)
-    rmask = offs_m < Tq
     pos = offs_m + off
     q = _load_tile(Q, b, bos, offs_m, hq, sqb, sqt, sqh, Tq, D, BLOCK_D)
     do = _load_tile(DO, b, bos, offs_m, hq, sdob, sdot, sdoh, Tq, DV, BLOCK_DV)
-    row = b * slb + (bos + offs_m) * slt + hq * slh
-    lse2 = tl.load(LSE + row, mask=rmask, other=float("inf"))
-    delta = tl.load(DELTA + row, mask=rmask, other=0.0)
-    U_h = _head_base(U, b, bos, hq, sub, sut, suh)
-    uq2 = _gate2(U_h, offs_m, sut, Tq, GATED, BLOCK_M)
+    G_h = _head_base(G, b, bos, hq, sgb, sgt, sgh)
+    r = _gate_origin(G_h, start_m, GATED)
+    lse2, delta = _row_stats(_head_base(LSE, b, bos, hq, slb, slt, slh), _head_base(DELTA, b, bos, hq, slb, slt, slh),
+                             G_h, offs_m, slt, Tq, r, GATED, BLOCK_M)
     K_h = _head_base(K, b, bos, hk, skb, skt, skh)
     V_h = _head_base(V, b, bos, hk, svb, svt, svh)
     a, bb, c, hi = _key_tiles(start_m, Tq, Sk, CAUSAL, WINDOW, BLOCK_M, BLOCK_N)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    duq = tl.zeros([BLOCK_M], dtype=tl.float32)
-    dq, duq = _bwd_q_tiles(dq, duq, q, do, uq2, lse2, delta, pos, K_h, V_h, U_h, skt, svt, sut, Sk, a, bb,
-                           sm_scale2, D, DV, CAUSAL, WINDOW, GATED, True, BLOCK_N, BLOCK_D, BLOCK_DV, PRECISION)
-    dq, duq = _bwd_q_tiles(dq, duq, q, do, uq2, lse2, delta, pos, K_h, V_h, U_h, skt, svt, sut, Sk, bb, c,
-                           sm_scale2, D, DV, CAUSAL, WINDOW, GATED, False, BLOCK_N, BLOCK_D, BLOCK_DV, PRECISION)
-    dq, duq = _bwd_q_tiles(dq, duq, q, do, uq2, lse2, delta, pos, K_h, V_h, U_h, skt, svt, sut, Sk, c, hi,
-                           sm_scale2, D, DV, CAUSAL, WINDOW, GATED, True, BLOCK_N, BLOCK_D, BLOCK_DV, PRECISION)
+    dq = _bwd_q_tiles(dq, q, do, lse2, delta, pos, K_h, V_h, G_h, skt, svt, Sk, a, hi, bb, c, sm_scale2, r,
+                      GATE2 / sm_scale2, D, DV, CAUSAL, WINDOW, GATED, BLOCK_N, BLOCK_D, BLOCK_DV, PRECISION)
     tl.store(_tile_ptrs(DQ, b, bos, offs_m, hq, sdqb, sdqt, sdqh, BLOCK_D), (dq * sm_scale).to(DQ.dtype.element_ty),
              mask=_tile_mask(offs_m, Tq, D, BLOCK_D))
-    if GATED:
-        # The key part du^k of these positions was written by the key-tile kernel; add the query part.
-        duk = tl.load(DU + row, mask=rmask, other=0.0)
-        tl.store(DU + row, duk + duq, mask=rmask)
 
 
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
@@ -332,6 +351,16 @@ def _grid_sizes(q, k, cu_seqlens, max_seqlen):
     return cu_seqlens.numel() - 1, longest, longest
 
 
+def gate_rows(u: torch.Tensor | None, *configs: dict) -> torch.Tensor | None:
+    """The gate as the kernels read it: ``[B, T + pad, HQ]`` fp32, contiguous along time (so a tile's gates
+    are one vector load), with ``pad`` zeros after each row: twice the largest tile of ``configs``, as far as a
+    tile (and the next tile, loaded ahead) reaches past a sequence's end. None without a gate."""
+    if u is None:
+        return None
+    pad = 2 * max(max(cfg["BLOCK_M"], cfg["BLOCK_N"]) for cfg in configs)
+    return torch.nn.functional.pad(u.transpose(1, 2).to(torch.float32), (0, pad)).transpose(1, 2)
+
+
 def _launch_flags(q, k, u, causal, window, cu_seqlens):
     return dict(GROUP=q.shape[2] // k.shape[2], CAUSAL=bool(causal), WINDOW=int(window or 0),
                 GATED=u is not None, VARLEN=cu_seqlens is not None, BLOCK_D=head_block(q.shape[3]),
@@ -345,13 +374,14 @@ def attention_forward(q, k, v, u, *, causal, window, scale, cu_seqlens, max_seql
     S, DV = k.shape[1], v.shape[3]
     o = torch.empty(B, T, HQ, DV, device=q.device, dtype=q.dtype)
     lse = torch.empty(B, T, HQ, device=q.device, dtype=torch.float32)
-    u_arg = u if u is not None else lse
     cu = cu_seqlens if cu_seqlens is not None else lse
     n_seq, t_max, _ = _grid_sizes(q, k, cu_seqlens, max_seqlen)
     cfg = attention_blocks(D, q.dtype, "fwd", gated=u is not None)
+    g = gate_rows(u, cfg)
+    g_arg = g if g is not None else lse
     grid = (ceil_div(t_max, cfg["BLOCK_M"]), n_seq, HQ)
-    _fwd_kernel[grid](q, k, v, u_arg, o, lse, cu, scale * LOG2E, T, S, D, DV,
-                      *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(u_arg), *_strides3(o),
+    _fwd_kernel[grid](q, k, v, g_arg, o, lse, cu, scale * LOG2E, T, S, D, DV,
+                      *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(g_arg), *_strides3(o),
                       *_strides3(lse), BLOCK_DV=head_block(DV), **_launch_flags(q, k, u, causal, window, cu_seqlens),
                       **cfg)
     return o, lse
@@ -366,19 +396,20 @@ def attention_backward(do, q, k, v, u, o, lse, *, causal, window, scale, cu_seql
     delta = row_dot(o.contiguous(), do)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     du = torch.empty(B, T, HQ, device=q.device, dtype=torch.float32) if u is not None else None
-    u_arg = u if u is not None else lse
     du_arg = du if du is not None else lse
     cu = cu_seqlens if cu_seqlens is not None else lse
     n_seq, t_max, s_max = _grid_sizes(q, k, cu_seqlens, max_seqlen)
     flags = _launch_flags(q, k, u, causal, window, cu_seqlens)
-    common = (*_strides3(q), *_strides3(k), *_strides3(v), *_strides3(u_arg), *_strides3(do), *_strides3(lse))
+    kv_cfg = attention_blocks(D, q.dtype, "bwd_kv", gated=u is not None)
+    q_cfg = attention_blocks(D, q.dtype, "bwd_q", gated=u is not None)
+    g = gate_rows(u, kv_cfg, q_cfg)
+    g_arg = g if g is not None else lse
+    common = (*_strides3(q), *_strides3(k), *_strides3(v), *_strides3(g_arg), *_strides3(do), *_strides3(lse))
 
-    cfg = attention_blocks(D, q.dtype, "bwd_kv", gated=u is not None)
-    grid = (ceil_div(s_max, cfg["BLOCK_N"]), n_seq, H)
-    _bwd_kv_kernel[grid](q, k, v, u_arg, do, lse, delta, dk, dv, du_arg, cu, scale, scale * LOG2E, T, S, D, DV,
-                         *common, *_strides3(dk), *_strides3(dv), BLOCK_DV=head_block(DV), **flags, **cfg)
-    cfg = attention_blocks(D, q.dtype, "bwd_q", gated=u is not None)
-    grid = (ceil_div(t_max, cfg["BLOCK_M"]), n_seq, HQ)
-    _bwd_q_kernel[grid](q, k, v, u_arg, do, lse, delta, dq, du_arg, cu, scale, scale * LOG2E, T, S, D, DV,
-                        *common, *_strides3(dq), BLOCK_DV=head_block(DV), **flags, **cfg)
+    grid = (ceil_div(s_max, kv_cfg["BLOCK_N"]), n_seq, H)
+    _bwd_kv_kernel[grid](q, k, v, g_arg, do, lse, delta, dk, dv, du_arg, cu, scale, scale * LOG2E, T, S, D, DV,
+                         *common, *_strides3(dk), *_strides3(dv), BLOCK_DV=head_block(DV), **flags, **kv_cfg)
+    grid = (ceil_div(t_max, q_cfg["BLOCK_M"]), n_seq, HQ)
+    _bwd_q_kernel[grid](q, k, v, g_arg, do, lse, delta, dq, cu, scale, scale * LOG2E, T, S, D, DV,
+                        *common, *_strides3(dq), BLOCK_DV=head_block(DV), **flags, **q_cfg)
     return dq, dk, dv, du
