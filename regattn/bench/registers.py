@@ -312,20 +312,20 @@ def attention_rows(head_dims=(128,), kinds=ATTENTION_KINDS, candidates=False, *,
 GATE_SHAPES = [(1, 8192, 16), (1, 65536, 64), (1, 65536, 128), (1, 8192, 3)]
 
 
-def gate_rows(head_dims=None, kinds=None, candidates=False, *, shapes=GATE_SHAPES, scans=None):
-    """One row per (shape, scan, tile, kernel) of the GatedFWA gate scans, launched by ``gate_forward`` and
-    ``gate_backward`` as the op launches them; with ``candidates``, the chunked scan also with each tile of
+def gate_rows(head_dims=None, kinds=None, candidates=False, *, shapes=GATE_SHAPES):
+    """One row per (shape, tile, kernel) of the GatedFWA gate scan, launched by ``gate_forward`` and
+    ``gate_backward`` as the op launches them; with ``candidates``, also with each tile of
     :data:`regattn.bench.suites.gatedfwa.CHUNK_TILES` (``head_dims`` and ``kinds`` do not apply)."""
     from regattn.bench.suites.gatedfwa import chunk_blocks
-    from regattn.ops.gatedfwa.gate import SCANS, gate_backward, gate_forward
-    for (B, T, H), scan in itertools.product(shapes, scans or SCANS):
-        for blocks in [None] + (chunk_blocks(H) if candidates and scan == "chunked" else []):
+    from regattn.ops.gatedfwa.gate import gate_backward, gate_forward
+    for B, T, H in shapes:
+        for blocks in [None] + (chunk_blocks(H) if candidates else []):
             x = torch.empty(B, T, H, device="meta")
             with captured_launches() as launches:
-                gate_forward(x, x, 1e-6, scan, blocks=blocks)
-                gate_backward(x, x, x, 1e-6, blocks=blocks, scan=scan)
+                gate_forward(x, x, 1e-6, blocks=blocks)
+                gate_backward(x, x, x, 1e-6, blocks=blocks)
             for kernel, args, kwargs in launches:
-                yield dict(shape=f"T={T},H={H}", scan=scan, kernel=kernel.__name__.strip("_").removesuffix("_kernel"),
+                yield dict(shape=f"T={T},H={H}", kernel=kernel.__name__.strip("_").removesuffix("_kernel"),
                            BLOCK_T=kwargs["BLOCK_T"], BLOCK_H=kwargs["BLOCK_H"], num_warps=kwargs.get("num_warps", 4),
                            table=blocks is None, **launch_usage(kernel, args, kwargs))
 
@@ -361,7 +361,7 @@ OPS = {"parallax": (parallax_rows, KINDS, COLUMNS),
        "scan": (scan_rows, ("ieee", "tf32x3"), COLUMNS + ("loop", "FFMA", "FFMA%", "FFMA/w", "LDS", "MMA", "LDL", "STL")),
        "lla": (lla_rows, tuple(LLA_KINDS), COLUMNS + ("loop", "MMA", "LDL", "STL")),
        "nsa": (nsa_rows, (), COLUMNS),
-       "gatedfwa_gate": (gate_rows, (), ("shape", "scan", "kernel", "BLOCK_T", "BLOCK_H", "num_warps") + USAGE)}
+       "gatedfwa_gate": (gate_rows, (), ("shape", "kernel", "BLOCK_T", "BLOCK_H", "num_warps") + USAGE)}
 
 
 def main(argv=None) -> int:

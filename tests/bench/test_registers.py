@@ -46,7 +46,7 @@ def test_softmax_kernel_launch_takes_the_tiles_given(gated):
 @compiles
 def test_chunked_gate_scan_does_not_spill():
     """The chunked gate scan, forward and backward, at 64 heads (its widest block) and at 3 (a masked block)."""
-    rows = list(registers.gate_rows(shapes=[(1, 65536, 64), (1, 8192, 3)], scans=["chunked"]))
+    rows = list(registers.gate_rows(shapes=[(1, 65536, 64), (1, 8192, 3)]))
     assert sorted({r["kernel"] for r in rows}) == ["gate_chunked", "gate_chunked_bwd"] and len(rows) == 4
     for r in rows:
         assert r["STACK"] == 0 and r["LOCAL"] == 0 and 0 < r["REG"] <= 128, r
@@ -57,7 +57,7 @@ def test_chunked_gate_scan_candidates(monkeypatch):
     """--candidates: the chunked scan also with each tile of CHUNK_TILES, num_warps as the tile says."""
     from regattn.bench.suites import gatedfwa
     monkeypatch.setattr(gatedfwa, "CHUNK_TILES", [(8192, 16, 16)])
-    rows = list(registers.gate_rows(candidates=True, shapes=[(1, 65536, 64)], scans=["chunked"]))
+    rows = list(registers.gate_rows(candidates=True, shapes=[(1, 65536, 64)]))
     table = [(size // heads, heads, warps, True) for size, heads, warps in CHUNK_TILES_LARGE.values()]  # 2^22 elements
     assert [(r["BLOCK_T"], r["BLOCK_H"], r["num_warps"], r["table"]) for r in rows] == table + [
         (512, 16, 16, False), (512, 16, 16, False)]
@@ -101,7 +101,7 @@ def test_scan_forward_loop_uses_the_fma_pipe_only_in_strict_fp32(precision):
 
 def fp64_launches():
     """Launches of kernels with float arguments, captured on the meta device: LLA's forward (CG, 2 x 2 and
-    1 x 1 solves) and backward, and the gate scans."""
+    1 x 1 solves) and backward, and the gate scan forward and backward."""
     from unittest import mock
 
     import torch
@@ -117,8 +117,8 @@ def fp64_launches():
         backward.lla_backward(q, q, q, q, 0.5, q.float(), rows, rows, rows.int(), rows, q.float().transpose(1, 2),
                               scale=0.125, window=None, cg_iters=8, cg_tol=1e-6, lam_grad=False)
         h = torch.empty(2, 1024, 16, device="meta")
-        for scan in ("one_pass", "scan_then_propagate", "chunked"):
-            gate.gate_forward(h, h, 1e-6, scan=scan)
+        gate.gate_forward(h, h, 1e-6)
+        gate.gate_backward(h, h, h, 1e-6)
     return launches
 
 
@@ -126,6 +126,6 @@ def fp64_launches():
 def test_float_arguments_may_come_as_fp64():
     # torch.compile launches a kernel with its float arguments as fp64: its loops must keep their fp32 types
     launches = fp64_launches()
-    assert len(launches) == 9
+    assert len(launches) == 7
     for kernel, args, kwargs in launches:
         registers.compile_launch(kernel, args, kwargs, floats="fp64")

@@ -6,7 +6,6 @@ import torch.nn.functional as F
 
 import regattn
 from regattn import reference
-from regattn.ops.gatedfwa.gate import SCANS
 from tests.gpu.rule import assert_within, leaves, outputs, segments
 from tests.helpers import randn
 
@@ -37,12 +36,12 @@ def check_attention(B, T, HQ, H, D, dtype, *, window, gated, cu_seqlens=None, de
                   parts=segments(cu_seqlens) if cu_seqlens else ())
 
 
-def check_gate(scan, B, T, H, device="cuda"):
+def check_gate(B, T, H, device="cuda"):
     """u, dh and dbeta against float64, within 2x the error of the torch reference in fp32 plus 1e-5."""
     h = randn(B, T, H, dtype=FP32, device=device, scale=3.0)
     beta = 1 + F.elu(randn(B, T, H, dtype=FP32, device=device))
     du = randn(B, T, H, dtype=FP32, device=device)
-    got = outputs(lambda h, b: regattn.gatedfwa_gate(h, b, scan=scan, backend="triton"), leaves([h, beta]), du)
+    got = outputs(lambda h, b: regattn.gatedfwa_gate(h, b, backend="triton"), leaves([h, beta]), du)
     exact = outputs(reference.gatedfwa_gate, leaves([h, beta], torch.float64), du)
     same = outputs(reference.gatedfwa_gate, leaves([h, beta]), du)
     assert_within(["u", "dh", "dbeta"], got, exact, same, slack=1e-5)
@@ -61,9 +60,8 @@ def test_attention(B, T, HQ, H, D, dtype, window, gated, cu_seqlens):
     check_attention(B, T, HQ, H, D, dtype, window=window, gated=gated, cu_seqlens=cu_seqlens)
 
 
-@pytest.mark.parametrize("scan", SCANS)
-def test_gate_against_torch_fp32(scan):
-    check_gate(scan, 2, 65536, 64)
+def test_gate_against_torch_fp32():
+    check_gate(2, 65536, 64)
 
 
 # Chunked-scan tiles of more threads than words in a look-back step of LOOK_BACK chunks: before the step was
@@ -82,8 +80,7 @@ def test_chunked_gate_wide_tiles(blocks, H):
     du = randn(1, 65536, H, dtype=FP32, device="cuda")
     exact = outputs(reference.gatedfwa_gate, leaves([h, beta], torch.float64), du)
     for _ in range(3):
-        got = [gate_forward(h, beta, 1e-6, "chunked", blocks=blocks),
-               *gate_backward(du, h, beta, 1e-6, blocks=blocks, scan="chunked")]
+        got = [gate_forward(h, beta, 1e-6, blocks=blocks), *gate_backward(du, h, beta, 1e-6, blocks=blocks)]
         for name, g, e in zip(("u", "dh", "dbeta"), got, exact):
             err = ((g.double() - e).norm() / e.norm()).item()
             assert err < 1e-5, f"{name}: relative error {err:.2e} with tile {blocks}"

@@ -1,4 +1,4 @@
-"""The fused gate scans (Algorithm 1, scan-then-propagate, chunked) against the float64 reference."""
+"""The fused gate scan (time chunks, offsets by a decoupled look-back) against the float64 reference."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -7,7 +7,7 @@ import triton.language as tl
 
 import regattn
 from regattn import reference
-from regattn.ops.gatedfwa.gate import AGGREGATE, INCLUSIVE, SCANS, _chunk_offset
+from regattn.ops.gatedfwa.gate import AGGREGATE, INCLUSIVE, _chunk_offset, gate_backward, gate_forward
 from tests.helpers import randn, rel_err
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -19,10 +19,10 @@ def _gate_inputs(B, T, H, dtype, device=DEV):
     return h, beta
 
 
-def _check(B, T, H, dtype, scan, bound):
+def _check(B, T, H, dtype, bound):
     h, beta = _gate_inputs(B, T, H, dtype)
     du = randn(B, T, H, device=DEV, dtype=torch.float32)
-    u = regattn.gatedfwa_gate(h, beta, scan=scan, backend="triton")
+    u = regattn.gatedfwa_gate(h, beta, backend="triton")
     dh, dbeta = torch.autograd.grad(u, [h, beta], du)
     hd, bd = (x.detach().double().requires_grad_(True) for x in (h, beta))
     ud = reference.gatedfwa_gate(hd, bd)
@@ -33,16 +33,15 @@ def _check(B, T, H, dtype, scan, bound):
     assert rel_err(dbeta, rb) < bound
 
 
-@pytest.mark.parametrize("scan", SCANS)
-def test_gate_matches_reference(scan, interpret):
-    _check(2, 37, 3, torch.float32, scan, 1e-5)   # several time tiles, T not a multiple of the tile
-    _check(1, 1, 20, torch.float32, scan, 1e-5)   # one token, head block larger than one tile
+def test_gate_matches_reference(interpret):
+    _check(2, 37, 3, torch.float32, 1e-5)   # several chunks, T not a multiple of the chunk
+    _check(1, 1, 20, torch.float32, 1e-5)   # one token, head block larger than one chunk
 
 
 @pytest.mark.parametrize("B,T,H", [(3, 53, 1), (2, 45, 3), (2, 40, 64)])
-def test_gate_chunked_many_chunks_and_head_blocks(B, T, H, interpret):
+def test_gate_many_chunks_and_head_blocks(B, T, H, interpret):
     """T not a multiple of the chunk, one head, heads not a power of two, several blocks of heads, B > 1."""
-    _check(B, T, H, torch.float32, "chunked", 1e-5)
+    _check(B, T, H, torch.float32, 1e-5)
 
 
 @triton.jit
@@ -92,18 +91,16 @@ def test_chunk_offset_walks_back_over_aggregates(reverse, look, interpret):
                               atol=1e-5)
 
 
-@pytest.mark.parametrize("scan", SCANS)
-def test_gate_low_precision_inputs_accumulate_in_fp32(scan, interpret):
-    _check(1, 70, 4, torch.float16, scan, 1e-3)
+def test_gate_low_precision_inputs_accumulate_in_fp32(interpret):
+    _check(1, 70, 4, torch.float16, 1e-3)
 
 
 def _check_chunked(B, T, H, blocks):
-    """The chunked scan, forward and backward, with the tile ``blocks``: the same numbers as the reference."""
-    from regattn.ops.gatedfwa.gate import gate_backward, gate_forward
+    """The scan, forward and backward, with the tile ``blocks``: the same numbers as the reference."""
     h, beta = (x.detach() for x in _gate_inputs(B, T, H, torch.float32))
     du = randn(B, T, H, device=DEV, dtype=torch.float32)
-    u = gate_forward(h, beta, 1e-6, "chunked", blocks=blocks)
-    dh, dbeta = gate_backward(du, h, beta, 1e-6, blocks=blocks, scan="chunked")
+    u = gate_forward(h, beta, 1e-6, blocks=blocks)
+    dh, dbeta = gate_backward(du, h, beta, 1e-6, blocks=blocks)
     hd, bd = (x.double().requires_grad_(True) for x in (h, beta))
     ud = reference.gatedfwa_gate(hd, bd)
     rh, rb = torch.autograd.grad(ud, [hd, bd], du.double())
@@ -111,8 +108,8 @@ def _check_chunked(B, T, H, blocks):
 
 
 def test_gate_chunked_gpu_sized_chunks(interpret):
-    """The chunked scan at the tiles it takes on a GPU (64 heads of 32 rows; 2048 rows of one head) over
-    several chunks."""
+    """The scan at the tiles it takes on a GPU (64 heads of 32 rows; 2048 rows of one head) over several
+    chunks."""
     for (B, T, H), blocks in (((2, 77, 64), (32, 64, 4)), ((1, 4500, 1), (2048, 1, 4))):
         _check_chunked(B, T, H, blocks)
 
@@ -120,21 +117,20 @@ def test_gate_chunked_gpu_sized_chunks(interpret):
 @pytest.mark.parametrize("B,T,H,blocks", [(1, 1100, 40, (512, 16, 16)), (2, 700, 20, (256, 16, 8)),
                                           (1, 600, 40, (256, 8, 8))])
 def test_gate_chunked_tiles_of_more_warps(B, T, H, blocks, interpret):
-    """Tiles of the chunked scan's sweep other than the default, num_warps included, over several chunks and
-    blocks of heads (the last one masked but for 8 heads a block): 8192 elements at 16 warps, 4096 at 8,
-    2048 at 8 with 8 heads a block."""
+    """Tiles of the scan's sweep other than the default, num_warps included, over several chunks and blocks
+    of heads (the last one masked but for 8 heads a block): 8192 elements at 16 warps, 4096 at 8, 2048 at 8
+    with 8 heads a block."""
     _check_chunked(B, T, H, blocks)
 
 
 def test_gate_backward_in_one_long_tile(interpret):
     """A GPU-sized time tile (1024 rows): the reverse sums near the tile's end stay accurate where the
     whole tile's sum of du is large against them (``total - prefix`` would cancel there)."""
-    from regattn.ops.gatedfwa.gate import gate_backward
     T = 1000
     h, beta = (x.detach().float() for x in _gate_inputs(1, T, 4, torch.float32, device="cpu"))
     du = randn(1, T, 4, dtype=torch.float32)
     du[:, : T // 2] += 100.0  # early rows dominate the tile's sum; late rows carry small reverse sums
-    dh, dbeta = gate_backward(du.to(DEV), h.to(DEV), beta.to(DEV), 1e-6, blocks=(1024, 4))
+    dh, dbeta = gate_backward(du.to(DEV), h.to(DEV), beta.to(DEV), 1e-6, blocks=(1024, 4, 4))
     hd, bd = (x.double().requires_grad_(True) for x in (h, beta))
     rh, rb = torch.autograd.grad(reference.gatedfwa_gate(hd, bd), [hd, bd], du.double())
     tail = slice(T - 64, T)
@@ -142,19 +138,17 @@ def test_gate_backward_in_one_long_tile(interpret):
     assert rel_err(dbeta.cpu()[:, tail], rb[:, tail]) < 1e-5
 
 
-@pytest.mark.parametrize("scan", SCANS)
-def test_gate_strided_inputs(scan, interpret):
+def test_gate_strided_inputs(interpret):
     x = randn(1, 40, 6, device=DEV, dtype=torch.float32)
     h, beta = x[..., :3], 1 + F.elu(x[..., 3:])
-    u = regattn.gatedfwa_gate(h, beta, scan=scan, backend="triton")
+    u = regattn.gatedfwa_gate(h, beta, backend="triton")
     assert rel_err(u, reference.gatedfwa_gate(h.double(), beta.double())) < 1e-5
 
 
-@pytest.mark.parametrize("scan", SCANS)
-def test_gate_strong_gates_stay_finite(scan, interpret):
+def test_gate_strong_gates_stay_finite(interpret):
     h = torch.full((1, 50, 2), 1e4, device=DEV)
     beta = torch.ones_like(h)
-    u = regattn.gatedfwa_gate(h, beta, scan=scan, backend="triton")
+    u = regattn.gatedfwa_gate(h, beta, backend="triton")
     assert torch.isfinite(u).all()
     assert rel_err(u, reference.gatedfwa_gate(h.double(), beta.double())) < 1e-6
 
@@ -163,8 +157,6 @@ def test_gate_bad_input():
     h = randn(1, 5, 2, dtype=torch.float32)
     with pytest.raises(ValueError, match="beta"):
         regattn.gatedfwa_gate(h, -torch.ones_like(h))
-    with pytest.raises(ValueError, match="scan"):
-        regattn.gatedfwa_gate(h, torch.ones_like(h), scan="tree")
     with pytest.raises(ValueError, match="beta"):
         regattn.gatedfwa_gate(h, torch.ones(1, 5, 3))
 
@@ -189,7 +181,6 @@ def test_gate_feeds_attention_end_to_end(interpret):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("scan", SCANS)
-def test_gate_full_size_gpu(scan):
-    _check(2, 65536, 64, torch.float32, scan, 1e-4)  # a 65536-long fp32 sum: rounding grows with T
-    _check(1, 4097, 128, torch.bfloat16, scan, 1e-2)  # dh, dbeta come back in bf16
+def test_gate_full_size_gpu():
+    _check(2, 65536, 64, torch.float32, 1e-4)  # a 65536-long fp32 sum: rounding grows with T
+    _check(1, 4097, 128, torch.bfloat16, 1e-2)  # dh, dbeta come back in bf16

@@ -1,8 +1,8 @@
 """GatedFWA (gatedfwa.md Figure 10 and Section 4): windowed gated attention forward and
 forward+backward (with the gate's gradient) against FlexAttention (the gate as a score_mod reading
 u twice, the window as a mask_mod), flash-linear-attention's forgetting attention, our ungated
-sliding window and full-causal FlashAttention; and the gate scan, every variant of ``SCANS``, forward and
-backward, in fp32 against a device copy of the same bytes (the memory floor)."""
+sliding window and full-causal FlashAttention; and the gate scan, forward and backward, in fp32 against a
+device copy of the same bytes (the memory floor)."""
 from __future__ import annotations
 
 import functools
@@ -22,7 +22,6 @@ from regattn.bench.runner import (
 from regattn.bench.variants import Contender, time_in_rounds, tile
 from regattn.ops._common.attention_tiles import attention_blocks, overridden_blocks
 from regattn.ops.gatedfwa.api import gate_dispatch
-from regattn.ops.gatedfwa.gate import SCANS
 
 NAME = "gatedfwa"
 PEERS = ("sdpa-flash", "sdpa-cudnn", "flex", "fla", "copy")
@@ -65,11 +64,10 @@ def gate_inputs(setup, B, T, H, dtype=None, grad=False):
 def gate_cases(shape, setup):
     """The gate in fp32 (as the layer computes it); the backward moves du, h, beta in and dh, dbeta out.
 
-    Each scan is timed as the layers call it (:func:`gate_dispatch`, no value check); the public
+    The scan is timed as the layers call it (:func:`gate_dispatch`, no value check); the public
     :func:`regattn.gatedfwa_gate` once more with its eager value check (three reductions over h and beta
-    and a device sync), which rows before the chunked scan included in every scan's time. On a GPU the
-    chunked scan and the copy once more inside a CUDA graph: at these sizes the eager forward and
-    backward launches' host work can exceed the kernels' time."""
+    and a device sync). On a GPU the scan and the copy once more inside a CUDA graph: at these sizes the
+    eager forward and backward launches' host work can exceed the kernels' time."""
     B, T, H = shape["B"], shape["T"], shape["H"]
     h, beta = gate_inputs(setup, B, T, H, dtype=torch.float32, grad=True)
     where = Slice(kv_heads=H)
@@ -79,21 +77,17 @@ def gate_cases(shape, setup):
                       grads=("h", "beta") if bwd else ())
         nbytes = counts.gate_bytes(B, T, H, 4) * (8 / 3 if bwd else 1)  # fwd: 3 arrays; fwd+bwd: 3 + 5
         n = dict(flops=None if bwd else counts.gate_flops(B, T, H), bytes=nbytes)
-        for scan in SCANS:  # the scan as the layers call it: no value check
-            yield mode, ours(gate_dispatch, h, setup,
-                             lambda scan=scan: gate_dispatch(h, beta, eps=1e-6, scan=scan, backend=setup.backend),
-                             [h, beta], tag=f"[{scan}]", check=truth, **n)
+        layer_call = lambda: gate_dispatch(h, beta, eps=1e-6, backend=setup.backend)  # noqa: E731 (no value check)
+        yield mode, ours(gate_dispatch, h, setup, layer_call, [h, beta], check=truth, **n)
         yield mode, ours(regattn.gatedfwa_gate, h, setup,  # the public op: its value check reads h and beta
                          lambda: regattn.gatedfwa_gate(h, beta, backend=setup.backend), [h, beta],
-                         tag="[one_pass, value check]", check=truth, **n)
+                         tag=" (value check)", check=truth, **n)
         yield from reference_case(setup, mode, lambda: reference.gatedfwa_gate(h, beta), [h, beta], check=truth, **n)
         copy = lambda: peers.copy_floor(nbytes, setup.device)  # noqa: E731
         if peers.wanted(setup.peers, "copy"):
             yield mode, build("copy (memory floor)", copy, bytes=nbytes)
         if setup.cuda:  # the kernels' own time: a CUDA graph takes the launches' host work away
-            yield mode, ours(gate_dispatch, h, setup,
-                             lambda: gate_dispatch(h, beta, eps=1e-6, scan="chunked", backend=setup.backend),
-                             [h, beta], tag="[chunked]", check=truth, graph=True, **n)
+            yield mode, ours(gate_dispatch, h, setup, layer_call, [h, beta], check=truth, graph=True, **n)
             if peers.wanted(setup.peers, "copy"):
                 yield mode, build("copy (memory floor)", copy, bytes=nbytes, graph=True)
 
@@ -321,8 +315,8 @@ def time_chunked_tiles(tiles=None, *, shapes=None, device="cuda", rep_ms=100, ro
                          graphs=graphs)
 
         def tiled(b):
-            passes = dict(fwd=lambda: gate_forward(h, beta, 1e-6, "chunked", blocks=b),
-                          bwd=lambda: gate_backward(du, h, beta, 1e-6, blocks=b, scan="chunked"))
+            passes = dict(fwd=lambda: gate_forward(h, beta, 1e-6, blocks=b),
+                          bwd=lambda: gate_backward(du, h, beta, 1e-6, blocks=b))
 
             def errors():
                 got = (passes["fwd"](), *passes["bwd"]())

@@ -5,16 +5,16 @@ import torch
 
 from regattn import reference
 from regattn.ops._common.checks import (
-    check_choice, check_positive, check_same, check_shape, check_tensor, check_window, host_checks_allowed,
+    check_positive, check_same, check_shape, check_tensor, check_window, host_checks_allowed,
     resolve_backend,
 )
-from regattn.ops.gatedfwa.gate import SCANS, gate_scan
+from regattn.ops.gatedfwa.gate import gate_scan
 from regattn.ops.softmax.api import gated_attention
 
 HAS_TRITON = True
 
 
-def gatedfwa_gate(h, beta, *, eps=1e-6, scan="one_pass", backend="auto"):
+def gatedfwa_gate(h, beta, *, eps=1e-6, backend="auto"):
     """GatedFWA gate preprocessing (gatedfwa.md eq. 9-11, Algorithm 1).
 
     ``alpha = softplus(beta * h) / (beta + eps)`` with the numerically safe softplus, and
@@ -28,10 +28,9 @@ def gatedfwa_gate(h, beta, *, eps=1e-6, scan="one_pass", backend="auto"):
         h: ``[B, T, H]`` gate pre-activations, finite.
         beta: ``[B, T, H]`` positive finite amplitudes.
         eps: positive constant in the denominator.
-        scan: ``"one_pass"`` (Algorithm 1, the default), ``"scan_then_propagate"`` (Appendix E.1,
-            Algorithm 3) or ``"chunked"`` (time chunks in parallel, offsets by a decoupled look-back);
-            all give the same numbers up to rounding.
-        backend: ``"auto" | "torch" | "triton"``.
+        backend: ``"auto" | "torch" | "triton"``. The Triton kernel scans time chunks in parallel, each
+            chunk's offset from the earlier chunks' sums by a decoupled look-back (see
+            :mod:`regattn.ops.gatedfwa.gate`).
 
     Returns:
         ``u: [B, T, H]`` in fp32 (float64 for float64 inputs on the torch backend), non-increasing over T.
@@ -41,12 +40,11 @@ def gatedfwa_gate(h, beta, *, eps=1e-6, scan="one_pass", backend="auto"):
     check_shape("beta", beta, h.shape, "[B, T, H] (as h)")
     check_same(h=h, beta=beta)
     eps = check_positive("eps", eps)
-    check_choice("scan", scan, SCANS)
     if h.shape[1] < 1:
         raise ValueError(f"h: expected at least one token, got shape {tuple(h.shape)}")
     if h.numel() and host_checks_allowed():
         check_gate_values(h, beta)
-    return gate_dispatch(h, beta, eps=eps, scan=scan, backend=backend)
+    return gate_dispatch(h, beta, eps=eps, backend=backend)
 
 
 def check_gate_values(h, beta):
@@ -62,14 +60,14 @@ def check_gate_values(h, beta):
         raise ValueError(f"beta: expected every amplitude > 0, got a minimum of {beta.min().item():g}")
 
 
-def gate_dispatch(h, beta, *, eps, scan="one_pass", backend="auto"):
+def gate_dispatch(h, beta, *, eps, backend="auto"):
     """:func:`gatedfwa_gate` on already checked inputs (no value check of ``beta``, so no device sync).
 
     The Triton kernels cover fp16, bf16 and fp32; float64 always runs the reference.
     """
     backend = resolve_backend(backend, h, op="gatedfwa_gate", has_triton=HAS_TRITON)
     if backend == "triton" and h.dtype.is_floating_point and h.element_size() < 8:
-        return gate_scan(h, beta, eps=eps, scan=scan)
+        return gate_scan(h, beta, eps=eps)
     return reference.gatedfwa_gate(h, beta, eps=eps)
 
 

@@ -1,17 +1,17 @@
 """GatedFWA gate preprocessing kernels: ``u = -cumsum(softplus(beta * h) / (beta + eps))`` over time.
 
-* ``one_pass`` (gatedfwa.md Algorithm 1): one program per (batch, block of heads) streams the time
-  tiles, scans inside each tile and threads a carry between tiles; h and beta are read once, u is
-  written once, nothing else touches memory.
-* ``scan_then_propagate`` (Appendix E.1, Algorithm 3): tile sums in parallel, a scan over the
-  tile sums, then every tile recomputes alpha and adds its offset (reads h and beta twice).
-* ``chunked``: one program per (batch, time chunk, block of heads), many programs in flight, each tile
+* forward: one program per (batch, time chunk, block of heads), many programs in flight, each tile
   read with the head axis contiguous; a chunk's offset comes from the earlier chunks' published sums
   (a decoupled look-back), so h and beta are read once and u written once, in one launch. Which earlier
   sums a chunk adds (its neighbours' own or their inclusive ones) depends on timing, so on a GPU u may
   differ between runs in the last bits.
-* backward: ``dalpha_s = -sum_{t >= s} du_t`` turned into ``dh`` and ``dbeta``; one reverse pass per
-  (batch, block of heads), or for ``chunked`` the same look-back over chunks in reverse order.
+* backward: ``dalpha_s = -sum_{t >= s} du_t`` turned into ``dh`` and ``dbeta``, by the same look-back over
+  the chunks in reverse order.
+
+gatedfwa.md's Algorithm 1 (one program streaming time for a few heads) and Appendix E.1's
+scan-then-propagate (tile sums, their scan, a second pass) were kernels here too; timed inside CUDA graphs
+on an H100 they took several times this scan's time, forward and backward, at every size measured (T 8192
+and 65536, 16 to 128 heads), so they are gone.
 
 ``h, beta, u: [B, T, H]``, any strides; alpha and u are computed in fp32.
 """
@@ -23,9 +23,6 @@ import triton.language as tl
 
 from regattn.ops._common.attention_tiles import interpreting
 from regattn.ops._common.ints import ceil_div, next_pow2
-
-SCANS = ("one_pass", "scan_then_propagate", "chunked")
-
 
 @triton.jit
 def _softplus(z):
@@ -60,62 +57,6 @@ def _store_u(U, b, t0, offs_h, T, NH, sub, sut, suh, u, BLOCK_T: tl.constexpr):
     offs_t = t0 + tl.arange(0, BLOCK_T)
     mask = (offs_t < T)[:, None] & (offs_h < NH)[None, :]
     tl.store(U + b * sub + offs_t[:, None] * sut + offs_h[None, :] * suh, u, mask=mask)
-
-
-@triton.jit
-def _gate_one_pass_kernel(H_ptr, BETA, U, T, NH, eps, shb, sht, shh, sbb, sbt, sbh, sub, sut, suh,
-                          BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
-    b = tl.program_id(0)
-    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    carry = tl.zeros([BLOCK_H], dtype=tl.float32)
-    for t0 in range(0, T, BLOCK_T):
-        h, beta, mask = _tile(H_ptr, BETA, b, t0, offs_h, T, NH, shb, sht, shh, sbb, sbt, sbh, BLOCK_T)
-        neg = -_alpha(h, beta, mask, eps)
-        _store_u(U, b, t0, offs_h, T, NH, sub, sut, suh, tl.cumsum(neg, 0) + carry[None, :], BLOCK_T)
-        carry += tl.sum(neg, 0)
-
-
-@triton.jit
-def _gate_tile_sums_kernel(H_ptr, BETA, SUMS, T, NH, eps, shb, sht, shh, sbb, sbt, sbh, ssb, sst,
-                           BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
-    c = tl.program_id(0)
-    b = tl.program_id(1)
-    offs_h = tl.program_id(2) * BLOCK_H + tl.arange(0, BLOCK_H)
-    h, beta, mask = _tile(H_ptr, BETA, b, c * BLOCK_T, offs_h, T, NH, shb, sht, shh, sbb, sbt, sbh, BLOCK_T)
-    tl.store(SUMS + b * ssb + c * sst + offs_h, -tl.sum(_alpha(h, beta, mask, eps), 0), mask=offs_h < NH)
-
-
-@triton.jit
-def _gate_propagate_kernel(H_ptr, BETA, OFFSETS, U, T, NH, eps, shb, sht, shh, sbb, sbt, sbh, ssb, sst,
-                           sub, sut, suh, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
-    c = tl.program_id(0)
-    b = tl.program_id(1)
-    offs_h = tl.program_id(2) * BLOCK_H + tl.arange(0, BLOCK_H)
-    carry = tl.load(OFFSETS + b * ssb + c * sst + offs_h, mask=offs_h < NH, other=0.0)
-    h, beta, mask = _tile(H_ptr, BETA, b, c * BLOCK_T, offs_h, T, NH, shb, sht, shh, sbb, sbt, sbh, BLOCK_T)
-    neg = -_alpha(h, beta, mask, eps)
-    _store_u(U, b, c * BLOCK_T, offs_h, T, NH, sub, sut, suh, tl.cumsum(neg, 0) + carry[None, :], BLOCK_T)
-
-
-@triton.jit
-def _gate_bwd_kernel(H_ptr, BETA, DU, DH, DBETA, T, NH, eps, shb, sht, shh, sbb, sbt, sbh, sdb, sdt, sdh,
-                     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
-    b = tl.program_id(0)
-    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    carry = tl.zeros([BLOCK_H], dtype=tl.float32)  # sum of du over the later tiles
-    n_tiles = tl.cdiv(T, BLOCK_T)
-    for i in range(n_tiles):
-        t0 = (n_tiles - 1 - i) * BLOCK_T
-        h, beta, mask = _tile(H_ptr, BETA, b, t0, offs_h, T, NH, shb, sht, shh, sbb, sbt, sbh, BLOCK_T)
-        offs_t = t0 + tl.arange(0, BLOCK_T)
-        grad = offs_t[:, None] * sdt + offs_h[None, :] * sdh + b * sdb
-        du = tl.load(DU + grad, mask=mask, other=0.0).to(tl.float32)
-        # A reverse scan, not total - prefix: that difference cancels at the tile's end.
-        dalpha = -(tl.cumsum(du, 0, reverse=True) + carry[None, :])
-        carry += tl.sum(du, 0)
-        dh, dbeta = _gate_grads(dalpha, h, beta, eps)
-        tl.store(DH + grad, dh.to(DH.dtype.element_ty), mask=mask)
-        tl.store(DBETA + grad, dbeta.to(DBETA.dtype.element_ty), mask=mask)
 
 
 # Look-back state of a chunk, one int64 per (batch, chunk, head): the flag in the high 32 bits, the fp32 bits
@@ -222,16 +163,6 @@ def _gate_chunked_bwd_kernel(H_ptr, BETA, DU, DH, DBETA, STATE, T, NH, n_chunks,
     tl.store(DBETA + grad, dbeta.to(DBETA.dtype.element_ty), mask=mask)
 
 
-def gate_blocks(num_heads: int, scan: str) -> tuple[int, int]:
-    """``(BLOCK_T, BLOCK_H)``: small tiles in the interpreter; on a GPU narrow head blocks, so the
-    one-pass scan still launches one program per few (batch, head) rows."""
-    if interpreting():
-        return 16, min(16, next_pow2(num_heads))
-    if scan == "one_pass":
-        return 1024, min(4, next_pow2(num_heads))
-    return 1024, min(16, next_pow2(num_heads))
-
-
 # The chunked scan's tile by pass and size: (elements of a tile, most heads of a block, num_warps). On an H100
 # (``time_chunked_tiles``, fp32, T 8192 and 65536 at 16, 64 and 128 heads, 17 tiles timed in CUDA graphs) these
 # took at most 1.07x (forward) and 1.17x (backward) the time of the best tile at each shape; the former single
@@ -266,65 +197,42 @@ def _strides(x):
     return x.stride(0), x.stride(1), x.stride(2)
 
 
-def gate_forward(h, beta, eps, scan="one_pass", blocks=None):
-    """``u: [B, T, H]`` fp32 from ``h, beta: [B, T, H]``; ``blocks``: the tile, ``(BLOCK_T, BLOCK_H, num_warps)``
-    for ``chunked``, ``(BLOCK_T, BLOCK_H)`` for the other scans."""
+def gate_forward(h, beta, eps, blocks=None):
+    """``u: [B, T, H]`` fp32 from ``h, beta: [B, T, H]``; ``blocks``: the tile (see :func:`_chunked_launch`)."""
     B, T, NH = h.shape
     u = torch.empty(B, T, NH, device=h.device, dtype=torch.float32)
-    if scan == "chunked":
-        grid, state, n_chunks, n_head_blocks, tiles = _chunked_launch(h, blocks)
-        _gate_chunked_kernel[grid](h, beta, u, state, T, NH, n_chunks, n_head_blocks, eps, *_strides(h),
-                                   *_strides(beta), *_strides(u), **tiles)
-        return u
-    BT, BH = blocks or gate_blocks(NH, scan)
-    if scan == "one_pass":
-        _gate_one_pass_kernel[(B, ceil_div(NH, BH))](h, beta, u, T, NH, eps, *_strides(h), *_strides(beta),
-                                                        *_strides(u), BLOCK_T=BT, BLOCK_H=BH)
-        return u
-    n_tiles = ceil_div(T, BT)
-    sums = torch.empty(B, n_tiles, NH, device=h.device, dtype=torch.float32)
-    grid = (n_tiles, B, ceil_div(NH, BH))
-    _gate_tile_sums_kernel[grid](h, beta, sums, T, NH, eps, *_strides(h), *_strides(beta), sums.stride(0),
-                                 sums.stride(1), BLOCK_T=BT, BLOCK_H=BH)
-    offsets = torch.cumsum(sums, dim=1) - sums  # exclusive scan over the tile sums
-    _gate_propagate_kernel[grid](h, beta, offsets, u, T, NH, eps, *_strides(h), *_strides(beta),
-                                 offsets.stride(0), offsets.stride(1), *_strides(u), BLOCK_T=BT, BLOCK_H=BH)
+    grid, state, n_chunks, n_head_blocks, tiles = _chunked_launch(h, blocks)
+    _gate_chunked_kernel[grid](h, beta, u, state, T, NH, n_chunks, n_head_blocks, eps, *_strides(h), *_strides(beta),
+                               *_strides(u), **tiles)
     return u
 
 
-def gate_backward(du, h, beta, eps, blocks=None, scan="one_pass"):
-    """``(dh, dbeta)`` in the dtypes of ``h`` and ``beta``; ``chunked`` runs the chunked reverse scan, the
-    other scans the one-pass reverse scan; ``blocks`` as for :func:`gate_forward`."""
+def gate_backward(du, h, beta, eps, blocks=None):
+    """``(dh, dbeta)`` in the dtypes of ``h`` and ``beta``; ``blocks`` as for :func:`gate_forward`."""
     B, T, NH = h.shape
     du = du.contiguous()
     dh = torch.empty(B, T, NH, device=h.device, dtype=h.dtype)
     dbeta = torch.empty(B, T, NH, device=h.device, dtype=beta.dtype)
-    if scan == "chunked":
-        grid, state, n_chunks, n_head_blocks, tiles = _chunked_launch(h, blocks, backward=True)
-        _gate_chunked_bwd_kernel[grid](h, beta, du, dh, dbeta, state, T, NH, n_chunks, n_head_blocks, eps,
-                                       *_strides(h), *_strides(beta), *_strides(du), **tiles)
-        return dh, dbeta
-    BT, BH = blocks or gate_blocks(NH, "one_pass")
-    _gate_bwd_kernel[(B, ceil_div(NH, BH))](h, beta, du, dh, dbeta, T, NH, eps, *_strides(h), *_strides(beta),
-                                               *_strides(du), BLOCK_T=BT, BLOCK_H=BH)
+    grid, state, n_chunks, n_head_blocks, tiles = _chunked_launch(h, blocks, backward=True)
+    _gate_chunked_bwd_kernel[grid](h, beta, du, dh, dbeta, state, T, NH, n_chunks, n_head_blocks, eps,
+                                   *_strides(h), *_strides(beta), *_strides(du), **tiles)
     return dh, dbeta
 
 
 class GateScanFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, beta, eps, scan):
+    def forward(ctx, h, beta, eps):
         ctx.save_for_backward(h, beta)
         ctx.eps = eps
-        ctx.scan = scan
-        return gate_forward(h, beta, eps, scan)
+        return gate_forward(h, beta, eps)
 
     @staticmethod
     def backward(ctx, du):
         h, beta = ctx.saved_tensors
-        dh, dbeta = gate_backward(du, h, beta, ctx.eps, scan=ctx.scan)
-        return dh, dbeta, None, None
+        dh, dbeta = gate_backward(du, h, beta, ctx.eps)
+        return dh, dbeta, None
 
 
-def gate_scan(h, beta, *, eps, scan="one_pass"):
+def gate_scan(h, beta, *, eps):
     """Fused gate preprocessing with autograd; ``h, beta: [B, T, H]`` -> ``u: [B, T, H]`` fp32."""
-    return GateScanFunction.apply(h, beta, eps, scan)
+    return GateScanFunction.apply(h, beta, eps)
