@@ -120,7 +120,6 @@ def attention_inputs(mixer, x: torch.Tensor) -> dict | None:
         return dict(kind="lla", q=q, k=k, v=v, window=mixer.window, lam=mixer.ridge(x), blocks=mixer.blocks)
     if isinstance(mixer, GatedFWA):
         q, k, v = mixer._qkv(x)
-        q, k = mixer._rotate(q, k, 0)
         h, beta = mixer.gate_inputs(x)
         u = gate_dispatch(h, beta, eps=mixer.eps, backend="torch").double().transpose(1, 2)   # [B, H, T]
         return dict(kind="softmax", q=q, k=k, v=v, window=mixer.window, bias=u[..., :, None] - u[..., None, :])

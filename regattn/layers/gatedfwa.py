@@ -28,7 +28,7 @@ from regattn.layers.padding import attend_left_padded, trimmed_start
 from regattn.ops._common.checks import check_int, check_window
 from regattn.ops.gatedfwa.api import gate_dispatch, gatedfwa
 from regattn.ops.nsa import nsa_attention
-from regattn.layers.rope import RotaryEmbedding
+from regattn.layers.rope import RotaryEmbedding, norm_rope
 
 
 @dataclass
@@ -100,17 +100,15 @@ class GatedFWA(nn.Module):
             self.g_proj.bias.copy_(gate_bias_init(HQ))
 
     # ------------------------------------------------------------------------------------------ pieces
-    def _qkv(self, x):
+    def _qkv(self, x, offset: int = 0, cu_seqlens=None):
+        """``q, k`` normalised and rotated for tokens from position ``offset``, and ``v``."""
         B, T, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(B, T, self.num_heads, self.head_dim))
-        k = self.k_norm(self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim))
-        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
-        return q, k, v
-
-    def _rotate(self, q, k, offset: int, cu_seqlens=None):
-        if self.rotary is None:
-            return q, k
-        return self.rotary(q, offset, cu_seqlens=cu_seqlens), self.rotary(k, offset, cu_seqlens=cu_seqlens)
+        angles = None if self.rotary is None else self.rotary.angles(T, offset, x.device, cu_seqlens)
+        q = norm_rope(self.q_proj(x).view(B, T, self.num_heads, self.head_dim), self.q_norm, angles,
+                      backend=self.backend)
+        k = norm_rope(self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim), self.k_norm, angles,
+                      backend=self.backend)
+        return q, k, self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
 
     def gate_inputs(self, x):
         """``(h, beta)``, each ``[B, T, HQ]``."""
@@ -131,8 +129,7 @@ class GatedFWA(nn.Module):
         """Output and ``(k, v, u)``; ``start``: left padding (the gate differences ``u_i - u_j`` of real
         tokens do not depend on the padding before them)."""
         check_layer_input(x, self.q_proj)
-        q, k, v = self._qkv(x)
-        q, k = self._rotate(q, k, 0, cu_seqlens)
+        q, k, v = self._qkv(x, 0, cu_seqlens)
         h, beta = self.gate_inputs(x)
         u = gate_dispatch(h, beta, eps=self.eps, backend=self.backend)
         o = attend_left_padded(gatedfwa, start, q, k, v, u, window=self.window, cu_seqlens=cu_seqlens,
@@ -170,8 +167,7 @@ class GatedFWA(nn.Module):
     def _local_step(self, x, cache: GatedFWACache):
         """``(o, new cache, (q, k, v))`` of one checked token: the attention output ``o: [B, 1, HQ, D]`` over
         the cached window, and the token's rotated query, key and value."""
-        q, k, v = self._qkv(x)
-        q, k = self._rotate(q, k, cache.pos)
+        q, k, v = self._qkv(x, cache.pos)
         h, beta = self.gate_inputs(x)
         minus_alpha = gate_dispatch(h, beta, eps=self.eps, backend="torch")  # u of one token is -alpha
         u_t = cache.u_last[:, None] + minus_alpha.to(cache.u.dtype)             # [B, 1, HQ]
@@ -274,8 +270,7 @@ class GatedFWANSA(GatedFWA):
     def _branches(self, x):
         """The three branch outputs and ``(k, v, u, kc, vc)``."""
         check_layer_input(x, self.q_proj)
-        q, k, v = self._qkv(x)
-        q, k = self._rotate(q, k, 0)
+        q, k, v = self._qkv(x, 0)
         h, beta = self.gate_inputs(x)
         u = gate_dispatch(h, beta, eps=self.eps, backend=self.backend)
         o_loc = gatedfwa(q, k, v, u, window=self.window, backend=self.backend)

@@ -21,7 +21,7 @@ from torch import nn
 
 from regattn.layers.checks import check_fraction, check_layer_input, check_options, head_layout
 from regattn.layers.norm import RMSNorm
-from regattn.layers.rope import RotaryEmbedding
+from regattn.layers.rope import RotaryEmbedding, norm_rope
 from regattn.ops._common.checks import check_choice, check_int, check_positive, check_window
 from regattn.ops.lla.api import lla, lla_decode
 
@@ -88,12 +88,12 @@ class LLA(nn.Module):
 
     def _qkv(self, x, offset: int):
         B, T, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(B, T, self.num_heads, self.head_dim))
-        k = self.k_norm(self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim))
-        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
-        if self.rotary is not None:
-            q, k = self.rotary(q, offset), self.rotary(k, offset)
-        return q, k, v
+        angles = None if self.rotary is None else self.rotary.angles(T, offset, x.device)
+        q = norm_rope(self.q_proj(x).view(B, T, self.num_heads, self.head_dim), self.q_norm, angles,
+                      backend=self.backend)
+        k = norm_rope(self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim), self.k_norm, angles,
+                      backend=self.backend)
+        return q, k, self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
 
     def _solver(self):
         return dict(window=self.window, blocks=self.blocks, cg_iters=self.cg_iters, cg_tol=self.cg_tol,

@@ -19,20 +19,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from regattn.layers.checks import check_layer_input, check_options, head_layout
 from regattn.layers.norm import RMSNorm
-from regattn.layers.rope import RotaryEmbedding
+from regattn.layers.rope import RotaryEmbedding, norm_rope
 from regattn.layers.padding import attend_left_padded, ragged_cache, trimmed_start
 from regattn.ops._common.checks import check_window
 from regattn.ops.parallax.api import parallax, parallax_decode
-
-
-def _normalized(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
-    """``norm(x)`` in its compute dtype (fp32 under autocast, x's otherwise), not cast back to x's."""
-    return F.rms_norm(x, norm.normalized_shape, norm.weight, norm.eps)
 
 
 @dataclass
@@ -95,23 +89,18 @@ class Parallax(nn.Module):
     def projections(self, x, offset: int = 0, cu_seqlens=None):
         """``q, rho: [B, T, HQ, D]`` and ``k, v: [B, T, H, D]`` for tokens starting at position ``offset``.
 
-        The norms stay in their compute dtype (fp32 under autocast) and the rotation rounds once to the
-        projections' dtype, so no tensor is cast down and up again on the way to the kernel."""
+        Each of q, k and rho is normalised and rotated in fp32 and rounded once to the projections' dtype
+        (:func:`regattn.layers.rope.norm_rope`)."""
         B, T, _ = x.shape
         HQ, H, D = self.num_heads, self.num_kv_heads, self.head_dim
-        q = self.q_proj(x).view(B, T, HQ, D)
-        dtype = q.dtype
-        q = _normalized(self.q_norm, q)
-        k = _normalized(self.k_norm, self.k_proj(x).view(B, T, H, D))
+        angles = None if self.rotary is None else self.rotary.angles(T, offset, x.device, cu_seqlens)
+        q = norm_rope(self.q_proj(x).view(B, T, HQ, D), self.q_norm, angles, backend=self.backend)
+        k = norm_rope(self.k_proj(x).view(B, T, H, D), self.k_norm, angles, backend=self.backend)
         v = self.v_proj(x).view(B, T, H, D)
-        rho = _normalized(self.r_norm, self.r_proj(x).view(B, T, HQ, D))
-        if self.rope_probe:  # one rotation of q, k and rho: cos and sin computed once
-            q, k, rho = self.rotary.rotate(q, k, rho, offset=offset, cu_seqlens=cu_seqlens, dtype=dtype)
-        elif self.rotary is not None:
-            q, k = self.rotary.rotate(q, k, offset=offset, cu_seqlens=cu_seqlens, dtype=dtype)
-        q, k, rho = q.to(dtype), k.to(dtype), rho.to(dtype)  # no-ops after the rotation
+        rho = norm_rope(self.r_proj(x).view(B, T, HQ, D), self.r_norm, angles if self.rope_probe else None,
+                        backend=self.backend)
         if self.gate_proj is not None:
-            rho = rho * torch.sigmoid(self.gate_proj(x))[..., None].to(dtype)
+            rho = rho * torch.sigmoid(self.gate_proj(x))[..., None].to(rho.dtype)
         return q, rho, k, v
 
     def _output(self, o):

@@ -4,7 +4,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from regattn.ops._common.checks import check_int, check_positive
+from regattn.ops._common.checks import check_int, check_positive, resolve_backend
+
+_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def packed_starts(cu_seqlens: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -30,31 +32,46 @@ class RotaryEmbedding(nn.Module):
         inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
-    def cos_sin(self, T: int, offset: int, device, cu_seqlens: torch.Tensor | None = None):
-        """fp32 ``cos, sin: [1, T, 1, D]`` of positions ``offset .. offset + T - 1`` (restarting at every packed
-        sequence of ``cu_seqlens``); ``sin`` carries the sign of the first half, so that the rotation is
-        ``x * cos + swap_halves(x) * sin``."""
+    def angles(self, T: int, offset: int, device, cu_seqlens: torch.Tensor | None = None):
+        """fp32 ``cos, sin: [T, D/2]`` of the angles of positions ``offset .. offset + T - 1`` (restarting at every
+        packed sequence of ``cu_seqlens``)."""
         pos = torch.arange(offset, offset + T, device=device)
         if cu_seqlens is not None:
             pos = pos - packed_starts(cu_seqlens, pos)
-        angles = pos.float()[:, None] * self.inv_freq.to(device)[None, :]  # [T, D/2]
-        cos, sin = angles.cos(), angles.sin()
-        return torch.cat((cos, cos), -1)[None, :, None, :], torch.cat((-sin, sin), -1)[None, :, None, :]
-
-    def rotate(self, *xs: torch.Tensor, offset: int = 0, cu_seqlens: torch.Tensor | None = None,
-               dtype: torch.dtype | None = None):
-        """Rotate each of ``xs: [B, T, heads, D]`` (heads may differ; B and T shared) with one ``cos, sin``;
-        returns a tuple. Computed in fp32 at least (the promotion of ``x * cos``), returned in ``dtype`` (default: each
-        ``x``'s own)."""
-        cos, sin = self.cos_sin(xs[0].shape[1], offset, xs[0].device, cu_seqlens)
-        return tuple(_rotate(x, cos, sin).to(dtype or x.dtype) for x in xs)
+        angles = pos.float()[:, None] * self.inv_freq.to(device)[None, :]
+        return angles.cos(), angles.sin()
 
     def forward(self, x: torch.Tensor, offset: int = 0, *, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
-        """Rotate ``x: [B, T, H, D]`` whose first token sits at position ``offset``; with packed sequences
-        (``cu_seqlens: [N + 1]``, ``B == 1``) positions restart at 0 at every sequence."""
-        return self.rotate(x, offset=offset, cu_seqlens=cu_seqlens)[0]
+        """Rotate ``x: [B, T, H, D]`` whose first token sits at position ``offset`` (in fp32 at least, returned in
+        x's dtype); with packed sequences (``cu_seqlens: [N + 1]``, ``B == 1``) positions restart at 0 at every
+        sequence."""
+        return norm_rope(x, None, self.angles(x.shape[1], offset, x.device, cu_seqlens))
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((x2, x1), dim=-1) * sin
+def norm_rope(x: torch.Tensor, norm: nn.Module | None, angles=None, *, backend: str = "auto") -> torch.Tensor:
+    """``rope(norm(x))`` of ``x: [B, T, H, D]`` (queries or keys) in fp32 at least, rounded once to x's dtype.
+
+    ``norm``: an ``nn.RMSNorm`` over ``D``, or None or ``nn.Identity`` for none; ``angles``: the tokens'
+    ``(cos, sin)`` (:meth:`RotaryEmbedding.angles`), or None for no rotation. Where ``backend`` resolves to
+    Triton, one kernel does both (and one their backward); else, and under ``torch.compile`` (whose own
+    generated kernels fuse these ops with their neighbours), torch ops.
+    """
+    norm = norm if isinstance(norm, nn.RMSNorm) else None
+    if norm is None and angles is None:
+        return x
+    eps = None if norm is None else norm.eps if norm.eps is not None else torch.finfo(x.dtype).eps
+    if (resolve_backend(backend, x, op="norm_rope", has_triton=True) == "triton" and x.dtype in _KERNEL_DTYPES
+            and x.shape[-1] % 2 == 0 and (norm is None or norm.weight is not None)
+            and not torch.compiler.is_compiling()):
+        from regattn.ops.norm_rope.function import norm_rope_triton
+        cos, sin = angles if angles is not None else (None, None)
+        return norm_rope_triton(x.contiguous(), None if norm is None else norm.weight, cos, sin, eps or 0.0)
+    y = x.to(torch.promote_types(x.dtype, torch.float32))
+    if norm is not None:  # written out (not F.rms_norm), so that torch.compile fuses it with the rotation
+        y = y * torch.rsqrt(y.square().mean(-1, keepdim=True) + eps)
+        y = y if norm.weight is None else y * norm.weight.to(y.dtype)
+    if angles is not None:
+        cos, sin = (a[None, :, None, :] for a in angles)
+        y1, y2 = y.chunk(2, -1)
+        y = torch.cat((y1 * cos - y2 * sin, y2 * cos + y1 * sin), -1)
+    return y.to(x.dtype)

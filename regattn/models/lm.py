@@ -39,6 +39,7 @@ from torch.utils.checkpoint import checkpoint
 import regattn
 from regattn.layers import LLA, GatedFWA, GatedFWANSA, Parallax, Retention, RotaryEmbedding
 from regattn.layers.norm import RMSNorm
+from regattn.layers.rope import norm_rope
 from regattn.layers.padding import attend_left_padded, softmax_decode_left_padded, trimmed_start
 from regattn.models.baselines import BASELINES, build_baseline
 from regattn.models.stack import SwiGLU
@@ -140,10 +141,10 @@ class SelfAttention(nn.Module):
 
     def _qkv(self, x, offset: int):
         B, T, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(B, T, self.heads, self.head_dim))
-        k = self.k_norm(self.k_proj(x).view(B, T, self.kv_heads, self.head_dim))
-        v = self.v_proj(x).view(B, T, self.kv_heads, self.head_dim)
-        return self.rotary(q, offset), self.rotary(k, offset), v
+        angles = self.rotary.angles(T, offset, x.device)
+        q = norm_rope(self.q_proj(x).view(B, T, self.heads, self.head_dim), self.q_norm, angles)
+        k = norm_rope(self.k_proj(x).view(B, T, self.kv_heads, self.head_dim), self.k_norm, angles)
+        return q, k, self.v_proj(x).view(B, T, self.kv_heads, self.head_dim)
 
     def _attend(self, q, k, v):
         """Queries ``[B, T, HQ, D]`` at the last ``T`` positions of the keys ``[B, S, H, D]``."""

@@ -34,6 +34,7 @@ import regattn
 from regattn import reference
 from regattn.layers import LLA, GatedFWA, Parallax, Retention, RotaryEmbedding
 from regattn.layers.norm import RMSNorm
+from regattn.layers.rope import norm_rope
 from regattn.models.baselines import BASELINES, build_baseline
 
 
@@ -69,11 +70,10 @@ class Attention(nn.Module):
 
     def normalize(self, x: torch.Tensor, norm: nn.Module | None) -> torch.Tensor:
         """The q/k normalisation of ``[B, T, H, D]`` followed by RoPE."""
-        if self.qk_norm == "rms":
-            x = norm(x)
-        elif self.qk_norm == "l2":
+        if self.qk_norm == "l2":
             x = F.normalize(x, dim=-1)
-        return x if self.rotary is None else self.rotary(x)
+        angles = None if self.rotary is None else self.rotary.angles(x.shape[1], 0, x.device)
+        return norm_rope(x, norm if self.qk_norm == "rms" else None, angles)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q = self.normalize(self.split(self.q_proj(x)), getattr(self, "q_norm", None))

@@ -161,6 +161,25 @@ def test_decode(interpret, B, Tn, S, HQ, H, D, window, lens, splits):
     assert rel_err(torch_o, o) < 1e-5
 
 
+@pytest.mark.parametrize("splits", [1, 4])
+def test_decode_strided_inputs(interpret, splits):
+    """q and r as views into wider tensors, caches as slices of longer ones (one with a strided head dim)."""
+    from regattn.ops.parallax.decode import parallax_decode_fwd
+    B, Tn, S, HQ, H, D = 2, 3, 37, 4, 2, 16
+    qr = randn(B, Tn, HQ, 3 * D, dtype=torch.float32, device=DEVICE, seed=1)
+    q, r = qr[..., :D], qr[..., D:2 * D]
+    k = randn(B, S + 9, H, D, dtype=torch.float32, device=DEVICE, seed=2)[:, 4:S + 4]
+    v = randn(B, S, 2 * D, H, dtype=torch.float32, device=DEVICE, seed=3).transpose(2, 3)[..., ::2]
+    assert not (q.is_contiguous() or r.is_contiguous() or k.is_contiguous()) and v.stride(-1) != 1
+    lens = torch.tensor([S, 20], dtype=torch.int32, device=DEVICE)
+    o = parallax_decode_fwd(q, r, k, v, cache_seqlens=lens, window=11, scale=D ** -0.5, num_splits=splits)
+    for b, n in enumerate(lens.tolist()):
+        ref = parallax_ref(q[b:b + 1].double(), r[b:b + 1].double(), k[b:b + 1, :n].double(),
+                           v[b:b + 1, :n].double(), window=11)
+        assert rel_err(o[b:b + 1], ref) < 1e-5
+    assert rel_err(regattn.parallax_decode(q, r, k, v, cache_seqlens=lens, window=11, backend="triton"), o) < 1e-5
+
+
 def test_decode_bad_input(interpret):
     q, r, k, v = _inputs(2, 1, 10, 4, 2, 16, 16, torch.float32)
     dec = regattn.parallax_decode

@@ -47,14 +47,14 @@ def check_shape(name: str, x: torch.Tensor, expected: tuple, layout: str) -> Non
 
 def check_same(**tensors: torch.Tensor) -> None:
     """All tensors share one device and one dtype."""
-    names = list(tensors)
-    first = tensors[names[0]]
-    for n in names[1:]:
-        t = tensors[n]
-        if t.device != first.device:
-            raise ValueError(f"{n}: expected device {first.device} (as {names[0]}), got {t.device}")
-        if t.dtype != first.dtype:
-            raise TypeError(f"{n}: expected dtype {first.dtype} (as {names[0]}), got {t.dtype}")
+    items = iter(tensors.items())
+    first_name, first = next(items)
+    device, dtype = first.device, first.dtype
+    for name, t in items:
+        if t.device != device:
+            raise ValueError(f"{name}: expected device {device} (as {first_name}), got {t.device}")
+        if t.dtype != dtype:
+            raise TypeError(f"{name}: expected dtype {dtype} (as {first_name}), got {t.dtype}")
 
 
 def check_device(name: str, x: torch.Tensor, like: torch.Tensor, like_name: str) -> None:

@@ -5,9 +5,10 @@ import torch
 
 from regattn import reference
 from regattn.ops._common.checks import (
-    check_attention_inputs, check_cu_seqlens, check_int, check_same, check_scale, check_seqlens_device, check_shape,
-    check_tensor, check_window, host_checks_allowed, longest_sequence, resolve_backend,
+    FLOAT_DTYPES, check_attention_inputs, check_cu_seqlens, check_int, check_same, check_scale, check_seqlens_device,
+    check_shape, check_tensor, check_window, host_checks_allowed, longest_sequence, resolve_backend,
 )
+from regattn.ops.parallax.decode import parallax_decode_fwd
 
 HAS_TRITON = True
 
@@ -70,8 +71,52 @@ def parallax(q, r, k, v, *, causal=True, window=None, scale=None, cu_seqlens=Non
                            max_seqlen=max_seqlen)
 
 
-def _check_cache_seqlens(cache_seqlens, B: int, Tn: int, S: int, device, max_seqlen) -> None:
-    """int32/int64 ``[B]`` on q's device with every length in ``[Tn, S]``; ``max_seqlen`` an int in ``[Tn, S]``.
+def _same_float_rank4(q, r, k, v) -> bool:
+    """Whether all four are rank-4 floating-point tensors of one device and one dtype, in one pass (what
+    :func:`check_tensor` and :func:`check_same` ask of them)."""
+    T = torch.Tensor
+    if not (isinstance(q, T) and isinstance(r, T) and isinstance(k, T) and isinstance(v, T)):
+        return False
+    dtype, device = q.dtype, q.device
+    return (dtype in FLOAT_DTYPES and r.dtype == dtype and k.dtype == dtype and v.dtype == dtype
+            and q.dim() == r.dim() == k.dim() == v.dim() == 4
+            and r.device == device and k.device == device and v.device == device)
+
+
+def _check_decode_tensors(q, r, k_cache, v_cache) -> tuple[int, int, int, int, int, int, int]:
+    """``q, r: [B, Tn, HQ, D]``, ``k_cache: [B, S, H, D]``, ``v_cache: [B, S, H, Dv]`` on one device in one
+    float dtype, no dim empty (B aside), ``H`` dividing ``HQ`` and ``Tn <= S``; returns ``(B, Tn, HQ, D, S, H, Dv)``."""
+    if not _same_float_rank4(q, r, k_cache, v_cache):  # then one of these names the fault
+        check_tensor("q", q, 4)
+        check_tensor("r", r, 4)
+        check_tensor("k_cache", k_cache, 4)
+        check_tensor("v_cache", v_cache, 4)
+        check_same(q=q, r=r, k_cache=k_cache, v_cache=v_cache)
+    q_shape, k_shape, v_shape = q.shape, k_cache.shape, v_cache.shape
+    if r.shape != q_shape:
+        raise ValueError(f"r: expected shape [B, Tn, HQ, D] (as q) = {tuple(q_shape)}, got {tuple(r.shape)}")
+    B, Tn, HQ, D = q_shape
+    Bk, S, H, Dk = k_shape
+    if Bk != B or Dk != D:
+        raise ValueError(f"k_cache: expected shape [B, S, H, D] (B, D as q) = {(B, S, H, D)}, got {tuple(k_shape)}")
+    Bv, Sv, Hv, Dv = v_shape
+    if Bv != B or Sv != S or Hv != H:
+        raise ValueError(f"v_cache: expected shape [B, S, H, Dv] with (B, S, H) = {(B, S, H)} (as k_cache), "
+                         f"got {tuple(v_shape)}")
+    if min(Tn, S, H, HQ, D, Dv) < 1:
+        raise ValueError(f"q, k_cache, v_cache: expected non-empty dims, got q {tuple(q_shape)}, "
+                         f"k_cache {tuple(k_shape)}, v_cache {tuple(v_shape)}")
+    if HQ % H:
+        raise ValueError(f"q: expected a number of heads divisible by k_cache's {H} (grouped-query attention), "
+                         f"got {HQ}")
+    if Tn > S:
+        raise ValueError(f"q: expected at most S = {S} new tokens (they are part of the cache), got {Tn}")
+    return B, Tn, HQ, D, S, H, Dv
+
+
+def _check_cache_seqlens(cache_seqlens, B: int, Tn: int, S: int, max_seqlen) -> None:
+    """int32/int64 ``[B]`` (on q's device: :func:`check_seqlens_device` first) with every length in ``[Tn, S]``;
+    ``max_seqlen`` an int in ``[Tn, S]``.
 
     The lengths' values are read on the host only without ``max_seqlen`` and where :func:`host_checks_allowed`;
     otherwise the caller vouches for them (the kernel clamps them to ``S``, so none reads past the cache).
@@ -84,10 +129,8 @@ def _check_cache_seqlens(cache_seqlens, B: int, Tn: int, S: int, device, max_seq
         raise TypeError(f"cache_seqlens: expected a torch.Tensor, got {type(cache_seqlens).__name__}")
     if cache_seqlens.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"cache_seqlens: expected an int32 or int64 tensor, got {cache_seqlens.dtype}")
-    if tuple(cache_seqlens.shape) != (B,):
+    if cache_seqlens.shape != (B,):
         raise ValueError(f"cache_seqlens: expected shape [B] = ({B},), got {tuple(cache_seqlens.shape)}")
-    if cache_seqlens.device != device:
-        raise ValueError(f"cache_seqlens: expected device {device} (as q), got {cache_seqlens.device}")
     if max_seqlen is not None:
         check_int("max_seqlen", max_seqlen, minimum=Tn)
         if max_seqlen > S:
@@ -122,38 +165,17 @@ def parallax_decode(q, r, k_cache, v_cache, *, cache_seqlens=None, max_seqlen=No
     Returns:
         ``o: [B, Tn, HQ, Dv]`` in q's dtype (inference only: no gradient flows through the kernel).
     """
-    check_tensor("q", q, 4)
-    check_tensor("r", r, 4)
-    check_tensor("k_cache", k_cache, 4)
-    check_tensor("v_cache", v_cache, 4)
-    check_same(q=q, r=r, k_cache=k_cache, v_cache=v_cache)
-    check_shape("r", r, q.shape, "[B, Tn, HQ, D] (as q)")
-    B, Tn, HQ, D = q.shape
-    _, S, H, _ = k_cache.shape
-    check_shape("k_cache", k_cache, (B, S, H, D), "[B, S, H, D] (B, D as q)")
-    if tuple(v_cache.shape[:3]) != (B, S, H):
-        raise ValueError(f"v_cache: expected shape [B, S, H, Dv] with (B, S, H) = {(B, S, H)} (as k_cache), "
-                         f"got {tuple(v_cache.shape)}")
-    if min(Tn, S, H, HQ, D, v_cache.shape[3]) < 1:
-        raise ValueError(f"q, k_cache, v_cache: expected non-empty dims, got q {tuple(q.shape)}, "
-                         f"k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}")
-    if HQ % H:
-        raise ValueError(f"q: expected a number of heads divisible by k_cache's {H} (grouped-query attention), "
-                         f"got {HQ}")
-    if Tn > S:
-        raise ValueError(f"q: expected at most S = {S} new tokens (they are part of the cache), got {Tn}")
+    B, Tn, HQ, D, S, H, Dv = _check_decode_tensors(q, r, k_cache, v_cache)
     window = check_window(window)
     scale = check_scale(scale, D)
     check_seqlens_device("cache_seqlens", cache_seqlens, q)
-    _check_cache_seqlens(cache_seqlens, B, Tn, S, q.device, max_seqlen)
+    _check_cache_seqlens(cache_seqlens, B, Tn, S, max_seqlen)
     if backend == "auto" and q.dtype not in _KERNEL_DTYPES:
         backend = "torch"
     backend = resolve_backend(backend, q, op="parallax_decode", has_triton=HAS_TRITON)
     if backend == "torch":
         return _decode_reference(q, r, k_cache, v_cache, cache_seqlens, window, scale)
     _check_kernel_dtype(q)
-    from regattn.ops.parallax.decode import parallax_decode_fwd
-    q, r, k_cache, v_cache = _last_dim_contiguous(q, r, k_cache, v_cache)
     return parallax_decode_fwd(q, r, k_cache, v_cache, cache_seqlens=cache_seqlens, window=window, scale=scale,
                                max_seqlen=max_seqlen)
 

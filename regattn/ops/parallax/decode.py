@@ -13,6 +13,7 @@ Queries sit at the end of each sequence's valid cache: new token ``t`` of ``Tn``
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 import triton
@@ -58,14 +59,17 @@ def _finish(acc, d1, d2):
 
 @triton.jit
 def _parallax_decode_kernel(
-    Q, R, K, V, O, LENS, WS_O, WS_S, COUNT,
-    sq_b, sq_t, sq_h, sr_b, sr_t, sr_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, so_b, so_t, so_h,
+    Q, R, K, V, O, LENS, WS, COUNT, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
     TN, S, H, D, DV, n_row_tiles, qk_scale, window,
     G: tl.constexpr, GP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_LENS: tl.constexpr,
     HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """Grid ``(B * H * n_row_tiles, NUM_SPLITS)``; a tile is ``BLOCK_M // 2`` query rows over as many probe rows."""
+    """Grid ``(B * H * n_row_tiles, NUM_SPLITS)``; a tile is ``BLOCK_M // 2`` query rows over as many probe rows.
+
+    ``Q``, ``R`` (``[B, TN, H * G, D]``) and ``O`` (``[B, TN, H * G, DV]``) are contiguous. ``WS`` holds the
+    splits' partial ``[O1; O2]`` tiles, then their ``(m, d1, d2)`` rows (fp32).
+    """
     HALF: tl.constexpr = BLOCK_M // 2
     BLOCK_T: tl.constexpr = HALF // GP
     pid = tl.program_id(0)
@@ -86,9 +90,8 @@ def _parallax_decode_kernel(
     hq = h * G + g
     ok = (g < G) & (t < TN)
     offs_d = tl.arange(0, BLOCK_D)
-    qr_ptr = tl.where((m < HALF)[:, None],
-                      Q + b * sq_b + t[:, None] * sq_t + hq[:, None] * sq_h + offs_d[None, :],
-                      R + b * sr_b + t[:, None] * sr_t + hq[:, None] * sr_h + offs_d[None, :])
+    qr_off = ((b * TN + t) * (H * G) + hq)[:, None] * D + offs_d[None, :]
+    qr_ptr = tl.where((m < HALF)[:, None], Q + qr_off, R + qr_off)
     qr = tl.load(qr_ptr, mask=ok[:, None] & (offs_d[None, :] < D), other=0.0)
     qpos = t0 + tl.arange(0, HALF) // GP + off
     K += b * sk_b + h * sk_h
@@ -144,13 +147,14 @@ def _parallax_decode_kernel(
     ot = t0 + orow // GP
     og = orow % GP
     o_ok = (og < G) & (ot < TN)
-    o_ptr = O + b * so_b + ot[:, None] * so_t + (h * G + og)[:, None] * so_h + offs_dv[None, :]
+    o_ptr = O + ((b * TN + ot) * (H * G) + h * G + og)[:, None] * DV + offs_dv[None, :]
     o_mask = o_ok[:, None] & (offs_dv[None, :] < DV)
     if NUM_SPLITS == 1:
         tl.store(o_ptr, _finish(acc, d1, d2).to(O.dtype.element_ty), mask=o_mask)
     else:
         # write this split's partial state, then let the last split to finish merge all of them
-        ws_o = WS_O + (pid * NUM_SPLITS + split) * BLOCK_M * BLOCK_DV
+        WS_S = WS + tl.num_programs(0) * NUM_SPLITS * BLOCK_M * BLOCK_DV
+        ws_o = WS + (pid * NUM_SPLITS + split) * BLOCK_M * BLOCK_DV
         tl.store(ws_o + m[:, None] * BLOCK_DV + offs_dv[None, :], acc, mask=ok[:, None])  # real rows only
         ws_s = WS_S + (pid * NUM_SPLITS + split) * 3 * HALF
         tl.store(ws_s + orow, m_i)
@@ -177,7 +181,7 @@ def _parallax_decode_kernel(
                 d1 += tl.sum(w * tl.load(s_part + HALF, cache_modifier=".cg"), 0)
                 d2 += tl.sum(w * tl.load(s_part + 2 * HALF, cache_modifier=".cg"), 0)
                 w2 = tl.reshape(tl.permute(tl.join(w, w), (0, 2, 1)), (1, BLOCK_M))
-                o_part = WS_O + part[:, None, None] * BLOCK_M * BLOCK_DV + m[None, :, None] * BLOCK_DV
+                o_part = WS + part[:, None, None] * BLOCK_M * BLOCK_DV + m[None, :, None] * BLOCK_DV
                 acc += tl.sum(w2[:, :, None] * tl.load(o_part + offs_dv[None, None, :], mask=ok[None, :, None],
                                                        other=0.0, cache_modifier=".cg"), 0)
             tl.store(o_ptr, _finish(acc, d1, d2).to(O.dtype.element_ty), mask=o_mask)
@@ -217,16 +221,49 @@ def choose_splits(programs: int, key_tiles: int, sms: int) -> int:
     return n
 
 
-@functools.lru_cache(maxsize=256)
-def decode_launch(B: int, Tn: int, HQ: int, H: int, D: int, Dv: int, keys: int, dtype, sms: int,
-                  interpret: bool) -> tuple[dict, int, int, int]:
-    """``(config, row tiles, programs, splits)`` of a decode shape over at most ``keys`` keys, computed once
-    per shape (``interpret`` keys the interpreter's small tiles)."""
+class DecodeLaunch(NamedTuple):
+    """What one decode shape launches with."""
+    grid: tuple[int, int]  # (programs, splits)
+    n_row_tiles: int
+    workspace: int  # fp32 elements of the splits' partial states (0 with one split)
+    meta: dict  # the kernel's tile constexprs and launch options
+
+
+def plan_decode(B: int, Tn: int, HQ: int, H: int, D: int, Dv: int, keys: int, dtype, sms: int,
+                config: dict | None = None, num_splits: int | None = None) -> DecodeLaunch:
+    """The launch of a decode shape over at most ``keys`` keys; ``config`` and ``num_splits`` override the
+    tiles and the split count."""
     G = HQ // H
+    GP = group_pad(G)
     cfg = decode_config(Tn, D, Dv, G, dtype)
-    n_row_tiles = ceil_div(Tn, cfg["BLOCK_M"] // 2 // group_pad(G))
+    if config:
+        cfg = dict(cfg, **config)
+    block_m, block_dv = cfg["BLOCK_M"], head_block(Dv)
+    n_row_tiles = ceil_div(Tn, block_m // 2 // GP)
     programs = B * H * n_row_tiles
-    return cfg, n_row_tiles, programs, choose_splits(programs, ceil_div(keys, cfg["BLOCK_N"]), sms)
+    splits = num_splits or choose_splits(programs, ceil_div(keys, cfg["BLOCK_N"]), sms)
+    workspace = programs * splits * (block_m * block_dv + 3 * block_m // 2) if splits > 1 else 0
+    meta = dict(G=G, GP=GP, BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], BLOCK_D=head_block(D), BLOCK_DV=block_dv,
+                NUM_SPLITS=splits, PRECISION=dot_precision(dtype), num_warps=cfg["num_warps"],
+                num_stages=cfg["num_stages"])
+    return DecodeLaunch((programs, splits), n_row_tiles, workspace, meta)
+
+
+@functools.lru_cache(maxsize=256)
+def decode_launch(B: int, Tn: int, HQ: int, H: int, D: int, Dv: int, keys: int, dtype,
+                  device: torch.device) -> DecodeLaunch:
+    """:func:`plan_decode` on ``device``, computed once per shape: its tiles read ``TRITON_INTERPRET`` then, as
+    ``triton.jit`` read it once to build the kernel for the interpreter or not."""
+    return plan_decode(B, Tn, HQ, H, D, Dv, keys, dtype, sm_count(device))
+
+
+def _with_strides(x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """``x`` with its last dim contiguous (copied only where it is not) and its strides."""
+    strides = x.stride()
+    if strides[-1] != 1:
+        x = x.contiguous()
+        strides = x.stride()
+    return x, strides
 
 
 def parallax_decode_fwd(q, r, k_cache, v_cache, *, cache_seqlens=None, window=None, scale: float,
@@ -234,39 +271,33 @@ def parallax_decode_fwd(q, r, k_cache, v_cache, *, cache_seqlens=None, window=No
     """Run the decode kernel; ``o: [B, Tn, HQ, Dv]`` in q's dtype (no autograd).
 
     Args:
-        q, r: ``[B, Tn, HQ, D]``; k_cache: ``[B, S, H, D]``; v_cache: ``[B, S, H, Dv]`` (last dims contiguous).
+        q, r: ``[B, Tn, HQ, D]`` (made contiguous); k_cache: ``[B, S, H, D]``; v_cache: ``[B, S, H, Dv]``
+            (their last dims made contiguous).
         cache_seqlens: int ``[B]`` valid cache lengths (each in ``[Tn, S]``) or None for ``S``.
         max_seqlen: a bound on ``cache_seqlens`` (the K/V loop is split for that many keys); None means ``S``.
         num_splits, config: override the split count and the tiles (for tuning).
     """
     B, Tn, HQ, D = q.shape
-    S, H, Dv = k_cache.shape[1], k_cache.shape[2], v_cache.shape[3]
-    G = HQ // H
-    GP = group_pad(G)
-    cfg, n_row_tiles, programs, ns = decode_launch(B, Tn, HQ, H, D, Dv, max_seqlen or S, q.dtype,
-                                                   sm_count(q.device), interpreting())
-    if config:
-        cfg = dict(cfg, **config)
-        n_row_tiles = ceil_div(Tn, cfg["BLOCK_M"] // 2 // GP)
-        programs = B * H * n_row_tiles
-    ns = num_splits or ns
-    half = cfg["BLOCK_M"] // 2
-    o = torch.empty(B, Tn, HQ, Dv, device=q.device, dtype=q.dtype)
-    if ns > 1:
-        ws_o = torch.empty(programs * ns * cfg["BLOCK_M"] * head_block(Dv), device=q.device, dtype=torch.float32)
-        ws_s = torch.empty(programs * ns * 3 * half, device=q.device, dtype=torch.float32)
-        count = _counters(programs, q.device)
+    _, S, H, _ = k_cache.shape
+    Dv = v_cache.shape[3]
+    device = q.device
+    if config is None and num_splits is None:
+        launch = decode_launch(B, Tn, HQ, H, D, Dv, max_seqlen or S, q.dtype, device)
     else:
-        ws_o = ws_s = count = o
-    _parallax_decode_kernel[(programs, ns)](
-        q, r, k_cache, v_cache, o, cache_seqlens if cache_seqlens is not None else o, ws_o, ws_s, count,
-        q.stride(0), q.stride(1), q.stride(2), r.stride(0), r.stride(1), r.stride(2),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
-        v_cache.stride(2), o.stride(0), o.stride(1), o.stride(2),
-        Tn, S, H, D, Dv, n_row_tiles, scale * LOG2E, window if window is not None else 0,
-        G=G, GP=GP, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=head_block(D),
-        BLOCK_DV=head_block(Dv), NUM_SPLITS=ns, HAS_LENS=cache_seqlens is not None,
-        HAS_WINDOW=window is not None, PRECISION=dot_precision(q.dtype), num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"],
+        launch = plan_decode(B, Tn, HQ, H, D, Dv, max_seqlen or S, q.dtype, sm_count(device), config, num_splits)
+    q, r = q.contiguous(), r.contiguous()
+    k_cache, sk = _with_strides(k_cache)
+    v_cache, sv = _with_strides(v_cache)
+    o = torch.empty(B, Tn, HQ, Dv, device=device, dtype=q.dtype)
+    if launch.workspace:
+        ws = torch.empty(launch.workspace, device=device, dtype=torch.float32)
+        count = _counters(launch.grid[0], device)
+    else:
+        ws = count = o
+    _parallax_decode_kernel[launch.grid](
+        q, r, k_cache, v_cache, o, o if cache_seqlens is None else cache_seqlens, ws, count,
+        sk[0], sk[1], sk[2], sv[0], sv[1], sv[2],
+        Tn, S, H, D, Dv, launch.n_row_tiles, scale * LOG2E, 0 if window is None else window,
+        HAS_LENS=cache_seqlens is not None, HAS_WINDOW=window is not None, **launch.meta,
     )
     return o
