@@ -210,11 +210,12 @@ def decode_config(Tn: int, D: int, Dv: int, groups: int, dtype) -> dict:
 
 
 def choose_splits(programs: int, key_tiles: int, sms: int) -> int:
-    """Splits of the K/V loop: a power of two, at most 16, with about two programs per SM and at least two
-    key tiles per split. On an H100 (8 KV heads, 4k-32k keys; benchmarks/results/h100/tiles/parallax-decode.json)
-    this picked the fastest count measured at B = 8 (4) and B = 64 (1), and at B = 1 (16) for 4k and 8k keys;
-    32 splits ran 4% faster at 32k keys and 4-15% slower at 4k and 8k."""
-    limit = min(2 * sms // max(programs, 1), key_tiles // 2, 16)
+    """Splits of the K/V loop: a power of two with about two programs per SM and at least two key tiles per
+    split; at most 16, or 32 where each split still streams 8 tiles or more. On an H100 (8 KV heads, 4k-32k
+    keys; benchmarks/results/h100/tiles/parallax-decode.json and parallax-decode-splits.json) this picked the
+    fastest count measured at B = 8 (4) and B = 64 (1), and at B = 1 16 for 4k and 8k keys (32 ran 1-15%
+    slower) and 32 for 32k (8% faster than 16 on the same tiles)."""
+    limit = min(2 * sms // max(programs, 1), key_tiles // 2, 32 if key_tiles >= 8 * 32 else 16)
     n = 1
     while n * 2 <= limit:
         n *= 2
