@@ -4,9 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from regattn.ops._common.checks import check_int, check_positive, resolve_backend
-
-_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+from regattn.ops._common.checks import KERNEL_DTYPES, check_int, check_positive, resolve_backend
 
 
 def packed_starts(cu_seqlens: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -60,7 +58,7 @@ def norm_rope(x: torch.Tensor, norm: nn.Module | None, angles=None, *, backend: 
     if norm is None and angles is None:
         return x
     eps = None if norm is None else norm.eps if norm.eps is not None else torch.finfo(x.dtype).eps
-    if (resolve_backend(backend, x, op="norm_rope", has_triton=True) == "triton" and x.dtype in _KERNEL_DTYPES
+    if (resolve_backend(backend, x, op="norm_rope", has_triton=True) == "triton" and x.dtype in KERNEL_DTYPES
             and x.shape[-1] % 2 == 0 and (norm is None or norm.weight is not None)
             and not torch.compiler.is_compiling()):
         from regattn.ops.norm_rope.function import norm_rope_triton
