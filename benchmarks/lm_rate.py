@@ -58,10 +58,8 @@ def throughput(mixers: list[str], compile: str, corpus, rounds: int = ROUNDS) ->
 
 def kernel_profile(mixer: str, corpus) -> str:
     """The torch profile's table of three eager steps after ten warm-up steps, by CUDA time."""
-    config = LMTrainConfig(mixer=mixer, steps=100, device="cuda", **SHAPE)
     rt = Runtime(rank=0, world=1, device=torch.device("cuda"))
-    model = build_model(config, rt)
-    opt = build_optimizer(model, config.optimizer, lr=config.lr, weight_decay=config.weight_decay, fused=True)
+    config, model, opt = trainer(mixer, "none", rt)
     for step in range(10):
         train_step(model, opt, config, corpus, step, rt)
     torch.cuda.synchronize()

@@ -4,7 +4,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from regattn.ops._common.checks import KERNEL_DTYPES, check_int, check_positive, resolve_backend
+from regattn.ops._common.checks import (
+    KERNEL_DTYPES, check_int, check_positive, check_shape, check_tensor, resolve_backend,
+)
+from regattn.ops.norm_rope.function import norm_rope_triton
 
 
 def packed_starts(cu_seqlens: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -57,11 +60,11 @@ def norm_rope(x: torch.Tensor, norm: nn.Module | None, angles=None, *, backend: 
     norm = norm if isinstance(norm, nn.RMSNorm) else None
     if norm is None and angles is None:
         return x
+    _check_norm_rope(x, norm, angles)
     eps = None if norm is None else norm.eps if norm.eps is not None else torch.finfo(x.dtype).eps
     if (resolve_backend(backend, x, op="norm_rope", has_triton=True) == "triton" and x.dtype in KERNEL_DTYPES
             and x.shape[-1] % 2 == 0 and (norm is None or norm.weight is not None)
             and not torch.compiler.is_compiling()):
-        from regattn.ops.norm_rope.function import norm_rope_triton
         cos, sin = angles if angles is not None else (None, None)
         return norm_rope_triton(x.contiguous(), None if norm is None else norm.weight, cos, sin, eps or 0.0)
     y = x.to(torch.promote_types(x.dtype, torch.float32))
@@ -73,3 +76,19 @@ def norm_rope(x: torch.Tensor, norm: nn.Module | None, angles=None, *, backend: 
         y1, y2 = y.chunk(2, -1)
         y = torch.cat((y1 * cos - y2 * sin, y2 * cos + y1 * sin), -1)
     return y.to(x.dtype)
+
+
+def _check_norm_rope(x, norm, angles) -> None:
+    """``x: [B, T, H, D]``; ``norm`` over ``D``; ``angles``: two ``[T, D/2]`` tensors on x's device."""
+    check_tensor("x", x, 4)
+    T, D = x.shape[1], x.shape[3]
+    if norm is not None and tuple(norm.normalized_shape) != (D,):
+        raise ValueError(f"norm: expected an RMSNorm over the head dim ({D},), got {tuple(norm.normalized_shape)}")
+    if angles is not None:
+        if D % 2:
+            raise ValueError(f"x: a rotation needs an even head dim, got {D}")
+        for name, a in zip(("angles[0] (cos)", "angles[1] (sin)"), angles):
+            check_tensor(name, a, 2)
+            check_shape(name, a, (T, D // 2), "[T, D/2]")
+            if a.device != x.device:
+                raise ValueError(f"{name}: expected device {x.device} (as x), got {a.device}")

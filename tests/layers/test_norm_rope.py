@@ -110,3 +110,21 @@ def test_non_finite_rows_stay_in_their_rows(interpret):
     bad[0, 3, 1] = False
     bad[0, 4, 0] = False
     assert not bad.any()
+
+
+def test_bad_arguments():
+    norm, rope = _norm(16, torch.float32), RotaryEmbedding(16, base=BASE)
+    x = randn(2, 5, 3, 16, dtype=torch.float32)
+    angles = rope.angles(5, 0, x.device)
+    with pytest.raises(ValueError, match="^x: expected a rank-4 tensor"):
+        norm_rope(x[0], norm, angles)
+    with pytest.raises(TypeError, match="^x: expected a floating-point tensor"):
+        norm_rope(x.long(), norm, None)
+    with pytest.raises(ValueError, match=r"^norm: expected an RMSNorm over the head dim \(16,\)"):
+        norm_rope(x, _norm(8, torch.float32), angles)
+    with pytest.raises(ValueError, match=r"^angles\[0\] \(cos\): expected shape \[T, D/2\]"):
+        norm_rope(x, norm, rope.angles(6, 0, x.device))
+    with pytest.raises(ValueError, match=r"^angles\[1\] \(sin\): expected shape \[T, D/2\]"):
+        norm_rope(x, norm, (angles[0], angles[1][:, :4]))
+    with pytest.raises(ValueError, match="^x: a rotation needs an even head dim"):
+        norm_rope(randn(2, 5, 3, 15, dtype=torch.float32), None, angles)
