@@ -1,8 +1,8 @@
 """Correctness beside every timing: each case's output and gradients against the float64 reference.
 
 The reference runs in float64 on a slice of the problem that fits any GPU at any goal shape:
-batch row 0, the query heads of key/value head 0 (all of a GQA group) and a band of query rows:
-the last ``rows`` queries against every key (the rows that see the most keys), or, where the
+batch row 0 (or another one named), the query heads of key/value head 0 (all of a GQA group) and a
+band of query rows: the last ``rows`` queries against every key (the rows that see the most keys), or, where the
 reference needs queries and keys of one length (a gate ``u`` read at both, a backward pass), the
 first ``rows`` queries and keys (for causal ops the first rows are a problem of their own). For
 gradients the output gradient is random on the slice and zero elsewhere, so every gradient of the
@@ -25,7 +25,7 @@ ROLES = {"q": "row", "r": "row", "u": "row", "h": "row", "beta": "row", "b": "ro
 
 @dataclass
 class Slice:
-    """Batch row 0, the first ``1 / kv_heads`` of every head axis, and a band of rows.
+    """Batch row ``batch``, the first ``1 / kv_heads`` of every head axis, and a band of rows.
 
     ``rows``: how many query rows (None: all). ``last``: the last rows against every key
     (queries aligned to the end of the keys, as every reference takes them); otherwise the
@@ -35,6 +35,7 @@ class Slice:
     rows: int | None = None
     last: bool = False
     causal: bool = True
+    batch: int = 0
 
     def take(self, x: torch.Tensor, role: str) -> torch.Tensor:
         if role == "head":
@@ -44,7 +45,7 @@ class Slice:
             span = slice(None)
         else:
             span = slice(-self.rows, None) if self.last else slice(0, self.rows)
-        return x[:1, span, :heads]
+        return x[self.batch:self.batch + 1, span, :heads]
 
     def grad_out(self, out: torch.Tensor, seed: int = 0) -> torch.Tensor:
         """A full-size output gradient: random on the slice, zero elsewhere."""

@@ -218,7 +218,7 @@ def scan_launch(precision: str, config, *, B=1, T=16384, H=16, D=64):
                             cu_seqlens=None, num_splits=1, need_lse=False)
     finally:
         kernels.FWD_CONFIGS, kernels.AUTOTUNE = saved
-    return launches[0]
+    return next(launch for launch in launches if launch[0].__name__ == "_fwd_kernel")
 
 
 def scan_rows(head_dims=(64,), kinds=("ieee", "tf32x3"), candidates=False):

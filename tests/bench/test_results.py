@@ -76,6 +76,25 @@ def test_report_plots_latency_and_memory_against_length_where_a_suite_asks(tmp_p
     assert (tmp_path / "docs" / "perf" / "h100-lla-fig7.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_report_renders_part_files_and_the_scan_drift_after_the_devices_scan_tables(tmp_path):
+    from regattn.ops.scan import verify
+
+    folder = tmp_path / results.RESULTS_DIR / "h100"
+    for name in ("scan-varlen", "scan", "softmax"):
+        results.write_result(folder / f"{name}.json", gpu_result(name.split("-")[0]))
+    (folder / "verify").mkdir()
+    drift = folder / "verify" / "scan-ieee.json"
+    assert verify.main(["scan", "--n", "32,64", "--heads", "1", "--dim", "16", "--rows", "8", "--device", "cpu",
+                        "--backend", "torch", "--json", str(drift)]) == 0
+    text = report.write_report(tmp_path).read_text()
+    heads = [line for line in text.splitlines() if line.startswith("## ")]
+    assert heads == ["## scan on h100", "## scan-varlen on h100", "## scan drift on h100", "## softmax on h100"]
+    assert "![h100-scan-varlen](perf/h100-scan-varlen.png)" in text
+    run = json.loads(drift.read_text())
+    assert f"{report.versions(run['machine'])}; measured {run['date']}" in text
+    assert verify.summary(run) in text and "Theorem 1 bound rel dY" in text
+
+
 def test_committed_performance_doc_is_the_generated_one(tmp_path):
     shutil.copytree(REPO / results.RESULTS_DIR, tmp_path / results.RESULTS_DIR)
     assert report.write_report(tmp_path).read_text() == (REPO / report.DOC).read_text()

@@ -63,8 +63,17 @@ def _parallax(q, k, v, aux, window, cu_seqlens, backend):
     return regattn.parallax(q, aux * 0.3, k, v, causal=True, window=window, cu_seqlens=cu_seqlens, backend=backend)
 
 
-def _scan(q, k, v, aux, window, cu_seqlens, backend):
-    return regattn.scan_attention(q, k, v, causal=True, window=window, cu_seqlens=cu_seqlens, backend=backend)
+def _scan(q, k, v, aux, window, cu_seqlens, backend, precision="ieee"):
+    return regattn.scan_attention(q, k, v, causal=True, window=window, cu_seqlens=cu_seqlens, precision=precision,
+                                  backend=backend)
+
+
+def _scan_tf32x3(*args):
+    return _scan(*args, precision="tf32x3")
+
+
+def _scan_tf32(*args):
+    return _scan(*args, precision="tf32")
 
 
 def _lla(q, k, v, aux, window, cu_seqlens, backend, blocks=None):
@@ -83,8 +92,8 @@ def _mesanet(q, k, v, aux, window, cu_seqlens, backend):
     return regattn.mesanet(q, torch.nn.functional.normalize(k, dim=-1), v, chunk=8)
 
 
-OPS = {"softmax": _softmax, "gatedfwa": _gatedfwa, "parallax": _parallax, "scan": _scan, "lla": _lla,
-       "lla_pairs": _lla_pairs, "mesanet": _mesanet}
+OPS = {"softmax": _softmax, "gatedfwa": _gatedfwa, "parallax": _parallax, "scan": _scan, "scan_tf32x3": _scan_tf32x3,
+       "scan_tf32": _scan_tf32, "lla": _lla, "lla_pairs": _lla_pairs, "mesanet": _mesanet}
 
 def _run(op, q, k, v, aux, do, window, cu_seqlens, backend):
     """Output and the gradients of q, k, v; ``aux`` feeds the probe (parallax) or the gate (gatedfwa)."""
@@ -113,6 +122,8 @@ NOT_CONTAINED = {
 def _op_backends():
     for backend in ("torch", "triton"):
         for op in OPS:
+            if backend == "torch" and op.startswith("scan_"):
+                continue  # the precisions are the Triton kernels'
             marks = ()
             if backend == "triton" and op in NOT_CONTAINED:
                 marks = pytest.mark.xfail(run=False, reason=NOT_CONTAINED[op])

@@ -54,4 +54,5 @@ def test_command(tmp_path, capsys):
     assert "rel dY" in text and "PASS" in text
     data = json.loads(out.read_text())
     assert rc == 0 and [r["n"] for r in data["results"]] == [32, 128]
+    assert data["machine"]["device"] == "cpu" and data["date"].endswith("UTC")
     assert all(0 < r["rel_dY"] < 1e-5 for r in data["results"])

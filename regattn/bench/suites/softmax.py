@@ -24,10 +24,11 @@ GRIDS = {
 CHECK_ROWS = 1024
 
 
-def check(mode, q, k, v, w, *, causal=True, rows=CHECK_ROWS) -> Check:
-    """Forward: the last ``rows`` against every key; forward+backward: the first rows (and keys, if causal)."""
+def check(mode, q, k, v, w, *, causal=True, rows=CHECK_ROWS, batch=0) -> Check:
+    """Forward: the last ``rows`` against every key; forward+backward: the first rows (and keys, if causal);
+    of batch row ``batch``."""
     bwd = backward(mode)
-    where = Slice(kv_heads=k.shape[2], rows=min(q.shape[1], rows), last=not bwd, causal=causal)
+    where = Slice(kv_heads=k.shape[2], rows=min(q.shape[1], rows), last=not bwd, causal=causal, batch=batch)
     return Check(lambda q, k, v: reference.softmax_attention(q, k, v, causal=causal, window=w), dict(q=q, k=k, v=v),
                  where, grads=("q", "k", "v") if bwd else ())
 

@@ -144,7 +144,7 @@ def _tf32(x, ROUND: tl.constexpr):
     if ROUND:
         bits = x.to(tl.uint32, bitcast=True)
         bits = ((bits + 0x1000) >> 13) << 13
-        x = bits.to(tl.float32, bitcast=True)
+        x = tl.where(x == x, bits.to(tl.float32, bitcast=True), x)  # a NaN stays NaN whatever its payload
     return x
 
 

@@ -17,12 +17,14 @@ output row of query ``i`` is ``P_ij``. Then it checks Theorem 1 (A.3): the outpu
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import math
 import sys
 
 import torch
 
+from regattn.bench.results import machine_info
 from regattn.ops.scan.api import PRECISIONS, scan_attention
 from regattn.reference.softmax import softmax_attention
 from regattn.usage import device
@@ -149,16 +151,26 @@ def main(argv=None) -> int:
                        backend=args.backend, device=args.device, seed=args.seed, input_scale=args.input_scale,
                        num_splits=args.splits, probabilities=not args.no_probabilities) for n in ns]
     check = growth_check(results, u)
-    print(f"ELSA scan drift vs float64: dtype={args.dtype} precision={args.precision} backend={args.backend} "
-          f"device={args.device} heads={args.heads} d={args.dim} rows={args.rows}")
-    print(format_table(results, u))
-    print(f"Theorem 1 bound rel dY <= L(n, 128) u (u = {u:.2e}): {'PASS' if check['bound_ok'] else 'FAIL'}")
-    print(f"growth {results[0]['n']} -> {results[-1]['n']}: x{check['growth']:.2f} vs log2 n x{check['log_growth']:.2f}"
-          f" -> {'logarithmic or better: PASS' if check['growth_ok'] else 'faster than logarithmic: FAIL'}")
+    report = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+              "machine": machine_info(args.device), "args": vars(args), "results": results, "check": check}
+    print(summary(report))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "results": results, "check": check}, f, indent=1)
+            json.dump(report, f, indent=1)
     return 0 if check["bound_ok"] and check["growth_ok"] else 1
+
+
+def summary(report: dict) -> str:
+    """The drift table of one run (as :func:`main` writes it to JSON) and its two checks, as printed."""
+    args, results, check = report["args"], report["results"], report["check"]
+    u = check["unit_roundoff"]
+    return "\n".join([
+        f"ELSA scan drift vs float64: dtype={args['dtype']} precision={args['precision']} backend={args['backend']} "
+        f"device={args['device']} heads={args['heads']} d={args['dim']} rows={args['rows']}",
+        format_table(results, u),
+        f"Theorem 1 bound rel dY <= L(n, 128) u (u = {u:.2e}): {'PASS' if check['bound_ok'] else 'FAIL'}",
+        f"growth {results[0]['n']} -> {results[-1]['n']}: x{check['growth']:.2f} vs log2 n x{check['log_growth']:.2f}"
+        f" -> {'logarithmic or better: PASS' if check['growth_ok'] else 'faster than logarithmic: FAIL'}"])
 
 
 if __name__ == "__main__":
