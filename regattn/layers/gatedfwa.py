@@ -8,7 +8,7 @@ Per head ``h``::
     beta_t    = 1 + elu(x_t W_beta), W_beta = 0 at init
     u         = preprocess(h, beta)                   (eq. 9-11: -cumsum(softplus(beta h) / (beta + eps)))
     o~        = GatedFWA(q, k, v, u; window w)        (eq. 12)
-    y         = (swish(x W_G) * concat_h norm(o~_h)) W_O
+    y         = (swish(x W_G) * concat_h norm(o~_h)) W_O   (output_gate=False: y = concat_h o~_h W_O)
 
 Generation keeps the last ``w`` keys, values and gate values ``u_j`` plus the running ``u``: that is
 all a query can see, so one step costs ``O(w)`` whatever the position.
@@ -71,33 +71,44 @@ class GatedFWA(nn.Module):
         head_dim: defaults to ``d_model // num_heads``.
         rope: rotate q and k by position (RoPE) after their norm.
         eps: the gate's ``eps`` (eq. 9).
+        output_gate: the paper's output path, the per-head RMSNorm of ``o~`` times ``swish(x W_G)``; False
+            joins the heads as they are (an ablation).
+        decay_low, decay_high: the range of the heads' forget rates ``softplus(b_g)`` at init
+            (:func:`gate_bias_init`).
         backend: passed to the ops (``"auto" | "torch" | "triton"``).
     """
 
     GATE_PROJECTIONS = ("g_proj", "beta_proj")  # trained with Adam's update under Muon (regattn.train.optim)
 
     def __init__(self, d_model: int, num_heads: int, window: int | None, *, num_kv_heads: int | None = None,
-                 head_dim: int | None = None, rope: bool = False, eps: float = 1e-6, backend: str = "auto"):
+                 head_dim: int | None = None, rope: bool = False, eps: float = 1e-6, output_gate: bool = True,
+                 decay_low: float = 1e-3, decay_high: float = 1e-1, backend: str = "auto"):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = head_layout(d_model, num_heads, num_kv_heads, head_dim)
         self.window = check_window(window)
-        self.backend = check_options(backend=backend, flags=dict(rope=rope), positive=dict(eps=eps))
+        self.backend = check_options(backend=backend, flags=dict(rope=rope, output_gate=output_gate),
+                                     positive=dict(eps=eps, decay_low=decay_low, decay_high=decay_high))
+        if decay_high < decay_low:
+            raise ValueError(f"decay_high: expected at least decay_low = {decay_low}, got {decay_high}")
         self.eps = float(eps)
+        self.output_gate = output_gate
         HQ, H, D = num_heads, self.num_kv_heads, self.head_dim
         self.q_proj = nn.Linear(d_model, HQ * D, bias=False)
         self.k_proj = nn.Linear(d_model, H * D, bias=False)
         self.v_proj = nn.Linear(d_model, H * D, bias=False)
         self.g_proj = nn.Linear(d_model, HQ)                  # h = x W_g + b_g
         self.beta_proj = nn.Linear(d_model, HQ, bias=False)   # beta = 1 + elu(x W_beta)
-        self.out_gate = nn.Linear(d_model, HQ * D, bias=False)
+        if output_gate:
+            self.out_gate = nn.Linear(d_model, HQ * D, bias=False)
         self.o_proj = nn.Linear(HQ * D, d_model, bias=False)
         self.q_norm = RMSNorm(D)
         self.k_norm = RMSNorm(D)
-        self.o_norm = RMSNorm(D)
+        if output_gate:
+            self.o_norm = RMSNorm(D)
         self.rotary = RotaryEmbedding(D) if rope else None
         with torch.no_grad():
             nn.init.zeros_(self.beta_proj.weight)
-            self.g_proj.bias.copy_(gate_bias_init(HQ))
+            self.g_proj.bias.copy_(gate_bias_init(HQ, decay_low, decay_high))
 
     # ------------------------------------------------------------------------------------------ pieces
     def _qkv(self, x, offset: int = 0, cu_seqlens=None):
@@ -115,8 +126,10 @@ class GatedFWA(nn.Module):
         return self.g_proj(x), 1 + F.elu(self.beta_proj(x))
 
     def _output(self, x, o):
-        """``(swish(x W_G) * per-head-normalised o) W_O``; ``o: [B, T, HQ, D]``."""
+        """``(swish(x W_G) * per-head-normalised o) W_O`` (without ``output_gate``: ``o W_O``); ``o: [B, T, HQ, D]``."""
         B, T = o.shape[:2]
+        if not self.output_gate:
+            return self.o_proj(o.reshape(B, T, self.num_heads * self.head_dim))
         o = self.o_norm(o).reshape(B, T, self.num_heads * self.head_dim)
         return self.o_proj(F.silu(self.out_gate(x)) * o)
 

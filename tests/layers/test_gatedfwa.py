@@ -36,9 +36,9 @@ def test_every_parameter_gets_a_gradient():
         assert p.grad is not None and p.grad.abs().sum() > 0, name
 
 
-@pytest.mark.parametrize("window,rope", [(5, False), (None, True)])
-def test_step_by_step_generation_equals_forward(window, rope):
-    layer = _layer(window=window, rope=rope)
+@pytest.mark.parametrize("window,rope,output_gate", [(5, False, True), (None, True, True), (5, True, False)])
+def test_step_by_step_generation_equals_forward(window, rope, output_gate):
+    layer = _layer(window=window, rope=rope, output_gate=output_gate)
     x = randn(2, 13, 32)
     full = layer(x)
     y, cache = layer.prefill(x[:, :4])
@@ -51,6 +51,20 @@ def test_step_by_step_generation_equals_forward(window, rope):
     assert rel_err(torch.cat(outs, 1), full) < 1e-12
     y0, _ = layer.step(x[:, :1], None)
     assert rel_err(y0, full[:, :1]) < 1e-12
+
+
+def test_output_gate_off_joins_the_heads_and_the_decay_range_sets_the_gate_bias():
+    from regattn.ops.gatedfwa.api import gate_dispatch, gatedfwa
+
+    layer = _layer(window=5, output_gate=False, decay_low=1e-4, decay_high=1e-2)
+    assert not hasattr(layer, "out_gate") and not hasattr(layer, "o_norm")
+    rates = torch.nn.functional.softplus(layer.g_proj.bias)
+    assert torch.allclose(rates, torch.logspace(-4, -2, 4, dtype=torch.float64), rtol=1e-6)
+    x = randn(2, 9, 32)
+    q, k, v = layer._qkv(x)
+    u = gate_dispatch(*layer.gate_inputs(x), eps=layer.eps, backend="torch")
+    o = gatedfwa(q, k, v, u, window=5, backend="torch")
+    assert rel_err(layer(x), layer.o_proj(o.flatten(2))) < 1e-12
 
 
 def test_varlen_equals_separate_sequences():
@@ -84,6 +98,12 @@ def test_bad_input():
         GatedFWA(32, 4, window=0)
     with pytest.raises(ValueError, match="num_kv_heads"):
         GatedFWA(32, 4, window=4, num_kv_heads=3)
+    with pytest.raises(ValueError, match="decay_low"):
+        GatedFWA(32, 4, window=4, decay_low=0.0)
+    with pytest.raises(ValueError, match="decay_high"):
+        GatedFWA(32, 4, window=4, decay_low=1e-2, decay_high=1e-3)
+    with pytest.raises(TypeError, match="output_gate"):
+        GatedFWA(32, 4, window=4, output_gate=1)
     layer = GatedFWA(32, 4, window=4)
     with pytest.raises(ValueError, match="x"):
         layer(randn(2, 3, 4, 32, dtype=torch.float32))
