@@ -106,9 +106,8 @@ def attention_inputs(mixer, x: torch.Tensor) -> dict | None:
     if isinstance(mixer, GatedFWANSA):
         return None
     if isinstance(mixer, Softmax):
-        q = mixer.normalize(mixer.split(mixer.q_proj(x)), getattr(mixer, "q_norm", None))
-        k = mixer.normalize(mixer.split(mixer.k_proj(x)), getattr(mixer, "k_norm", None))
-        return dict(kind="softmax", q=q, k=k, v=mixer.split(mixer.v_proj(x)), window=mixer.window)
+        q, k, v = mixer.qkv(x)
+        return dict(kind="softmax", q=q, k=k, v=v, window=mixer.window)
     if isinstance(mixer, Parallax):
         q, r, k, v = mixer.projections(x)
         out = dict(kind="parallax", q=q, r=r, k=k, v=v, window=mixer.window)

@@ -68,18 +68,22 @@ class Attention(nn.Module):
         """``[B, T, dim] -> [B, T, heads, head_dim]``."""
         return x.view(*x.shape[:2], self.heads, self.head_dim)
 
-    def normalize(self, x: torch.Tensor, norm: nn.Module | None) -> torch.Tensor:
-        """The q/k normalisation of ``[B, T, H, D]`` followed by RoPE."""
+    def normalize(self, x: torch.Tensor, norm: nn.Module | None, angles) -> torch.Tensor:
+        """The q/k normalisation of ``[B, T, H, D]`` followed by RoPE by ``angles`` (None: no rotation)."""
         if self.qk_norm == "l2":
             x = F.normalize(x, dim=-1)
-        angles = None if self.rotary is None else self.rotary.angles(x.shape[1], 0, x.device)
         return norm_rope(x, norm if self.qk_norm == "rms" else None, angles)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        q = self.normalize(self.split(self.q_proj(x)), getattr(self, "q_norm", None))
-        k = self.normalize(self.split(self.k_proj(x)), getattr(self, "k_norm", None))
+    def qkv(self, x: torch.Tensor):
+        """``q, k, v: [B, T, heads, head_dim]`` in v's dtype: q and k normalised and rotated (one ``cos, sin``)."""
+        angles = None if self.rotary is None else self.rotary.angles(x.shape[1], 0, x.device)
+        q = self.normalize(self.split(self.q_proj(x)), getattr(self, "q_norm", None), angles)
+        k = self.normalize(self.split(self.k_proj(x)), getattr(self, "k_norm", None), angles)
         v = self.split(self.v_proj(x))
-        q, k = q.to(v.dtype), k.to(v.dtype)        # a norm may leave fp32 under autocast
+        return q.to(v.dtype), k.to(v.dtype), v        # a norm may leave fp32 under autocast
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x)
         return self.o_proj(self.attend(q, k, v, x).flatten(2).to(v.dtype))
 
 

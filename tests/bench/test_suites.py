@@ -161,3 +161,12 @@ def test_scan_shape_with_a_causal_value_that_is_not_a_bool_is_refused_before_any
                  "--shapes", "B=1,H=2,T=8,D=16,causal=yes", "--out", str(out)]) == 0
     [row] = json.loads(out.read_text())["rows"]
     assert row["op"] == "inputs" and "causal: expected true or false, got 'yes'" in row["status"], row
+
+
+def test_scan_packed_shape_that_does_not_split_evenly_is_refused_before_any_input(tmp_path):
+    out = tmp_path / "scan.json"
+    assert main(["bench", "scan", "--device", "cpu", "--rep-ms", "1", "--peers", "none",
+                 "--shapes", "B=1,H=2,T=10,D=16,causal=True,seqs=3", "--out", str(out)]) == 0
+    [row] = json.loads(out.read_text())["rows"]
+    assert row["op"] == "inputs" and "seqs: expected B == 1 and T divisible by seqs" in row["status"], row
+

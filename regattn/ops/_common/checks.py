@@ -185,6 +185,11 @@ def check_cu_seqlens(cu_seqlens, batch: int, total: int, max_seqlen=None) -> tor
     return cu_seqlens
 
 
+def last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with its last dim contiguous, as the kernels read rows (copied only where it is not)."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
 def longest_sequence(cu_seqlens: torch.Tensor, max_seqlen: int | None) -> int:
     """``max_seqlen`` when the caller gave it, else the longest packed sequence read from the device
     (a host sync: hot paths pass ``max_seqlen``)."""

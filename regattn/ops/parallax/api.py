@@ -6,7 +6,8 @@ import torch
 from regattn import reference
 from regattn.ops._common.checks import (
     FLOAT_DTYPES, check_attention_inputs, check_cu_seqlens, check_int, check_same, check_scale, check_seqlens_device,
-    check_shape, check_tensor, check_window, host_checks_allowed, longest_sequence, resolve_backend,
+    check_shape, check_tensor, check_window, host_checks_allowed, last_dim_contiguous, longest_sequence,
+    resolve_backend,
 )
 from regattn.ops.parallax.decode import parallax_decode_fwd
 
@@ -18,10 +19,6 @@ _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 def _check_kernel_dtype(x: torch.Tensor) -> None:
     if x.dtype not in _KERNEL_DTYPES:
         raise TypeError(f"q: backend='triton' takes fp16, bf16 or fp32, got {x.dtype}; use backend='torch'")
-
-
-def _last_dim_contiguous(*xs):
-    return [x if x.stride(-1) == 1 else x.contiguous() for x in xs]
 
 
 def parallax(q, r, k, v, *, causal=True, window=None, scale=None, cu_seqlens=None, max_seqlen=None,
@@ -66,7 +63,7 @@ def parallax(q, r, k, v, *, causal=True, window=None, scale=None, cu_seqlens=Non
     _check_kernel_dtype(q)
     from regattn.ops.parallax.function import parallax_triton
     max_seqlen = 0 if cu_seqlens is None else longest_sequence(cu_seqlens, max_seqlen)
-    q, r, k, v = _last_dim_contiguous(q, r, k, v)
+    q, r, k, v = (last_dim_contiguous(x) for x in (q, r, k, v))
     return parallax_triton(q, r, k, v, causal=causal, window=window, scale=scale, cu_seqlens=cu_seqlens,
                            max_seqlen=max_seqlen)
 

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from regattn.ops._common.checks import sm_count
+from regattn.ops._common.checks import last_dim_contiguous, sm_count
 from regattn.ops._common.ints import ceil_div, next_pow2
 from regattn.ops.parallax.tiles import (
     LOG2E, contained_dot, dot_precision, group_pad, head_block, interpreting, tile_config, visible,
@@ -258,15 +258,6 @@ def decode_launch(B: int, Tn: int, HQ: int, H: int, D: int, Dv: int, keys: int, 
     return plan_decode(B, Tn, HQ, H, D, Dv, keys, dtype, sm_count(device))
 
 
-def _with_strides(x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
-    """``x`` with its last dim contiguous (copied only where it is not) and its strides."""
-    strides = x.stride()
-    if strides[-1] != 1:
-        x = x.contiguous()
-        strides = x.stride()
-    return x, strides
-
-
 def parallax_decode_fwd(q, r, k_cache, v_cache, *, cache_seqlens=None, window=None, scale: float,
                         max_seqlen: int | None = None, num_splits: int | None = None, config: dict | None = None):
     """Run the decode kernel; ``o: [B, Tn, HQ, Dv]`` in q's dtype (no autograd).
@@ -287,8 +278,8 @@ def parallax_decode_fwd(q, r, k_cache, v_cache, *, cache_seqlens=None, window=No
     else:
         launch = plan_decode(B, Tn, HQ, H, D, Dv, max_seqlen or S, q.dtype, sm_count(device), config, num_splits)
     q, r = q.contiguous(), r.contiguous()
-    k_cache, sk = _with_strides(k_cache)
-    v_cache, sv = _with_strides(v_cache)
+    k_cache, v_cache = last_dim_contiguous(k_cache), last_dim_contiguous(v_cache)
+    sk, sv = k_cache.stride(), v_cache.stride()
     o = torch.empty(B, Tn, HQ, Dv, device=device, dtype=q.dtype)
     if launch.workspace:
         ws = torch.empty(launch.workspace, device=device, dtype=torch.float32)

@@ -6,7 +6,7 @@ import torch
 from regattn.reference.elsa import blocked_scan_attention
 from regattn.ops._common.checks import (
     check_attention_inputs, check_choice, check_cu_seqlens, check_int, check_scale, check_seqlens_device,
-    check_window, resolve_kernel_backend,
+    check_window, last_dim_contiguous, resolve_kernel_backend,
 )
 
 HAS_TRITON = True
@@ -98,10 +98,6 @@ def _partitioned(q, k, v, size, *, backend, **kwargs):
     return o.reshape(B, T, *o.shape[2:])
 
 
-def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
-    return x if x.stride(-1) == 1 else x.contiguous()
-
-
 class _ScanAttention(torch.autograd.Function):
     """The Triton forward (with ``lse`` kept when a gradient is needed) and backward."""
 
@@ -109,7 +105,7 @@ class _ScanAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, causal, window, scale, precision, cu_seqlens, num_splits, max_seqlen):
         from regattn.ops.scan import kernels
 
-        q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
+        q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
         if num_splits is None:
             nseq = q.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1
             num_splits = kernels.auto_splits(nseq * q.shape[2], q.shape[1] if cu_seqlens is None else

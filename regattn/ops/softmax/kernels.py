@@ -29,7 +29,7 @@ from regattn.ops._common.attention_tiles import (
     LOG2E, attention_blocks, dot_precision, full_key_span, head_block, key_span, online_softmax_step, query_span,
     row_dot, softmax_finish, tile_loop_bounds, visible_mask, visible_mask_t,
 )
-from regattn.ops._common.checks import longest_sequence
+from regattn.ops._common.checks import last_dim_contiguous, longest_sequence
 from regattn.ops._common.ints import ceil_div
 
 GATE2 = tl.constexpr(LOG2E)  # u in base 2
@@ -335,10 +335,6 @@ def _bwd_q_kernel(Q, K, V, G, DO, LSE, DELTA, DQ, CU, sm_scale, sm_scale2, T, S,
              mask=_tile_mask(offs_m, Tq, D, BLOCK_D))
 
 
-def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
-    return x if x.stride(-1) == 1 else x.contiguous()
-
-
 def _strides3(x: torch.Tensor):
     return x.stride(0), x.stride(1), x.stride(2)
 
@@ -369,7 +365,7 @@ def _launch_flags(q, k, u, causal, window, cu_seqlens):
 
 def attention_forward(q, k, v, u, *, causal, window, scale, cu_seqlens, max_seqlen=None):
     """Returns ``(o: [B, T, HQ, Dv] in q's dtype, lse2: [B, T, HQ] fp32)`` (base-2 log-sum-exp)."""
-    q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
+    q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
     B, T, HQ, D = q.shape
     S, DV = k.shape[1], v.shape[3]
     o = torch.empty(B, T, HQ, DV, device=q.device, dtype=q.dtype)
@@ -390,7 +386,7 @@ def attention_forward(q, k, v, u, *, causal, window, scale, cu_seqlens, max_seql
 def attention_backward(do, q, k, v, u, o, lse, *, causal, window, scale, cu_seqlens, max_seqlen=None):
     """Returns ``(dq, dk, dv, du)``; ``du`` is None without a gate, else fp32 ``[B, T, HQ]``."""
     do = do.contiguous()
-    q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
+    q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
     B, T, HQ, D = q.shape
     S, H, DV = k.shape[1], k.shape[2], v.shape[3]
     delta = row_dot(o.contiguous(), do)
