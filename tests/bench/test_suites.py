@@ -155,18 +155,13 @@ def test_lla_latency_shape_with_cg_times_that_count_and_the_direct_solve(tmp_pat
     assert all(r["status"] == "ok" and max(r["err"].values()) <= BOUND["lla"] for r in rows), rows
 
 
-def test_scan_shape_with_a_causal_value_that_is_not_a_bool_is_refused_before_any_input(tmp_path):
+@pytest.mark.parametrize("shape, message", [
+    ("B=1,H=2,T=8,D=16,causal=yes", "causal: expected true or false, got 'yes'"),
+    ("B=1,H=2,T=10,D=16,causal=True,seqs=3", "seqs: expected B == 1 and T divisible by seqs"),
+], ids=["causal-not-a-bool", "seqs-not-dividing-T"])
+def test_scan_shape_with_a_bad_key_is_refused_before_any_input(tmp_path, shape, message):
     out = tmp_path / "scan.json"
     assert main(["bench", "scan", "--device", "cpu", "--rep-ms", "1", "--peers", "none",
-                 "--shapes", "B=1,H=2,T=8,D=16,causal=yes", "--out", str(out)]) == 0
+                 "--shapes", shape, "--out", str(out)]) == 0
     [row] = json.loads(out.read_text())["rows"]
-    assert row["op"] == "inputs" and "causal: expected true or false, got 'yes'" in row["status"], row
-
-
-def test_scan_packed_shape_that_does_not_split_evenly_is_refused_before_any_input(tmp_path):
-    out = tmp_path / "scan.json"
-    assert main(["bench", "scan", "--device", "cpu", "--rep-ms", "1", "--peers", "none",
-                 "--shapes", "B=1,H=2,T=10,D=16,causal=True,seqs=3", "--out", str(out)]) == 0
-    [row] = json.loads(out.read_text())["rows"]
-    assert row["op"] == "inputs" and "seqs: expected B == 1 and T divisible by seqs" in row["status"], row
-
+    assert row["op"] == "inputs" and message in row["status"], row
