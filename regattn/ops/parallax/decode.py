@@ -3,9 +3,9 @@
 * The query rows and the probe rows share one tile (queries on top, probes below), so ``S1 = Q K^T``
   and ``S2 = R K^T`` come out of one product, and ``[P1; P2] V`` gives ``O1`` and ``O2`` together.
 * The K/V loop of each (batch, key/value head, row tile) is split over ``NUM_SPLITS`` programs so that
-  small batches fill the GPU. Each writes its partial state ``(m, d1, d2, O1, O2)`` in fp32 and counts
-  itself done on an atomic counter; the last one merges the partials (log-sum-exp rescale in fp32),
-  writes the output and resets the counter, all in the same launch. One split writes directly.
+  small batches fill the GPU. Each writes its partial state ``(m, d1, d2, O1, O2)`` in fp32; a second
+  launch merges the partials (log-sum-exp rescale in fp32), one program per row tile and slice of the
+  value columns, every split's partial read at once. One split writes the output directly.
 
 Queries sit at the end of each sequence's valid cache: new token ``t`` of ``Tn`` is at position
 ``cache_seqlens[b] - Tn + t`` (the new keys and values are already in the cache).
@@ -50,16 +50,15 @@ def _stack_vec(a):
 
 
 @triton.jit
-def _finish(acc, d1, d2):
-    """eq. (14) from the stacked accumulator ``[O1; O2]`` and the row sums; zeros where ``d1 = 0``."""
-    o1, o2 = _unstack_rows(acc)
+def _finish(o1, o2, d1, d2):
+    """eq. (14) from the accumulators ``O1, O2`` and the row sums; zeros where ``d1 = 0``."""
     inv = tl.where(d1 > 0, 1.0 / tl.where(d1 > 0, d1, 1.0), 0.0)
     return (o1 * (1.0 + d2 * inv)[:, None] - o2) * inv[:, None]
 
 
 @triton.jit
 def _parallax_decode_kernel(
-    Q, R, K, V, O, LENS, WS, COUNT, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
+    Q, R, K, V, O, LENS, WS, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
     TN, S, H, D, DV, n_row_tiles, qk_scale, window,
     G: tl.constexpr, GP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_LENS: tl.constexpr,
@@ -67,8 +66,9 @@ def _parallax_decode_kernel(
 ):
     """Grid ``(B * H * n_row_tiles, NUM_SPLITS)``; a tile is ``BLOCK_M // 2`` query rows over as many probe rows.
 
-    ``Q``, ``R`` (``[B, TN, H * G, D]``) and ``O`` (``[B, TN, H * G, DV]``) are contiguous. ``WS`` holds the
-    splits' partial ``[O1; O2]`` tiles, then their ``(m, d1, d2)`` rows (fp32).
+    ``Q``, ``R`` (``[B, TN, H * G, D]``) and ``O`` (``[B, TN, H * G, DV]``) are contiguous. With more than one
+    split, ``WS`` takes each split's partial ``[O1; O2]`` tile, then its ``(m, d1, d2)`` rows (fp32; see
+    :func:`_merge_splits_kernel`) and ``O`` is not written.
     """
     HALF: tl.constexpr = BLOCK_M // 2
     BLOCK_T: tl.constexpr = HALF // GP
@@ -144,82 +144,92 @@ def _parallax_decode_kernel(
         m_i = m_new
 
     orow = tl.arange(0, HALF)
-    ot = t0 + orow // GP
-    og = orow % GP
-    o_ok = (og < G) & (ot < TN)
-    o_ptr = O + ((b * TN + ot) * (H * G) + h * G + og)[:, None] * DV + offs_dv[None, :]
-    o_mask = o_ok[:, None] & (offs_dv[None, :] < DV)
     if NUM_SPLITS == 1:
-        tl.store(o_ptr, _finish(acc, d1, d2).to(O.dtype.element_ty), mask=o_mask)
+        o1, o2 = _unstack_rows(acc)
+        _store_rows(O, _finish(o1, o2, d1, d2), b, t0, h, orow, offs_dv, TN, H, DV, G, GP)
     else:
-        # write this split's partial state, then let the last split to finish merge all of them
-        WS_S = WS + tl.num_programs(0) * NUM_SPLITS * BLOCK_M * BLOCK_DV
-        ws_o = WS + (pid * NUM_SPLITS + split) * BLOCK_M * BLOCK_DV
-        tl.store(ws_o + m[:, None] * BLOCK_DV + offs_dv[None, :], acc, mask=ok[:, None])  # real rows only
-        ws_s = WS_S + (pid * NUM_SPLITS + split) * 3 * HALF
+        part = pid * NUM_SPLITS + split
+        tl.store(WS + part * BLOCK_M * BLOCK_DV + m[:, None] * BLOCK_DV + offs_dv[None, :], acc,
+                 mask=ok[:, None])  # real rows only
+        ws_s = WS + tl.num_programs(0) * NUM_SPLITS * BLOCK_M * BLOCK_DV + part * 3 * HALF
         tl.store(ws_s + orow, m_i)
         tl.store(ws_s + HALF + orow, d1)
         tl.store(ws_s + 2 * HALF + orow, d2)
-        tl.debug_barrier()
-        done = tl.atomic_add(COUNT + pid, 1, sem="acq_rel")
-        if done == NUM_SPLITS - 1:
-            sp = tl.arange(0, NUM_SPLITS)
-            s_base = WS_S + (pid * NUM_SPLITS + sp)[:, None] * 3 * HALF + orow[None, :]
-            m_max = tl.max(tl.load(s_base, cache_modifier=".cg"), 0)
-            m_ref = tl.where(m_max == float("-inf"), 0.0, m_max)
-            d1 = tl.zeros([HALF], tl.float32)
-            d2 = tl.zeros([HALF], tl.float32)
-            acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-            # one split at a time (all at once spills from 16 splits on; a few at a time is slower), each read
-            # as a [1, ...] block: read as [BLOCK_M, BLOCK_DV] instead, the whole decode took 16.1 us, not 11.2,
-            # on an H100 at B = 1, 32/8 heads, 4k keys (benchmarks/results/h100/tiles/parallax-decode.json)
-            one = tl.arange(0, 1)
-            for s in range(NUM_SPLITS):
-                part = pid * NUM_SPLITS + s + one
-                s_part = WS_S + part[:, None] * 3 * HALF + orow[None, :]
-                w = tl.math.exp2(tl.load(s_part, cache_modifier=".cg") - m_ref[None, :])  # [1, HALF]
-                d1 += tl.sum(w * tl.load(s_part + HALF, cache_modifier=".cg"), 0)
-                d2 += tl.sum(w * tl.load(s_part + 2 * HALF, cache_modifier=".cg"), 0)
-                w2 = tl.reshape(tl.permute(tl.join(w, w), (0, 2, 1)), (1, BLOCK_M))
-                o_part = WS + part[:, None, None] * BLOCK_M * BLOCK_DV + m[None, :, None] * BLOCK_DV
-                acc += tl.sum(w2[:, :, None] * tl.load(o_part + offs_dv[None, None, :], mask=ok[None, :, None],
-                                                       other=0.0, cache_modifier=".cg"), 0)
-            tl.store(o_ptr, _finish(acc, d1, d2).to(O.dtype.element_ty), mask=o_mask)
-            tl.atomic_xchg(COUNT + pid, 0)
 
 
-_COUNTERS: dict = {}
+@triton.jit
+def _store_rows(O, o, b, t0, h, orow, cols, TN, H, DV, G: tl.constexpr, GP: tl.constexpr):
+    """Write a row tile's outputs ``o: [HALF, len(cols)]`` (row ``r``: new token ``t0 + r // GP``, query head
+    ``h * G + r % GP``; padding rows and columns are not written)."""
+    ot = t0 + orow // GP
+    og = orow % GP
+    o_ptr = O + ((b * TN + ot) * (H * G) + h * G + og)[:, None] * DV + cols[None, :]
+    tl.store(o_ptr, o.to(O.dtype.element_ty), mask=((og < G) & (ot < TN))[:, None] & (cols[None, :] < DV))
 
 
-def _counters(n: int, device) -> torch.Tensor:
-    """Zeroed int32 split counters, kept per device (the merging program sets its counter back to 0)."""
-    buf = _COUNTERS.get(device)
-    if buf is None or buf.numel() < n:
-        buf = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
-        _COUNTERS[device] = buf
-    return buf
+@triton.jit
+def _merge_splits_kernel(WS, O, TN, H, DV, n_row_tiles, G: tl.constexpr, GP: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_DV: tl.constexpr, BLOCK_C: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    """Grid ``(programs of the decode kernel, BLOCK_DV // BLOCK_C)``: merge the splits' partial states of one row
+    tile over ``BLOCK_C`` value columns, every split read in one load (no loop to wait on, one program per slice
+    of columns so that the merge is spread over the GPU)."""
+    HALF: tl.constexpr = BLOCK_M // 2
+    BLOCK_T: tl.constexpr = HALF // GP
+    pid = tl.program_id(0)
+    c0 = tl.program_id(1) * BLOCK_C
+    b = (pid // (H * n_row_tiles)).to(tl.int64)
+    h = (pid // n_row_tiles) % H
+    t0 = (pid % n_row_tiles) * BLOCK_T
+    orow = tl.arange(0, HALF)
+    ok = ((orow % GP) < G) & (t0 + orow // GP < TN)
+    part = pid * NUM_SPLITS + tl.arange(0, NUM_SPLITS)
+    stats = WS + tl.num_programs(0) * NUM_SPLITS * BLOCK_M * BLOCK_DV + part[:, None] * 3 * HALF + orow[None, :]
+    m_s = tl.load(stats)  # [NUM_SPLITS, HALF]
+    m_max = tl.max(m_s, 0)
+    w = tl.math.exp2(m_s - tl.where(m_max == float("-inf"), 0.0, m_max)[None, :])  # 0 for a split that saw no key
+    d1 = tl.sum(w * tl.load(stats + HALF), 0)
+    d2 = tl.sum(w * tl.load(stats + 2 * HALF), 0)
+    cols = c0 + tl.arange(0, BLOCK_C)
+    tile = WS + (part[:, None, None] * BLOCK_M + orow[None, :, None]) * BLOCK_DV + cols[None, None, :]
+    mask = ok[None, :, None]
+    o1 = tl.sum(w[:, :, None] * tl.load(tile, mask=mask, other=0.0), 0)
+    o2 = tl.sum(w[:, :, None] * tl.load(tile + HALF * BLOCK_DV, mask=mask, other=0.0), 0)
+    _store_rows(O, _finish(o1, o2, d1, d2), b, t0, h, orow, cols, TN, H, DV, G, GP)
 
 
-def decode_config(Tn: int, D: int, Dv: int, groups: int, dtype) -> dict:
-    """Row tile (``HALF`` query rows over ``HALF`` probe rows) and key tile for the decode kernel."""
+def decode_config(Tn: int, D: int, Dv: int, groups: int, dtype, split: bool = False) -> dict:
+    """Row tile (``HALF`` query rows over ``HALF`` probe rows) and key tile for the decode kernel, its key loop
+    ``split`` over programs or not."""
     gp = group_pad(groups)
     half = max(8, min(next_pow2(Tn * gp), 16), gp)
     if interpreting():
         return dict(BLOCK_M=2 * half, BLOCK_N=16, num_warps=4, num_stages=1)
-    return dict(BLOCK_M=2 * half, **tile_config(max(D, Dv), "decode_chunk" if half > 8 else "decode", dtype))
+    kind = "decode_chunk" if half > 8 else "decode_split" if split else "decode"
+    return dict(BLOCK_M=2 * half, **tile_config(max(D, Dv), kind, dtype))
 
 
 def choose_splits(programs: int, key_tiles: int, sms: int) -> int:
-    """Splits of the K/V loop: a power of two with about two programs per SM and at least two key tiles per
-    split; at most 16, or 32 where each split still streams 8 tiles or more. On an H100 (8 KV heads, 4k-32k
-    keys; benchmarks/results/h100/tiles/parallax-decode.json and parallax-decode-splits.json) this picked the
-    fastest count measured at B = 8 (4) and B = 64 (1), and at B = 1 16 for 4k and 8k keys (32 ran 1-15%
-    slower) and 32 for 32k (8% faster than 16 on the same tiles)."""
-    limit = min(2 * sms // max(programs, 1), key_tiles // 2, 32 if key_tiles >= 8 * 32 else 16)
+    """Splits of the K/V loop: a power of two with about two programs per SM, at least two key tiles per split
+    and at most 32. On an H100 (32 query heads over 8 key/value heads, D 128; benchmarks/results/h100/tiles/
+    parallax-decode-merge.json) 32 splits of 64-key tiles were the fastest measured at B = 1 from 4k to 32k keys
+    (16 of 128 keys 1-13% slower, 64 splits slower still), and the rule keeps B = 8 at 4 and B = 64 at 1, the
+    counts measured fastest there (parallax-decode.json)."""
+    limit = min(2 * sms // max(programs, 1), key_tiles // 2, 32)
     n = 1
     while n * 2 <= limit:
         n *= 2
     return n
+
+
+# partial outputs a merge program reads in one load (8 fp32 a thread on 4 warps): on an H100, 1024 ran faster
+# than 2048 and 4096 (more programs, each waiting on less) and than 512 (benchmarks/results/h100/tiles/
+# parallax-decode-merge.json)
+MERGE_TILE = 1024
+
+
+def merge_columns(splits: int, half: int, block_dv: int) -> int:
+    """Value columns per merge program: ``splits x half x columns`` near :data:`MERGE_TILE`."""
+    return max(1, min(block_dv, MERGE_TILE // (splits * half)))
 
 
 class DecodeLaunch(NamedTuple):
@@ -228,6 +238,8 @@ class DecodeLaunch(NamedTuple):
     n_row_tiles: int
     workspace: int  # fp32 elements of the splits' partial states (0 with one split)
     meta: dict  # the kernel's tile constexprs and launch options
+    merge_grid: tuple[int, int]  # (programs, column slices) of the merge (unused with one split)
+    merge_meta: dict
 
 
 def plan_decode(B: int, Tn: int, HQ: int, H: int, D: int, Dv: int, keys: int, dtype, sms: int,
@@ -236,18 +248,19 @@ def plan_decode(B: int, Tn: int, HQ: int, H: int, D: int, Dv: int, keys: int, dt
     tiles and the split count."""
     G = HQ // H
     GP = group_pad(G)
-    cfg = decode_config(Tn, D, Dv, G, dtype)
-    if config:
-        cfg = dict(cfg, **config)
-    block_m, block_dv = cfg["BLOCK_M"], head_block(Dv)
+    split_cfg = dict(decode_config(Tn, D, Dv, G, dtype, split=True), **(config or {}))
+    block_m, block_dv = split_cfg["BLOCK_M"], head_block(Dv)
     n_row_tiles = ceil_div(Tn, block_m // 2 // GP)
     programs = B * H * n_row_tiles
-    splits = num_splits or choose_splits(programs, ceil_div(keys, cfg["BLOCK_N"]), sms)
+    splits = num_splits or choose_splits(programs, ceil_div(keys, split_cfg["BLOCK_N"]), sms)
+    cfg = split_cfg if splits > 1 else dict(decode_config(Tn, D, Dv, G, dtype), **(config or {}))
     workspace = programs * splits * (block_m * block_dv + 3 * block_m // 2) if splits > 1 else 0
     meta = dict(G=G, GP=GP, BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], BLOCK_D=head_block(D), BLOCK_DV=block_dv,
                 NUM_SPLITS=splits, PRECISION=dot_precision(dtype), num_warps=cfg["num_warps"],
                 num_stages=cfg["num_stages"])
-    return DecodeLaunch((programs, splits), n_row_tiles, workspace, meta)
+    cols = merge_columns(splits, block_m // 2, block_dv)
+    merge_meta = dict(G=G, GP=GP, BLOCK_M=block_m, BLOCK_DV=block_dv, BLOCK_C=cols, NUM_SPLITS=splits, num_warps=4)
+    return DecodeLaunch((programs, splits), n_row_tiles, workspace, meta, (programs, block_dv // cols), merge_meta)
 
 
 @functools.lru_cache(maxsize=256)
@@ -281,15 +294,13 @@ def parallax_decode_fwd(q, r, k_cache, v_cache, *, cache_seqlens=None, window=No
     k_cache, v_cache = last_dim_contiguous(k_cache), last_dim_contiguous(v_cache)
     sk, sv = k_cache.stride(), v_cache.stride()
     o = torch.empty(B, Tn, HQ, Dv, device=device, dtype=q.dtype)
-    if launch.workspace:
-        ws = torch.empty(launch.workspace, device=device, dtype=torch.float32)
-        count = _counters(launch.grid[0], device)
-    else:
-        ws = count = o
+    ws = torch.empty(launch.workspace, device=device, dtype=torch.float32) if launch.workspace else o
     _parallax_decode_kernel[launch.grid](
-        q, r, k_cache, v_cache, o, o if cache_seqlens is None else cache_seqlens, ws, count,
+        q, r, k_cache, v_cache, o, o if cache_seqlens is None else cache_seqlens, ws,
         sk[0], sk[1], sk[2], sv[0], sv[1], sv[2],
         Tn, S, H, D, Dv, launch.n_row_tiles, scale * LOG2E, 0 if window is None else window,
         HAS_LENS=cache_seqlens is not None, HAS_WINDOW=window is not None, **launch.meta,
     )
+    if launch.workspace:
+        _merge_splits_kernel[launch.merge_grid](ws, o, Tn, H, Dv, launch.n_row_tiles, **launch.merge_meta)
     return o

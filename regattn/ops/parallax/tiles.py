@@ -17,36 +17,46 @@ from regattn.ops._common.attention_tiles import (  # noqa: F401
 from regattn.ops._common.ints import next_pow2
 
 
-def _row(fwd, dq, dk, decode, decode_chunk) -> dict[str, dict]:
+def _row(fwd, dq, dk, decode, decode_split, decode_chunk) -> dict[str, dict]:
     """One head dim's settings from ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` (decode: no BLOCK_M)."""
     names = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
     row = {kind: dict(zip(names, cfg)) for kind, cfg in (("fwd", fwd), ("dq", dq), ("dk", dk))}
-    row.update({kind: dict(zip(names[1:], cfg)) for kind, cfg in (("decode", decode), ("decode_chunk", decode_chunk))})
+    row.update({kind: dict(zip(names[1:], cfg))
+                for kind, cfg in (("decode", decode), ("decode_split", decode_split), ("decode_chunk", decode_chunk))})
     return row
 
 
 # Launch settings of every Parallax kernel on a GPU, keyed by the padded head dim (the larger of D and Dv,
 # a power of two, 32 at least) and then by kernel: "fwd" (prefill forward), "dq" (the backward's row-tile
-# pass), "dk" (its column-tile pass), "decode" (one new token per query head) and "decode_chunk" (more rows).
+# pass), "dk" (its column-tile pass), "decode" (one new token per query head), "decode_split" (the same with
+# the key loop split over programs) and "decode_chunk" (more rows).
 # BLOCK_M counts packed query rows and BLOCK_N keys; the decode's BLOCK_M comes from the new tokens. fp32
 # inputs take FP32_TILES. A benchmark may patch these dicts (see regattn.bench.suites.parallax); the decode
 # settings are cached per shape, so a patch of them needs decode.decode_launch.cache_clear().
 # Register use per entry on sm_90: `python -m regattn.bench.registers parallax`.
 TILES: dict[int, dict[str, dict]] = {
-    32: _row(fwd=(128, 64, 8, 3), dq=(64, 64, 4, 2), dk=(64, 64, 4, 2), decode=(128, 4, 3), decode_chunk=(64, 4, 2)),
-    64: _row(fwd=(128, 64, 8, 3), dq=(64, 64, 4, 2), dk=(64, 64, 4, 2), decode=(128, 4, 3), decode_chunk=(64, 4, 2)),
+    32: _row(fwd=(128, 64, 8, 3), dq=(64, 64, 4, 2), dk=(64, 64, 4, 2), decode=(128, 4, 3), decode_split=(128, 4, 3),
+             decode_chunk=(64, 4, 2)),
+    64: _row(fwd=(128, 64, 8, 3), dq=(64, 64, 4, 2), dk=(64, 64, 4, 2), decode=(128, 4, 3), decode_split=(128, 4, 3),
+             decode_chunk=(64, 4, 2)),
     # H100, bf16, B=4 H=16 T=8192 D=128 causal: 64 x 64 with 4 warps was the fastest backward measured for
     # both passes (benchmarks/results/h100/tiles/parallax-d128.json); dk: 128 keys streaming 32 query rows on 8 warps
-    # and 3 stages is the screen's tile of most keys that spills no register on sm_90 (64 x 64 spills 2 KB)
-    128: _row(fwd=(128, 64, 8, 3), dq=(64, 64, 4, 2), dk=(32, 128, 8, 3), decode=(128, 4, 3), decode_chunk=(64, 4, 2)),
+    # and 3 stages is the screen's tile of most keys that spills no register on sm_90 (64 x 64 spills 2 KB).
+    # Decode: an unsplit key loop (B = 64) streams 128-key tiles (64 ran 1.3x slower); split, 64 keys (177
+    # registers, 54 KiB of shared memory) let the short contexts split 32 ways, the fastest at B = 1 from 4k to
+    # 32k keys (benchmarks/results/h100/tiles/parallax-decode-merge.json)
+    128: _row(fwd=(128, 64, 8, 3), dq=(64, 64, 4, 2), dk=(32, 128, 8, 3), decode=(128, 4, 3), decode_split=(64, 4, 3),
+              decode_chunk=(64, 4, 2)),
     # H100, bf16, B=4 H=16 T=8192 D=256: the forward's 32 x 32 tile spills nothing and ran 21.5 ms, the
     # former 64 x 32 (1120 bytes of stack) 55.7 ms (benchmarks/results/h100/tiles/parallax-d256.json)
-    256: _row(fwd=(32, 32, 4, 3), dq=(32, 32, 4, 2), dk=(32, 32, 4, 2), decode=(64, 4, 2), decode_chunk=(64, 4, 2)),
+    256: _row(fwd=(32, 32, 4, 3), dq=(32, 32, 4, 2), dk=(32, 32, 4, 2), decode=(64, 4, 2), decode_split=(64, 4, 2),
+              decode_chunk=(64, 4, 2)),
 }
 FP32_TILES: dict[str, dict] = dict(fwd=dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2),
                                    dq=dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=2),
                                    dk=dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=2),
                                    decode=dict(BLOCK_N=32, num_warps=4, num_stages=2),
+                                   decode_split=dict(BLOCK_N=32, num_warps=4, num_stages=2),
                                    decode_chunk=dict(BLOCK_N=32, num_warps=4, num_stages=2))
 
 
