@@ -50,7 +50,7 @@ from triton.runtime.jit import JITFunction, create_function_from_signature
 
 SM90 = GPUTarget("cuda", 90, 32)
 SM90_SHARED = 232448  # bytes of shared memory a block may use on an H100 (227 KiB)
-KINDS = ("fwd", "dq", "dk", "decode")
+KINDS = ("fwd", "dq", "dk", "decode", "decode_split")
 SCAN_KINDS = ("ieee", "tf32x3", "tf32")  # the fp32 precisions of the scan's forward kernel
 HEAD_DIMS = (32, 64, 128, 256)
 # Tile candidates screened with --candidates: (rows of a program, streamed tile, num_warps) x num_stages. A
@@ -137,11 +137,13 @@ def inner_loop(sass: str) -> dict:
 
 def parallax_launch(kind: str, head_dim: int, config: dict | None = None, *, B=4, T=8192, HQ=None, H=None,
                     dtype=torch.bfloat16):
-    """The captured launch of the Parallax kernel ``kind`` (``fwd``, ``dq``, ``dk``, ``decode``) at a shape,
-    with ``config`` overriding the tile table's entry. By default the goal shapes: prefill B=4 T=8192 with 16
-    heads; decode one new token of 32 query heads over 8 key/value heads and a cache of T keys."""
-    HQ = HQ or (32 if kind == "decode" else 16)
-    H = H or (8 if kind == "decode" else 16)
+    """The captured launch of the Parallax kernel ``kind`` (``fwd``, ``dq``, ``dk``, ``decode``: the key loop
+    whole, ``decode_split``: split 4 ways) at a shape, with ``config`` overriding the tile table's entry. By
+    default the goal shapes: prefill B=4 T=8192 with 16 heads; decode one new token of 32 query heads over 8
+    key/value heads and a cache of T keys."""
+    decode = kind.startswith("decode")
+    HQ = HQ or (32 if decode else 16)
+    H = H or (8 if decode else 16)
     from regattn.ops.parallax.backward import parallax_bwd
     from regattn.ops.parallax.decode import parallax_decode_fwd
     from regattn.ops.parallax.forward import parallax_fwd
@@ -159,13 +161,14 @@ def parallax_launch(kind: str, head_dim: int, config: dict | None = None, *, B=4
             stats = meta(B, HQ, T, dt=torch.float32)
             parallax_bwd(q, q, q, k, k, q, q, stats, stats, stats, causal=True, window=None, scale=D ** -0.5,
                          config={kind: config or {}})
-        elif kind == "decode":
+        elif decode:
             q, k = meta(B, 1, HQ, D), meta(B, T, H, D)
-            parallax_decode_fwd(q, q, k, k, scale=D ** -0.5, num_splits=4, config=config)
+            parallax_decode_fwd(q, q, k, k, scale=D ** -0.5, num_splits=4 if kind == "decode_split" else 1,
+                                config=config)
         else:
             raise ValueError(f"kind: expected one of {', '.join(KINDS)}, got {kind!r}")
-    name = {"fwd": "_parallax_fwd_kernel", "dq": "_parallax_bwd_dq_kernel", "dk": "_parallax_bwd_dk_kernel",
-            "decode": "_parallax_decode_kernel"}[kind]
+    name = {"fwd": "_parallax_fwd_kernel", "dq": "_parallax_bwd_dq_kernel", "dk": "_parallax_bwd_dk_kernel"}.get(
+        kind, "_parallax_decode_kernel")
     return next(launch for launch in launches if launch[0].__name__ == name)
 
 
@@ -189,7 +192,7 @@ def parallax_rows(head_dims=HEAD_DIMS, kinds=KINDS, candidates=False):
     for D, kind in itertools.product(head_dims, kinds):
         configs = [None]
         if candidates:
-            configs += DECODE_CANDIDATES if kind == "decode" else CANDIDATES[kind]
+            configs += DECODE_CANDIDATES if kind.startswith("decode") else CANDIDATES[kind]
         for config in configs:
             kernel, args, kwargs = parallax_launch(kind, D, config)
             usage = launch_usage(kernel, args, kwargs)
@@ -379,11 +382,11 @@ def main(argv=None) -> int:
     rows, kinds, columns = OPS[args.op]
     if args.kinds and not set(args.kinds) <= set(kinds if args.op != "scan" else SCAN_KINDS):
         parser.error(f"--kinds: not kernels of {args.op}: {args.kinds}")
-    print(" ".join(f"{c:>10}" for c in columns), " table")
+    print(" ".join(f"{c:>12}" for c in columns), " table")
     head_dims = args.head_dims or {"parallax": list(HEAD_DIMS), "lla": [128], "gatedfwa": [128],
                                    "softmax": [128], "nsa": [128]}.get(args.op, [64])
     for row in rows(head_dims, args.kinds or kinds, args.candidates):
-        cells = [f"{row.get(c, '-'):>10}" for c in columns]
+        cells = [f"{row.get(c, '-'):>12}" for c in columns]
         note = " *" if row["table"] else "  "
         if row.get("SHARED", 0) > SM90_SHARED:
             note += " shared memory over 227 KiB: cannot launch on an H100"
