@@ -148,10 +148,10 @@ def _parallax_decode_kernel(
         o1, o2 = _unstack_rows(acc)
         _store_rows(O, _finish(o1, o2, d1, d2), b, t0, h, orow, offs_dv, TN, H, DV, G, GP)
     else:
-        part = pid * NUM_SPLITS + split
+        part = pid.to(tl.int64) * NUM_SPLITS + split  # 64-bit workspace offsets
         tl.store(WS + part * BLOCK_M * BLOCK_DV + m[:, None] * BLOCK_DV + offs_dv[None, :], acc,
                  mask=ok[:, None])  # real rows only
-        ws_s = WS + tl.num_programs(0) * NUM_SPLITS * BLOCK_M * BLOCK_DV + part * 3 * HALF
+        ws_s = WS + tl.num_programs(0).to(tl.int64) * NUM_SPLITS * BLOCK_M * BLOCK_DV + part * 3 * HALF
         tl.store(ws_s + orow, m_i)
         tl.store(ws_s + HALF + orow, d1)
         tl.store(ws_s + 2 * HALF + orow, d2)
@@ -182,8 +182,9 @@ def _merge_splits_kernel(WS, O, TN, H, DV, n_row_tiles, G: tl.constexpr, GP: tl.
     t0 = (pid % n_row_tiles) * BLOCK_T
     orow = tl.arange(0, HALF)
     ok = ((orow % GP) < G) & (t0 + orow // GP < TN)
-    part = pid * NUM_SPLITS + tl.arange(0, NUM_SPLITS)
-    stats = WS + tl.num_programs(0) * NUM_SPLITS * BLOCK_M * BLOCK_DV + part[:, None] * 3 * HALF + orow[None, :]
+    part = pid.to(tl.int64) * NUM_SPLITS + tl.arange(0, NUM_SPLITS)  # 64-bit workspace offsets
+    stats_ws = WS + tl.num_programs(0).to(tl.int64) * NUM_SPLITS * BLOCK_M * BLOCK_DV  # after the partial tiles
+    stats = stats_ws + part[:, None] * 3 * HALF + orow[None, :]
     m_s = tl.load(stats)  # [NUM_SPLITS, HALF]
     m_max = tl.max(m_s, 0)
     w = tl.math.exp2(m_s - tl.where(m_max == float("-inf"), 0.0, m_max)[None, :])  # 0 for a split that saw no key
