@@ -179,6 +179,7 @@ def write_report(root: Path | str = ".", *, include_cpu: bool = False) -> Path:
                                      "`regattn bench report`.")
     parts.append("")
     drift = drift_reports(root)
+    last_scan = {r["machine"]["device"]: i for i, (_, r) in enumerate(found) if r["suite"] == "scan"}
     for i, (name, result) in enumerate(found):
         device, suite = result["machine"]["device"], result["suite"]
         parts += [f"## {name} on {device}", "", machine_line(result), "", result_table(result), ""]
@@ -187,9 +188,7 @@ def write_report(root: Path | str = ".", *, include_cpu: bool = False) -> Path:
         if part and any(r["params"].get("part") == part for r in result["rows"]):
             plots.append(plot_scaling(result, part, root / PLOTS / f"{device}-{suite}-{part}.png"))
         parts += [f"![{p.stem}]({p.relative_to(root / DOC.parent).as_posix()})" for p in plots] + [""]
-        after = found[i + 1][1] if i + 1 < len(found) else None
-        if suite == "scan" and device in drift and not (after and (after["suite"], after["machine"]["device"]) ==
-                                                        (suite, device)):
+        if last_scan.get(device) == i and device in drift:
             parts += drift_section(device, drift.pop(device))  # after the device's last scan table
     for device, reports in drift.items():
         parts += drift_section(device, reports)
