@@ -43,8 +43,8 @@ class LLA(nn.Module):
         head_dim: defaults to ``d_model // num_heads``.
         lam: ``"head"`` (one ridge per query head and token) or ``"dim"`` (per head dimension), eq. 27.
         window: SW-LLA window, or None; blocks: BD-LLA block count ``g``, or None.
-        cg_iters: CG iterations; None (the default) solves exactly — 8 iterations at head dim 64 left the
-            output 70-80% away from the exact solve at initialisation, so pass an int only where measured.
+        cg_iters: CG iterations; None (the default) solves exactly. At initialisation (d_model 512, 8 heads of
+            64, T 512, fp32 on CPU) 8 iterations left the output 23% away from the exact solve, 16 left 4%.
         cg_tol: CG relative residual tolerance (>= 0).
         lam_min: the ridge's floor ``l`` in (0, 1). Eq. 27's bare sigmoid can reach 0 (it underflows)
             and, for a query with fewer keys than dimensions, the estimator's denominator is about

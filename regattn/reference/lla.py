@@ -5,9 +5,11 @@ Two formulations of the same function:
 * the explicit one (eq. 7-8): centred differences ``z_ij = k_j - q_i``, the statistics
   ``omega_i, mu_i, Sigma_i`` materialised per query and ``rho_i = Sigma_i^-1 mu_i`` by an exact
   solve (``cg_iters=None``; :func:`solve_or_zero`);
-* the matrix-free one (eq. 10-16): uncentred sums, ``Sigma_i p`` built implicitly (eq. 13),
-  conjugate gradients with an active mask (Algorithm 2), the output through the products ``k_j.rho_i``
-  (eq. 12's relmm, taken about the weighted mean key rather than the query: see :func:`lla_output`).
+* the matrix-free one (eq. 10-16): uncentred sums, conjugate gradients with an active mask
+  (Algorithm 2) on the key scatter about its weighted mean (:func:`centred_matvec`, eq. 13 without the
+  rank-one term that Sherman-Morrison restores: see :func:`probe_from_centred`), the output through the
+  products ``k_j.rho_i`` (eq. 12's relmm, taken about the weighted mean key rather than the query: see
+  :func:`lla_output`).
 
 Weights are ``w_ij = exp(scale * q_i.k_j - m_i)`` with ``m_i`` the row maximum over visible keys,
 so the largest weight of every row is 1 and the ridge ``lam`` is measured against it.
@@ -170,24 +172,65 @@ def sigma_matvec(p, q, k, w, omega, mu_tilde, lam_diag, blocks, seen=None) -> to
     within each of the g feature blocks (BD-LLA). ``seen [T, S]`` (default: where ``w`` is nonzero)
     keeps hidden keys out.
     """
-    g = 1 if blocks is None else blocks
     B, HQ, T, D = p.shape
-
-    def split(x):  # [..., D] -> [..., g, D/g]
-        return x.reshape(*x.shape[:-1], g, D // g)
-
-    pb, qb, mb, kb = split(p), split(q), split(mu_tilde), split(k)
-    seen = (w != 0 if seen is None else seen).unsqueeze(-3)  # [.., 1, T, S]
-    heads_blocks = (0, 1, 3, 2, 4)  # [B, HQ, N, g, c] <-> [B, HQ, g, N, c]
-    kg = kb.permute(heads_blocks)
-    kp = contained_scores(pb.permute(heads_blocks), kg)     # k_j.p_i per block, [B, HQ, g, T, S]
-    kp = torch.where(seen, kp, kp.new_zeros(()))
-    data = contained_matmul(w[:, :, None] * kp, kg, seen)   # sum_j w_ij (k_j.p) k_j
-    data = data.permute(heads_blocks)
+    pb, qb, mb = split_blocks(p, blocks), split_blocks(q, blocks), split_blocks(mu_tilde, blocks)
     qp = (qb * pb).sum(-1, keepdim=True)
     mp = (mb * pb).sum(-1, keepdim=True)
-    out = data - qp * mb - mp * qb + omega[..., None, None] * qp * qb
+    out = scatter_matvec(p, k, w, blocks, seen) - qp * mb - mp * qb + omega[..., None, None] * qp * qb
     return out.reshape(B, HQ, T, D) + lam_diag * p
+
+
+def scatter_matvec(p, k, w, blocks, seen=None) -> torch.Tensor:
+    """``sum_j w_ij (k_j.p_i) k_j`` within each feature block, ``[B, HQ, T, g, D / g]`` (shapes as
+    :func:`sigma_matvec`)."""
+    seen = (w != 0 if seen is None else seen).unsqueeze(-3)  # [.., 1, T, S]
+    heads_blocks = (0, 1, 3, 2, 4)  # [B, HQ, N, g, c] <-> [B, HQ, g, N, c]
+    kg = split_blocks(k, blocks).permute(heads_blocks)
+    kp = contained_scores(split_blocks(p, blocks).permute(heads_blocks), kg)  # k_j.p_i per block
+    kp = torch.where(seen, kp, kp.new_zeros(()))
+    return contained_matmul(w[:, :, None] * kp, kg, seen).permute(heads_blocks)
+
+
+def split_blocks(x, blocks) -> torch.Tensor:
+    """``[..., D] -> [..., g, D / g]``: the features of each of the ``g = blocks`` BD-LLA blocks (``g = 1``:
+    full LLA)."""
+    g = 1 if blocks is None else blocks
+    return x.reshape(*x.shape[:-1], g, x.shape[-1] // g)
+
+
+def block_dot(a, b, blocks) -> torch.Tensor:
+    """``a.b`` within each feature block, ``[..., g, 1]`` (see :func:`split_blocks`)."""
+    return (split_blocks(a, blocks) * split_blocks(b, blocks)).sum(-1, keepdim=True)
+
+
+def centred_matvec(p, k, w, omega, mu_tilde, lam_diag, blocks, seen=None) -> torch.Tensor:
+    """``A_i p_i`` for every query, ``[B, HQ, T, D]``, without materialising ``A_i``: the key scatter about its
+    weighted mean ``kbar_i = mu~_i / omega_i`` plus the ridge,
+
+    ``A_i p = sum_j w_ij (k_j.p) k_j - (mu~_i.p) mu~_i / omega_i + lam_i p = Sigma_i p - mu_i (mu_i.p) / omega_i``
+
+    (``Sigma_i`` of eq. 7 is ``A_i`` plus the rank-one ``mu_i mu_i^T / omega_i``), every inner product within
+    each of the ``g = blocks`` feature blocks (BD-LLA). ``A_i`` has no eigenvalue of the size of
+    ``omega_i |kbar_i - q_i|^2``, the one eq. 7's ``Sigma_i`` gets from a query far from its keys, so CG
+    converges faster on it; :func:`probe_from_centred` turns ``A_i^-1 mu_i`` into ``rho_i``.
+    Shapes as :func:`sigma_matvec`; a query that sees no key (``omega = 0``) has ``mu~ = 0``.
+    """
+    B, HQ, T, D = p.shape
+    omega_safe = torch.where(omega > 0, omega, torch.ones_like(omega))[..., None, None]
+    mean = block_dot(mu_tilde, p, blocks) * split_blocks(mu_tilde, blocks) / omega_safe
+    return (scatter_matvec(p, k, w, blocks, seen) - mean).reshape(B, HQ, T, D) + lam_diag * p
+
+
+def probe_from_centred(y, mu, omega, blocks) -> torch.Tensor:
+    """``rho_i = Sigma_i^-1 mu_i`` from ``y_i = A_i^-1 mu_i`` (:func:`centred_matvec`) by Sherman-Morrison, per
+    feature block: ``rho = y omega / (omega + mu.y)``, ``[B, HQ, T, D]``. So ``delta = omega - mu.rho =
+    omega^2 / (omega + mu.y)`` for full LLA, and ``rho / delta = y / omega``: the output's correction is
+    ``Sigma_KV y``, which a truncated ``y`` reaches without the ``omega / delta`` amplification a truncated
+    solve of eq. 7 sees when ``delta << omega``. ``mu.y >= 0`` in exact arithmetic (kept so)."""
+    c = block_dot(mu, y, blocks).clamp_min(0)
+    omega = omega[..., None, None]
+    factor = torch.where(omega > 0, omega / torch.where(omega > 0, omega + c, torch.ones_like(c)), torch.ones_like(c))
+    return (split_blocks(y, blocks) * factor).reshape(y.shape)
 
 
 CURVATURE_FLOOR = 0.1  # a CG step needs p.Ap > CURVATURE_FLOOR * lam_min * |p|^2 (the exact value is >= lam_min |p|^2)
@@ -204,17 +247,13 @@ def conjugate_gradient(matvec, y, *, iters: int, tol: float, lam_min, blocks=Non
     inactive systems keep their iterate unchanged, so a converged or broken-down row never divides
     by zero and every step is at most ``rr / (CURVATURE_FLOOR lam_min |p|^2)``.
     """
-    g = 1 if blocks is None else blocks
     shape = y.shape
     lam_min = lam_min[..., None]  # the same bound for every block
 
-    def split(a):  # [..., D] -> [..., g, D / g]: one system per block
-        return a.reshape(*shape[:-1], g, shape[-1] // g)
+    def block_matvec(p):  # one system per block
+        return split_blocks(matvec(p.reshape(shape)), blocks)
 
-    def block_matvec(p):
-        return split(matvec(p.reshape(shape)))
-
-    y = split(y)
+    y = split_blocks(y, blocks)
     x = torch.zeros_like(y)
     r, p = y, y
     rr = (r * r).sum(-1)
@@ -267,11 +306,13 @@ class ImplicitSolve(torch.autograd.Function):
 
 def lla_matrix_free(q, k, v, *, lam, scale, window=None, blocks=None, cg_iters: int, cg_tol=1e-6,
                     implicit_gradient: bool = True):
-    """Eq. 10-16 with Algorithm 2: uncentred sums, implicit ``Sigma_i p``, CG, the output of :func:`lla_output`.
+    """Eq. 10-16 with Algorithm 2: uncentred sums, CG on the centred scatter ``A_i`` (:func:`centred_matvec`)
+    for ``y = A^-1 mu``, ``rho`` from it (:func:`probe_from_centred`), the output of :func:`lla_output`.
 
     Same arguments and result as :func:`lla` with an integer ``cg_iters``. The gradient treats the CG
-    result as the exact ``Sigma^-1 mu`` (:class:`ImplicitSolve`, its adjoint system solved by the same CG),
-    as the FlashLLA backward does; ``implicit_gradient=False`` differentiates through the iterations run.
+    result as the exact ``Sigma^-1 mu`` (:class:`ImplicitSolve`, its adjoint system ``Sigma^-1 g`` solved by
+    the same number of CG iterations on ``Sigma``), as the FlashLLA backward does;
+    ``implicit_gradient=False`` differentiates through the iterations run.
     """
     B, T, HQ, D = q.shape
     w, _ = lla_weights(q, k, scale=scale, window=window)
@@ -282,22 +323,28 @@ def lla_matrix_free(q, k, v, *, lam, scale, window=None, blocks=None, cg_iters: 
     mu = mu_tilde - omega[..., None] * qh               # eq. 11
     lam_diag = ridge(lam, (B, HQ, T, D), dtype=q.dtype, device=q.device)
 
-    def solve(y, qh, kh, w, omega, mu_tilde, mu, lam_diag):
+    def probe():  # rho from y = A^-1 mu by CG on the centred scatter (see centred_matvec)
+        def matvec(p):
+            return centred_matvec(p, kh, w, omega, mu_tilde, lam_diag, blocks, seen)
+        y = conjugate_gradient(matvec, mu, iters=cg_iters, tol=cg_tol, lam_min=lam_diag.amin(-1), blocks=blocks)
+        return probe_from_centred(y, mu, omega, blocks)
+
+    def sigma_solve(g, qh, kh, w, omega, mu_tilde, lam_diag):
+        """``Sigma^-1 g`` by CG on ``Sigma`` itself: by the centred scatter and Sherman-Morrison, ``z - (mu.z /
+        omega) rho`` with ``z = A^-1 g``, it would cancel where ``mu.A^-1 mu >> omega`` (at ``lam = 0.01``, D = 8, fp32
+        dq 70 to 800 times further from float64 than the float32 exact solve's)."""
         def matvec(p):
             return sigma_matvec(p, qh, kh, w, omega, mu_tilde, lam_diag, blocks, seen)
-        return conjugate_gradient(matvec, y, iters=cg_iters, tol=cg_tol, lam_min=lam_diag.amin(-1), blocks=blocks)
+        return conjugate_gradient(matvec, g, iters=cg_iters, tol=cg_tol, lam_min=lam_diag.amin(-1), blocks=blocks)
 
-    def residual(rho, qh, kh, w, omega, mu_tilde, mu, lam_diag):
-        return sigma_matvec(rho, qh, kh, w, omega, mu_tilde, lam_diag, blocks, seen) - mu
-
-    theta = (qh, kh, w, omega, mu_tilde, mu, lam_diag)
     if implicit_gradient:
         with torch.no_grad():
-            rho = solve(mu, *theta)
-        fixed = [t.detach() for t in theta]
-        rho = rho + ImplicitSolve.apply(residual(rho, *theta), solve, *fixed)
+            rho = probe()
+        residual = sigma_matvec(rho, qh, kh, w, omega, mu_tilde, lam_diag, blocks, seen) - mu
+        fixed = [t.detach() for t in (qh, kh, w, omega, mu_tilde, lam_diag)]
+        rho = rho + ImplicitSolve.apply(residual, sigma_solve, *fixed)
     else:
-        rho = solve(mu, *theta)
+        rho = probe()
     return lla_output(w, omega, mu, rho, kh, vh, seen, lam_diag.amin(-1), blocks)
 
 
@@ -318,7 +365,7 @@ def lla_blocks_uncentred(q, k, v, *, lam, scale, window=None, blocks: int):
     mu = mt - omega[..., None] * qh
 
     def split(x):  # [..., D] -> [..., g, c]
-        return x.reshape(*x.shape[:-1], blocks, c)
+        return split_blocks(x, blocks)
 
     kb = split(kh)
     kk = (kb[..., :, None] * kb[..., None, :]).flatten(-3)                     # [B, HQ, S, g c c]

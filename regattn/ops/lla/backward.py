@@ -29,7 +29,9 @@ import torch
 import triton
 import triton.language as tl
 
-from regattn.ops._common.attention_tiles import LOG2E, dot_precision, head_block, interpreting, tile_configs
+from regattn.ops._common.attention_tiles import (
+    LOG2E, dot_precision, head_block, interpreting, size_class, tile_configs,
+)
 from regattn.ops._common.ints import ceil_div
 from regattn.ops.lla.forward import lam_tensor, moment_precision
 from regattn.ops.lla.tiles import (
@@ -64,7 +66,7 @@ def cross_quad(h, q32, qs32, kt, kst):
 def lla_bwd_q_kernel(Q, K, V, LAM, DO, RHO, DELTA, M2, OMEGA, CENTRE, DQ, U, BETA, DM,
                      sqb, sqt, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd, slb, slt, slh, sld,
                      sdb, sdt, sdh, sdd,
-                     T, S, HQ, GROUPS, D, DV, scale, qk_scale2, iters, tol2,
+                     T, S, HQ, GROUPS, D, DV, scale, qk_scale2, iters, tol2, SIZE_CLASS,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                      WINDOW: tl.constexpr, BD: tl.constexpr, DPREC: tl.constexpr, MPREC: tl.constexpr):
     # float arguments come as fp64 when torch.compile launches the kernel: keep the arithmetic fp32
@@ -131,10 +133,11 @@ def lla_bwd_q_kernel(Q, K, V, LAM, DO, RHO, DELTA, M2, OMEGA, CENTRE, DQ, U, BET
     elif BD == 2:
         u = pair_solve(y, sdiag, kx, q32, mt, omega)
     else:  # u = Sigma^-1 (y - beta mu) + beta rho: equal to Sigma^-1 y when rho = Sigma^-1 mu, and with a
-        # truncated CG rho the implicit gradient at that rho (the adjoint Sigma^-1 dL/drho by the same CG)
+        # truncated CG rho the implicit gradient at that rho (the adjoint Sigma^-1 dL/drho by CG on Sigma itself: by
+        # the forward's centred scatter and Sherman-Morrison it would cancel where mu.A^-1 mu >> omega)
         u = cg_solve(y - beta[:, None] * mu, q, mt, omega, lam, smallest_ridge(lam, offs_d < D), m2, pos, Kb, sks,
                      skd, lo, hi, S, D, offs_d,
-                     qk_scale2, iters, tol2, BLOCK_N, WINDOW, 1, DPREC) + beta[:, None] * rho
+                     qk_scale2, iters, tol2, BLOCK_N, WINDOW, 1, DPREC, False) + beta[:, None] * rho
     dmu = 2.0 * beta[:, None] * rho - u
     hd = rho * (u - beta[:, None] * rho)  # diagonal of the masked dL/dSigma
     h1 = rho * (swap_pairs(u, BLOCK_M, BLOCK_D) - beta[:, None] * swap_pairs(rho, BLOCK_M, BLOCK_D))
@@ -180,7 +183,7 @@ def lla_bwd_q_kernel(Q, K, V, LAM, DO, RHO, DELTA, M2, OMEGA, CENTRE, DQ, U, BET
 @triton.jit
 def lla_bwd_kv_kernel(Q, K, V, DO, RHO, U, DELTA, M2, OMEGA, CENTRE, BETA, DK, DV_OUT,
                       sqb, sqt, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd, sdb, sdt, sdh, sdd,
-                      T, S, HQ, H, GROUPS, D, DV, scale, qk_scale2,
+                      T, S, HQ, H, GROUPS, D, DV, scale, qk_scale2, SIZE_CLASS,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                       BLOCK_DV: tl.constexpr, WINDOW: tl.constexpr, BD: tl.constexpr, DPREC: tl.constexpr):
     # float arguments come as fp64 when torch.compile launches the kernel: keep the arithmetic fp32
@@ -298,7 +301,7 @@ def backward_blocks(D: int, dtype: torch.dtype, bd: int) -> dict:
 def tuned_kernels(tiles: dict) -> dict:
     """The q and kv kernels autotuned over each list of ``tiles`` (as :data:`BACKWARD_TILES`)."""
     def tune(kernel, configs):
-        return triton.autotune(tile_configs(configs), key=["D", "DV", "WINDOW", "BD"])(kernel)
+        return triton.autotune(tile_configs(configs), key=["D", "DV", "WINDOW", "BD", "SIZE_CLASS"])(kernel)
     return {variant: (tune(lla_bwd_q_kernel, configs), tune(lla_bwd_kv_kernel, configs))
             for variant, configs in tiles.items()}
 
@@ -342,12 +345,12 @@ def lla_backward(do, q, k, v, lam, rho, delta, m2, argmax, omega, centre, *, sca
     q_kernel[lambda meta: (ceil_div(T, meta["BLOCK_M"]), B * HQ)](
         q, k, v, lam4, do, rho, delta, m2, omega, centre, dq, u, beta, dm,
         *q.stride(), *k.stride(), *v.stride(), *lam4.stride(), *do.stride(),
-        T, S, HQ, HQ // H, D, DV, scale, scale * LOG2E, cg_iters, cg_tol ** 2, MPREC=moment_precision(q.dtype),
-        **common)
+        T, S, HQ, HQ // H, D, DV, scale, scale * LOG2E, cg_iters, cg_tol ** 2, size_class(B * HQ * T),
+        MPREC=moment_precision(q.dtype), **common)
     kv_kernel[lambda meta: (ceil_div(S, meta["BLOCK_N"]), B * H)](
         q, k, v, do, rho, u, delta, m2, omega, centre, beta, dk, dv,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(),
-        T, S, HQ, H, HQ // H, D, DV, scale, scale * LOG2E, **common)
+        T, S, HQ, H, HQ // H, D, DV, scale, scale * LOG2E, size_class(B * HQ * T), **common)
     row_max_path(dq, dk, q, k, dm, argmax, scale)
     dlam = None
     if lam_grad:

@@ -2,7 +2,8 @@
 
 One program per (query tile, query head). Pass 1 streams the visible keys once for the online
 maximum, ``omega`` and the weighted key sum ``mu~`` (eq. 10); the solver finds ``rho = Sigma^-1 mu``
-(CG streaming K once per iteration, or a direct solve for BD-LLA with 1 x 1 / 2 x 2 blocks);
+(CG on the key scatter about its weighted mean, streaming K once per iteration, then Sherman-Morrison:
+see ``tiles.centred_probe``; or a direct solve for BD-LLA with 1 x 1 / 2 x 2 blocks);
 pass 3 streams K, V once more for the output through relmm (eq. 12, 16). Saved for the backward:
 ``rho`` (fp32), ``delta``, the base-2 row maximum ``m2``, the index of the key that attains it, ``omega``
 (as pass 3 summed it) and ``kbar.rho`` (for ``1 - z.rho`` without cancellation, see ``tiles.one_minus_a``).
@@ -14,12 +15,12 @@ import triton
 import triton.language as tl
 
 from regattn.ops._common.attention_tiles import (
-    LOG2E, dot_precision, head_block, interpreting, online_softmax_step, tile_configs, visible_mask,
+    LOG2E, dot_precision, head_block, interpreting, online_softmax_step, size_class, tile_configs, visible_mask,
 )
 from regattn.ops._common.ints import ceil_div, next_pow2
 from regattn.ops.lla.tiles import (
-    block_columns, cg_solve, guarded_denominator, halves_dot, load_cols, load_rows, pair_moments, pair_solve,
-    query_head, query_key_tiles, smallest_ridge, split_dot, split_halves, square_moments, tile_weights,
+    block_columns, centred_probe, cg_solve, guarded_denominator, halves_dot, load_cols, load_rows, pair_moments,
+    pair_solve, query_head, query_key_tiles, smallest_ridge, split_dot, split_halves, square_moments, tile_weights,
 )
 
 SOLVER_CG, SOLVER_DIAG, SOLVER_PAIRS = 0, 1, 2  # the kernel's SOLVER values
@@ -29,7 +30,7 @@ SOLVER_CG, SOLVER_DIAG, SOLVER_PAIRS = 0, 1, 2  # the kernel's SOLVER values
 def lla_fwd_kernel(Q, K, V, LAM, O, RHO, DELTA, M2, ARGMAX, OMEGA, CENTRE,
                    sqb, sqt, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd, slb, slt, slh, sld,
                    sob, sot, soh, sod,
-                   T, S, HQ, GROUPS, D, DV, blk_size, qk_scale2, iters, tol2,
+                   T, S, HQ, GROUPS, D, DV, blk_size, qk_scale2, iters, tol2, SIZE_CLASS,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                    WINDOW: tl.constexpr, SOLVER: tl.constexpr, G: tl.constexpr, DPREC: tl.constexpr,
                    MPREC: tl.constexpr):
@@ -76,18 +77,19 @@ def lla_fwd_kernel(Q, K, V, LAM, O, RHO, DELTA, M2, ARGMAX, OMEGA, CENTRE,
     lam = tl.where((offs_m < T)[:, None], lam, 1.0)  # padding rows get a well-posed system
     lam_min = smallest_ridge(lam, feat < D)
 
-    # the solve: rho = Sigma^-1 mu
-    if SOLVER == 0:  # conjugate gradients
-        rho = cg_solve(mu, q, mt, omega, lam, lam_min, m2, pos, Kb, sks, skd, lo, hi, S, D, feat, qk_scale2,
-                       iters, tol2, BLOCK_N, WINDOW, G, DPREC)
+    # the solve: rho = Sigma^-1 mu, and delta = omega - mu.rho
+    if SOLVER == 0:  # conjugate gradients on the centred scatter A = Sigma - mu mu^T / omega, then Sherman-Morrison
+        y = cg_solve(mu, q, mt, omega, lam, lam_min, m2, pos, Kb, sks, skd, lo, hi, S, D, feat, qk_scale2,
+                     iters, tol2, BLOCK_N, WINDOW, G, DPREC, True)
+        rho, delta = centred_probe(y, mu, omega, G)
     else:
         sdiag = kk - 2.0 * q32 * mt + omega[:, None] * q32 * q32 + lam
         if SOLVER == 1:  # 1 x 1 blocks
             rho = mu / tl.where(sdiag == 0.0, 1.0, sdiag)
         else:
             rho = pair_solve(mu, sdiag, kx, q32, mt, omega)
-    delta = guarded_denominator(omega - tl.sum(mu * rho, 1), omega, mu, lam_min,
-                                SOLVER == 0 and G == 1)
+        delta = omega - tl.sum(mu * rho, 1)
+    delta = guarded_denominator(delta, omega, mu, lam_min, SOLVER == 0 and G == 1)
 
     # pass 3: o_i = sum_j w_ij (1 - z_ij.rho_i) v_j / delta_i
     #             = sum_j w_ij v_j / omega_i - (sum_j w_ij (k_j.rho_i) v_j - (kbar_i.rho_i) sum_j w_ij v_j) / delta_i
@@ -197,7 +199,7 @@ def forward_blocks(T: int, dtype: torch.dtype, solver: int = SOLVER_CG, G: int =
 
 def tuned_kernels(tiles: dict) -> dict:
     """The forward kernel autotuned over each list of ``tiles`` (as :data:`FORWARD_TILES`), by family."""
-    key = ["D", "DV", "WINDOW", "SOLVER", "G"]
+    key = ["D", "DV", "WINDOW", "SOLVER", "G", "SIZE_CLASS"]
     return {family: triton.autotune(tile_configs(configs), key=key)(lla_fwd_kernel)
             for family, configs in tiles.items()}
 
@@ -229,7 +231,7 @@ def lla_forward(q, k, v, lam, *, scale: float, window, blocks, cg_iters: int, cg
     kernel[lambda meta: (ceil_div(T, meta["BLOCK_M"]), B * HQ)](
         q, k, v, lam4, o, rho, delta, m2, argmax, omega, centre,
         *q.stride(), *k.stride(), *v.stride(), *lam4.stride(), *o.stride(),
-        T, S, HQ, HQ // H, D, DV, D // G, scale * LOG2E, cg_iters, cg_tol ** 2,
+        T, S, HQ, HQ // H, D, DV, D // G, scale * LOG2E, cg_iters, cg_tol ** 2, size_class(B * HQ * T),
         BLOCK_D=block_d, BLOCK_DV=head_block(DV), WINDOW=window or 0, SOLVER=solver, G=kernel_blocks,
         DPREC=dot_precision(q.dtype), MPREC=moment_precision(q.dtype), **cfg)
     return o, rho, delta, m2, argmax, omega, centre

@@ -162,15 +162,19 @@ def per_row(v, G: tl.constexpr):
 
 
 @triton.jit
-def sigma_matvec(p, q, mt, omega, lam, m2, pos, K, stride_kn, stride_kd, lo, hi, S, D, feat, qk_scale2,
-                 BLOCK_N: tl.constexpr, WINDOW: tl.constexpr, G: tl.constexpr, DPREC: tl.constexpr):
-    """Eq. 13, one pass over the keys: ``Sigma_i p_i`` for a query tile, fp32, ``p``, ``mt``, ``lam`` and the
-    result in the form of ``blocked`` (``feat``: the kernel columns' features, see ``block_columns``).
+def system_matvec(p, q, mt, omega, lam, m2, pos, K, stride_kn, stride_kd, lo, hi, S, D, feat, qk_scale2,
+                  BLOCK_N: tl.constexpr, WINDOW: tl.constexpr, G: tl.constexpr, DPREC: tl.constexpr,
+                  CENTRED: tl.constexpr):
+    """``Sigma_i p_i`` (eq. 13) or, with ``CENTRED``, ``A_i p_i`` (``reference.lla.centred_matvec``: the key scatter
+    about its weighted mean plus the ridge, eq. 13 less its rank-one part) for a query tile in one pass over
+    the keys, fp32, ``p``, ``mt``, ``lam`` and the result in the form of ``blocked`` (``feat``: the kernel
+    columns' features, see ``block_columns``):
 
-    ``sum_j w_ij (k_j.p) k_j - (q.p) mu~ - (mu~.p) q + omega (q.p) q + lam p``, every inner product
-    within each of the ``G`` feature blocks (BD-LLA; ``G = 1`` is full LLA): per key tile two products,
-    for ``G > 1`` batched over the blocks, the work of full-width products (twice that for the first one
-    where blocks narrower than 16 are padded to 16).
+    ``sum_j w_ij (k_j.p) k_j - (q.p) mu~ - (mu~.p) q + omega (q.p) q + lam p``, or with ``CENTRED``
+    ``sum_j w_ij (k_j.p) k_j - (mu~.p) mu~ / omega + lam p``, every inner product within each of the ``G``
+    feature blocks (BD-LLA; ``G = 1`` is full LLA): per key tile two products, for ``G > 1`` batched over the
+    blocks, the work of full-width products (twice that for the first one where blocks narrower than 16 are
+    padded to 16).
     """
     if G > 1:
         pb = pad_to_16(p.to(q.dtype))  # [G, BM, >= 16]
@@ -186,21 +190,27 @@ def sigma_matvec(p, q, mt, omega, lam, m2, pos, K, stride_kn, stride_kd, lo, hi,
             k3 = to_blocks(tl.trans(kt), G)  # [G, BN, g]
             pk = tl.dot(pb, tl.permute(pad_to_16(k3), (0, 2, 1)), input_precision=DPREC)  # [G, BM, BN]
             acc += tl.dot((w[None, :, :] * pk).to(kt.dtype), k3, input_precision=DPREC)
-    q32 = blocked(q.to(tl.float32), G)
-    pq = tl.sum(p * q32, -1, keep_dims=True)
     pm = tl.sum(p * mt, -1, keep_dims=True)
-    return acc - pq * mt - pm * q32 + per_row(omega, G) * pq * q32 + lam * p
+    if CENTRED:
+        acc -= pm * mt / per_row(tl.where(omega > 0.0, omega, 1.0), G)
+    else:
+        q32 = blocked(q.to(tl.float32), G)
+        pq = tl.sum(p * q32, -1, keep_dims=True)
+        acc += per_row(omega, G) * pq * q32 - pq * mt - pm * q32
+    return acc + lam * p
 
 
 @triton.jit
 def cg_solve(y, q, mt, omega, lam, lam_min, m2, pos, K, stride_kn, stride_kd, lo, hi, S, D, feat, qk_scale2,
-             iters, tol2, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr, G: tl.constexpr, DPREC: tl.constexpr):
-    """Algorithm 2: ``Sigma_i x_i = y_i`` for every row of the tile from ``x = 0``, fp32 ``[BM, BD]``; with
+             iters, tol2, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr, G: tl.constexpr, DPREC: tl.constexpr,
+             CENTRED: tl.constexpr):
+    """Algorithm 2: ``Sigma_i x_i = y_i``, or with ``CENTRED`` ``A_i x_i = y_i`` (see ``system_matvec``), for every
+    row of the tile from ``x = 0``, fp32 ``[BM, BD]``; with
     ``G`` feature blocks (BD-LLA, columns laid out by ``block_columns``) one CG per block, exact after
     ``D / G`` iterations in exact arithmetic.
 
     A system is active while ``||r||^2 > tol2 * ||y||^2`` (and > 0) and ``p.Sigma p > CURVATURE_FLOOR *
-    lam_min |p|^2`` (``Sigma >= lam_min I`` exactly, ``lam_min`` the smallest ridge of the row; rounding can
+    lam_min |p|^2`` (``Sigma, A >= lam_min I`` exactly, ``lam_min`` the smallest ridge of the row; rounding can
     break that for a nearly singular Sigma); inactive systems keep their iterate, so neither early
     convergence nor a breakdown divides by zero. A tile whose systems are all done skips the key pass.
     The state is held as ``blocked``: ``[BM, BD]`` for ``G = 1``, ``[G, BM, g]`` blocks otherwise, and the
@@ -217,8 +227,8 @@ def cg_solve(y, q, mt, omega, lam, lam_min, m2, pos, K, stride_kn, stride_kd, lo
     for _ in range(iters):
         active = (rr > bound) & (rr > 0.0)
         if tl.max(tl.ravel(active.to(tl.int32)), 0) > 0:
-            sp = sigma_matvec(p, q, mt, omega, lam, m2, pos, K, stride_kn, stride_kd, lo, hi, S, D, feat,
-                              qk_scale2, BLOCK_N, WINDOW, G, DPREC)
+            sp = system_matvec(p, q, mt, omega, lam, m2, pos, K, stride_kn, stride_kd, lo, hi, S, D, feat,
+                               qk_scale2, BLOCK_N, WINDOW, G, DPREC, CENTRED)
             pap = tl.sum(p * sp, -1, keep_dims=True)
             active = active & (pap > curvature_floor * tl.sum(p * p, -1, keep_dims=True))
             alpha = tl.where(active, rr / tl.where(active, pap, 1.0), 0.0)
@@ -231,6 +241,27 @@ def cg_solve(y, q, mt, omega, lam, lam_min, m2, pos, K, stride_kn, stride_kd, lo
     if G > 1:
         x = from_blocks(x)
     return x
+
+
+@triton.jit
+def centred_probe(y, mu, omega, G: tl.constexpr):
+    """``(rho, delta)`` from ``y = A^-1 mu`` (``cg_solve``) by Sherman-Morrison per feature block
+    (``reference.lla.probe_from_centred``): ``rho = y omega / (omega + mu.y)`` and ``delta = omega - mu.rho``,
+    for full LLA ``omega^2 / (omega + mu.y)`` without cancellation. ``y, mu: [BM, BD]`` (columns as
+    ``block_columns`` lays them out for ``G > 1``), ``omega: [BM]``."""
+    if G == 1:
+        c = tl.maximum(tl.sum(mu * y, 1), 0.0)
+        factor = tl.where(omega > 0.0, omega / tl.where(omega > 0.0, omega + c, 1.0), 1.0)
+        rho = y * factor[:, None]
+        delta = omega * factor
+    else:
+        yb = to_blocks(y, G)
+        c = tl.maximum(tl.sum(to_blocks(mu, G) * yb, 2), 0.0)  # [G, BM]
+        om = omega[None, :]
+        factor = tl.where(om > 0.0, om / tl.where(om > 0.0, om + c, 1.0), 1.0)
+        rho = from_blocks(yb * factor[:, :, None])
+        delta = omega - tl.sum(c * factor, 0)
+    return rho, delta
 
 
 @triton.jit
