@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.tensor import DTensor
 
 from regattn.data.text import ByteTokenizer, TextCorpus, stdlib_corpus
 from regattn.models.baselines import BASELINES
@@ -236,8 +237,12 @@ def has_checkpoint(path: str | None) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------- training
-def train_step(model, opt, config: LMTrainConfig, corpus: TextCorpus, step: int, rt: Runtime) -> torch.Tensor:
-    """One optimizer step at ``step`` (schedule, this rank's batch, clipping); returns the detached loss."""
+def train_step(model, opt, config: LMTrainConfig, corpus: TextCorpus, step: int,
+               rt: Runtime) -> tuple[torch.Tensor, torch.Tensor]:
+    """One optimizer step at ``step`` (schedule, this rank's batch, clipping); returns the detached loss and
+    whether the step was skipped (a float flag on the device): a non-finite loss (on any rank) or gradient
+    norm makes no update, decided on the device with no host read (``opt`` fused, as :func:`train_lm` builds
+    it: see :meth:`regattn.train.optim.Optimizers.step`)."""
     sched = dict(warmup=config.warmup, decay_start=config.decay_start)
     apply_schedule(opt, lr_factor(config.schedule, step, config.steps, **sched),
                    wd_factor(config.schedule, step, config.steps, gamma=config.wda_gamma, **sched))
@@ -246,9 +251,24 @@ def train_step(model, opt, config: LMTrainConfig, corpus: TextCorpus, step: int,
         loss = model(x, y)
     opt.zero_grad()
     loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), config.clip if config.clip > 0 else math.inf)
-    opt.step()
-    return loss.detach()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.clip if config.clip > 0 else math.inf)
+    if isinstance(norm, DTensor):  # sharded parameters: the global norm, replicated
+        norm = norm.full_tensor()
+    bad = (~(torch.isfinite(loss) & torch.isfinite(norm))).float()
+    if rt.distributed:
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+    opt.step(found_inf=bad)
+    return loss.detach(), bad
+
+
+def interval_loss(pending: list[tuple[torch.Tensor, torch.Tensor]], rt: Runtime) -> tuple[float, int]:
+    """``(mean loss over the finite steps, steps skipped)`` of a log interval over every rank (one host read);
+    the mean is NaN when every step was skipped."""
+    losses, bad = (torch.stack(x).double() for x in zip(*pending))
+    total, skipped = all_sum(torch.stack([torch.where(bad > 0, 0.0, losses).sum(), bad.sum()]).tolist(), rt)
+    skipped = int(round(skipped / rt.world))
+    finite = len(pending) - skipped
+    return (total / rt.world / finite if finite else math.nan), skipped
 
 
 def train_lm(config: LMTrainConfig, *, corpus: TextCorpus | None = None, stop_at: int | None = None,
@@ -256,8 +276,9 @@ def train_lm(config: LMTrainConfig, *, corpus: TextCorpus | None = None, stop_at
     """Run (or resume) LM training; returns config, corpus info, world size and batch per rank, history,
     final perplexity, ``loaded`` (a resumed run: the step and validation perplexity of the checkpoint as
     loaded on these ranks; None otherwise), throughput (``tokens_per_second``: all ranks' tokens per
-    second of optimizer steps, see :func:`steady_rate`), peak memory per rank (:func:`peak_memory_mib`)
-    and the model.
+    second of optimizer steps, see :func:`steady_rate`), peak memory per rank (:func:`peak_memory_mib`),
+    ``skipped_steps`` (steps whose loss or gradient norm was not finite: no update, see :func:`train_step`;
+    each training row counts its own) and the model.
 
     stop_at: leave after that many steps in total (a checkpoint, when set, is written there).
     The progress bar shows the latest training loss and validation perplexity; without it (``progress``
@@ -290,15 +311,16 @@ def train_lm(config: LMTrainConfig, *, corpus: TextCorpus | None = None, stop_at
         pending.append(train_step(model, opt, config, corpus, step, rt))
         step += 1
         if step % config.log_every == 0 or step == end:
-            mean = all_sum([torch.stack(pending).double().mean().item()], rt)[0] / rt.world  # a host read
+            mean, skipped = interval_loss(pending, rt)
             rates.append(tokens_per_step * clock.mark(step))
             history["train"].append({"step": step, "loss": mean, "lr": opt.param_groups[0]["lr"],
-                                     "tokens_per_second": rates[-1]})
+                                     "tokens_per_second": rates[-1], "skipped": skipped})
             pending = []
             ppl = {"val_ppl": history["eval"][-1]["ppl"]} if history["eval"] else {}
             bar.update(step, loss=mean, tok_s=rates[-1], **ppl)
             if rt.main and not config.progress:
-                log(f"step {step}/{config.steps} loss {mean:.4f} ({rates[-1]:.0f} tok/s)")
+                log(f"step {step}/{config.steps} loss {mean:.4f} ({rates[-1]:.0f} tok/s)"
+                    + (f", {skipped} step(s) skipped: non-finite loss or gradient" if skipped else ""))
         evaluate_now = (config.eval_every and step % config.eval_every == 0) or step == config.steps
         checkpoint_now = config.checkpoint and ((config.checkpoint_every and step % config.checkpoint_every == 0)
                                                 or step == end)
@@ -317,7 +339,8 @@ def train_lm(config: LMTrainConfig, *, corpus: TextCorpus | None = None, stop_at
                   batch_size_per_rank=config.batch_size, rank=rt.rank, device=str(rt.device),
                   parameters=sum(p.numel() for p in model.parameters()), steps=step, history=history,
                   final=history["eval"][-1] if history["eval"] else None, loaded=loaded,
-                  tokens_per_second=steady_rate(rates), peak_memory_mib=peak_memory_mib(rt), model=model)
+                  tokens_per_second=steady_rate(rates), peak_memory_mib=peak_memory_mib(rt),
+                  skipped_steps=sum(row.get("skipped", 0) for row in history["train"]), model=model)
     if config.sample_tokens and not rt.distributed:
         result["sample"] = sample_text(model, corpus, config.sample_tokens, rt)
     return result

@@ -116,12 +116,51 @@ def test_wda_gamma_anneals_the_weight_decay(corpus):
     assert parse_args(["--wda-gamma", "2"])[0].wda_gamma == 2.0
     rt = Runtime(0, 1, torch.device("cpu"))
     model = build_model(config, rt)
-    opt = build_optimizer(model, "adamw", lr=config.lr, weight_decay=config.weight_decay)
+    opt = build_optimizer(model, "adamw", lr=config.lr, weight_decay=config.weight_decay, fused=True)
     for step in (0, 9):
         train_step(model, opt, config, corpus, step, rt)
         factor = wd_factor(config.schedule, step, config.steps, gamma=2.0)
         assert all(g["weight_decay"] == g["base_wd"] * factor for g in opt.param_groups)
     assert factor < 1 and max(g["weight_decay"] for g in opt.param_groups) < 0.3
+
+
+def poison_training_forward(monkeypatch, at: set[int]):
+    """The model's training forwards number ``at`` (from 1) return a NaN loss."""
+    from regattn.models.lm import DecoderLM
+    forward, calls = DecoderLM.forward, []
+
+    def poisoned(self, *args, **kwargs):
+        out = forward(self, *args, **kwargs)
+        if self.training:
+            calls.append(1)
+            return out * math.nan if len(calls) in at else out
+        return out
+    monkeypatch.setattr(DecoderLM, "forward", poisoned)
+
+
+def test_a_non_finite_loss_skips_the_update(corpus, monkeypatch):
+    config = small(optimizer="muon")
+    rt = Runtime(0, 1, torch.device("cpu"))
+    model = build_model(config, rt)
+    opt = build_optimizer(model, "muon", lr=config.lr, weight_decay=config.weight_decay, fused=True)
+    poison_training_forward(monkeypatch, {2})
+    train_step(model, opt, config, corpus, 0, rt)
+    before = [p.detach().clone() for p in model.parameters()]
+    loss, bad = train_step(model, opt, config, corpus, 1, rt)
+    assert not math.isfinite(loss.item()) and bad.item() == 1.0
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    loss, bad = train_step(model, opt, config, corpus, 2, rt)
+    assert math.isfinite(loss.item()) and bad.item() == 0.0
+    assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+
+
+def test_a_run_counts_its_skipped_steps_and_goes_on(corpus, monkeypatch):
+    poison_training_forward(monkeypatch, {3, 4})
+    result = train_lm(small(steps=6, log_every=2, optimizer="muon"), corpus=corpus, log=lambda *_: None)
+    rows = result["history"]["train"]
+    assert result["skipped_steps"] == 2 and [row["skipped"] for row in rows] == [0, 2, 0]
+    assert math.isfinite(rows[0]["loss"]) and math.isnan(rows[1]["loss"]) and math.isfinite(rows[2]["loss"])
+    assert math.isfinite(result["final"]["nll"])
 
 
 def run_command(args, cwd) -> subprocess.CompletedProcess:
