@@ -262,8 +262,8 @@ def train_step(model, opt, config: LMTrainConfig, corpus: TextCorpus, step: int,
 
 
 def interval_loss(pending: list[tuple[torch.Tensor, torch.Tensor]], rt: Runtime) -> tuple[float, int]:
-    """``(mean loss over the finite steps, steps skipped)`` of a log interval over every rank (one host read);
-    the mean is NaN when every step was skipped."""
+    """``(mean loss over the finite steps, steps skipped)`` of a log interval over every rank, read back at the
+    log point; the mean is NaN when every step was skipped."""
     losses, bad = (torch.stack(x).double() for x in zip(*pending))
     total, skipped = all_sum(torch.stack([torch.where(bad > 0, 0.0, losses).sum(), bad.sum()]).tolist(), rt)
     skipped = int(round(skipped / rt.world))
