@@ -240,7 +240,8 @@ def scan_rows(head_dims=(64,), kinds=("ieee", "tf32x3"), candidates=False):
 
 
 LLA_KINDS = {"pairs": 64, "diag": 128, "cg": None, "cg-g16": 16}  # kind -> blocks at D = 128 (scaled with D)
-LLA_TILES = [(16, 32, 4), (32, 16, 8), (32, 32, 4), (32, 32, 8), (32, 64, 8), (64, 32, 4), (64, 64, 8), (128, 32, 8)]
+LLA_TILES = [(16, 32, 4), (32, 16, 8), (32, 32, 4), (32, 32, 8), (32, 64, 8), (64, 32, 4), (64, 64, 4), (64, 64, 8),
+             (128, 32, 8), (128, 64, 8)]
 LLA_CANDIDATES = [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=2) for m, n, w in LLA_TILES]
 
 

@@ -36,6 +36,7 @@ CASES = [  # B, T, S, HQ, H, D, DV, lam kind, lam scale, window
     (2, 17, 17, 1, 1, 8, 8, "float", 200.0, None),
     (1, 18, 18, 2, 1, 8, 4, "query", 0.01, None),
     (1, 20, 12, 2, 1, 8, 20, "query", 1.0, None),   # S < T: the first queries see no key
+    (1, 70, 75, 1, 1, 8, 8, "dim", 1.0, 40),        # tiles inside the window, unmasked, beside masked ones
 ]
 
 

@@ -20,7 +20,8 @@ from regattn.ops._common.attention_tiles import (
 from regattn.ops._common.ints import ceil_div, next_pow2
 from regattn.ops.lla.tiles import (
     block_columns, centred_probe, cg_solve, guarded_denominator, halves_dot, load_cols, load_rows, pair_moments,
-    pair_solve, query_head, query_key_tiles, smallest_ridge, split_dot, split_halves, square_moments, tile_weights,
+    pair_solve, partial_tile, query_head, query_key_tiles, smallest_ridge, split_dot, split_halves, square_moments,
+    tile_weights,
 )
 
 SOLVER_CG, SOLVER_DIAG, SOLVER_PAIRS = 0, 1, 2  # the kernel's SOLVER values
@@ -30,17 +31,18 @@ SOLVER_CG, SOLVER_DIAG, SOLVER_PAIRS = 0, 1, 2  # the kernel's SOLVER values
 def lla_fwd_kernel(Q, K, V, LAM, O, RHO, DELTA, M2, ARGMAX, OMEGA, CENTRE,
                    sqb, sqt, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd, slb, slt, slh, sld,
                    sob, sot, soh, sod,
-                   T, S, HQ, GROUPS, D, DV, blk_size, qk_scale2, iters, tol2, SIZE_CLASS,
+                   T, S, HQ, GROUPS, D, DV, qk_scale2, iters, tol2, SIZE_CLASS,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-                   WINDOW: tl.constexpr, SOLVER: tl.constexpr, G: tl.constexpr, DPREC: tl.constexpr,
-                   MPREC: tl.constexpr):
+                   BLK: tl.constexpr, WINDOW: tl.constexpr, SOLVER: tl.constexpr, G: tl.constexpr,
+                   DPREC: tl.constexpr, MPREC: tl.constexpr):
     # float arguments come as fp64 when torch.compile launches the kernel: keep the arithmetic fp32
     qk_scale2, tol2 = tl.cast(qk_scale2, tl.float32), tl.cast(tol2, tl.float32)
     start_m, b, h, hk = query_head(HQ, GROUPS, BLOCK_M)
     offs_m = start_m + tl.arange(0, BLOCK_M)
-    feat = block_columns(BLOCK_D, D, blk_size, G)  # the feature of each column (D: padding)
+    feat = block_columns(BLOCK_D, D, BLK, G)  # the feature of each column (D: padding)
     offs_dv = tl.arange(0, BLOCK_DV)
-    pos = offs_m + S - T
+    pos0 = start_m + S - T
+    pos = pos0 + tl.arange(0, BLOCK_M)
     Qb = Q + b * sqb + h * sqh
     Kb = K + b * skb + hk * skh
     Vb = V + b * svb + hk * svh
@@ -58,7 +60,8 @@ def lla_fwd_kernel(Q, K, V, LAM, O, RHO, DELTA, M2, ARGMAX, OMEGA, CENTRE,
         offs_n = start_n + tl.arange(0, BLOCK_N)
         kt = load_cols(Kb, offs_n, feat, sks, skd, S, D)
         s2 = tl.dot(q, kt, input_precision=DPREC) * qk_scale2
-        s2 = tl.where(visible_mask(pos, offs_n, S, True, WINDOW), s2, float("-inf"))
+        if partial_tile(pos0, start_n, S, BLOCK_M, BLOCK_N, WINDOW):
+            s2 = tl.where(visible_mask(pos, offs_n, S, True, WINDOW), s2, float("-inf"))
         tile_max = tl.max(s2, 1)
         arg = tl.where(tile_max > m2, tl.argmax(s2, 1).to(tl.int32) + start_n, arg)
         m2, omega, w, alpha = online_softmax_step(m2, omega, s2, 1.0)
@@ -79,7 +82,7 @@ def lla_fwd_kernel(Q, K, V, LAM, O, RHO, DELTA, M2, ARGMAX, OMEGA, CENTRE,
 
     # the solve: rho = Sigma^-1 mu, and delta = omega - mu.rho
     if SOLVER == 0:  # conjugate gradients on the centred scatter A = Sigma - mu mu^T / omega, then Sherman-Morrison
-        y = cg_solve(mu, q, mt, omega, lam, lam_min, m2, pos, Kb, sks, skd, lo, hi, S, D, feat, qk_scale2,
+        y = cg_solve(mu, q, mt, omega, lam, lam_min, m2, pos, pos0, Kb, sks, skd, lo, hi, S, D, feat, qk_scale2,
                      iters, tol2, BLOCK_N, WINDOW, G, DPREC, True)
         rho, delta = centred_probe(y, mu, omega, G)
     else:
@@ -109,7 +112,8 @@ def lla_fwd_kernel(Q, K, V, LAM, O, RHO, DELTA, M2, ARGMAX, OMEGA, CENTRE,
         offs_n = start_n + tl.arange(0, BLOCK_N)
         kt = load_cols(Kb, offs_n, feat, sks, skd, S, D)
         v = load_rows(Vb, offs_n, offs_dv, svs, svd, S, DV)
-        w = tile_weights(q, kt, m2, pos, offs_n, S, qk_scale2, WINDOW, DPREC).to(v.dtype)
+        partial = partial_tile(pos0, start_n, S, BLOCK_M, BLOCK_N, WINDOW)
+        w = tile_weights(q, kt, m2, pos, offs_n, S, qk_scale2, partial, WINDOW, DPREC).to(v.dtype)
         wkr = w.to(tl.float32) * halves_dot(rho_hi, rho_lo, kt, DPREC)  # w_ij k_j.rho_i
         wsum += tl.sum(w.to(tl.float32), 1)
         wk += tl.sum(wkr, 1)
@@ -164,12 +168,17 @@ def moment_precision(dtype: torch.dtype) -> str:
 
 # The tiles (BLOCK_M, BLOCK_N, num_warps, num_stages) the autotuner times on a GPU, by (fp32 inputs, narrow
 # key tiles: 2 x 2 blocks and CG over G > 1 feature blocks, whose products hold G weight tiles). The first
-# of a list is the fixed tile (short inputs, AUTOTUNE off). On sm_90 the 32-row tiles have no spills in
-# their key loops and 64 x 64 spills 0.2-3.6 KB a thread (``python -m regattn.bench.registers lla
-# --candidates``), but 64-row tiles read K half as often in each CG iteration: the H100 decides.
+# of a list is the fixed tile (short inputs, AUTOTUNE off). On sm_90 (``python -m regattn.bench.registers lla
+# --candidates``) the 32-row tiles have no spills in their key loops; 64-row tiles read K half as often in
+# each CG iteration and spill outside the CG key loop. Each warpgroup should own 64 whole rows (4 warps on
+# 64 rows, 8 on 128): with 8 warps on 64 rows the two warpgroups split each product's columns and trade the
+# weight tile through shared memory, 25 barriers a key tile in the CG loop. On the H100 at B 4, H 16, T 8192,
+# D 128, bf16, FlashLLA cg=8 took 64.7 ms with 64 x 64 on 4 warps, 67.5 with 128 x 64, 128 with 64 x 64 on
+# 8 warps and 262 with 32 x 32; BD-LLA with 2 x 2 blocks 48 ms with 128 x 32 (115 with 64 x 16 on 8 warps),
+# with CG over blocks of 16 69 ms with 64 x 32 on 4 warps (148).
 FORWARD_TILES = {
-    (False, False): [(32, 32, 8, 2), (64, 64, 8, 2)],
-    (False, True): [(32, 16, 8, 2), (64, 16, 8, 2)],
+    (False, False): [(32, 32, 8, 2), (64, 64, 4, 2), (128, 64, 8, 2)],
+    (False, True): [(32, 16, 8, 2), (64, 32, 4, 2), (128, 32, 8, 2)],
     (True, False): [(32, 32, 4, 2)],
     (True, True): [(32, 16, 4, 2)],
 }
@@ -231,7 +240,7 @@ def lla_forward(q, k, v, lam, *, scale: float, window, blocks, cg_iters: int, cg
     kernel[lambda meta: (ceil_div(T, meta["BLOCK_M"]), B * HQ)](
         q, k, v, lam4, o, rho, delta, m2, argmax, omega, centre,
         *q.stride(), *k.stride(), *v.stride(), *lam4.stride(), *o.stride(),
-        T, S, HQ, HQ // H, D, DV, D // G, scale * LOG2E, cg_iters, cg_tol ** 2, size_class(B * HQ * T),
-        BLOCK_D=block_d, BLOCK_DV=head_block(DV), WINDOW=window or 0, SOLVER=solver, G=kernel_blocks,
+        T, S, HQ, HQ // H, D, DV, scale * LOG2E, cg_iters, cg_tol ** 2, size_class(B * HQ * T),
+        BLOCK_D=block_d, BLK=D // G, BLOCK_DV=head_block(DV), WINDOW=window or 0, SOLVER=solver, G=kernel_blocks,
         DPREC=dot_precision(q.dtype), MPREC=moment_precision(q.dtype), **cfg)
     return o, rho, delta, m2, argmax, omega, centre

@@ -50,11 +50,24 @@ def load_cols(ptr, offs_r, offs_c, stride_r, stride_c, n_rows, n_cols):
 
 
 @triton.jit
-def tile_weights(q, kt, m2, pos, offs_n, S, qk_scale2, WINDOW: tl.constexpr, DPREC: tl.constexpr):
-    """Kernel weights ``w = exp2(s2 - m2)`` of one ``[BM, BN]`` tile, 0 where a key is hidden."""
+def partial_tile(first_pos, start_n, S, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr):
+    """Whether some key of ``[start_n, start_n + BLOCK_N)`` is hidden from some query of the positions
+    ``[first_pos, first_pos + BLOCK_M)`` (causal, windowed): only such tiles need the mask."""
+    partial = (start_n + BLOCK_N - 1 > first_pos) | (start_n + BLOCK_N > S)
+    if WINDOW > 0:
+        partial = partial | (start_n <= first_pos + BLOCK_M - 1 - WINDOW)
+    return partial
+
+
+@triton.jit
+def tile_weights(q, kt, m2, pos, offs_n, S, qk_scale2, partial, WINDOW: tl.constexpr, DPREC: tl.constexpr):
+    """Kernel weights ``w = exp2(s2 - m2)`` of one ``[BM, BN]`` tile, 0 where a key is hidden (masked only
+    where ``partial``, see ``partial_tile``)."""
     s2 = tl.dot(q, kt, input_precision=DPREC) * qk_scale2
-    keep = visible_mask(pos, offs_n, S, True, WINDOW)
-    return tl.where(keep, tl.exp2(s2 - m2[:, None]), 0.0)
+    w = tl.exp2(s2 - m2[:, None])
+    if partial:
+        w = tl.where(visible_mask(pos, offs_n, S, True, WINDOW), w, 0.0)
+    return w
 
 
 @triton.jit
@@ -101,13 +114,18 @@ def one_minus_a(rho, kt, centre, inv_omega, delta, DPREC: tl.constexpr):
 
 
 @triton.jit
-def block_columns(BLOCK_D: tl.constexpr, D, blk_size, G: tl.constexpr):
+def block_columns(BLOCK_D: tl.constexpr, D, BLK: tl.constexpr, G: tl.constexpr):
     """Feature of each of the ``BLOCK_D`` kernel columns, ``D`` (masked) for padding: ``G`` column blocks of
-    ``BLOCK_D // G``, block ``b`` holding features ``[b g, (b + 1) g)`` (``g = blk_size``) then padding, so
-    that a reshape to ``[.., G, BLOCK_D // G]`` splits the features into their BD-LLA blocks."""
+    ``BLOCK_D // G``, block ``b`` holding features ``[b g, (b + 1) g)`` (``g = BLK``) then padding, so
+    that a reshape to ``[.., G, BLOCK_D // G]`` splits the features into their BD-LLA blocks. Where the blocks
+    need no padding (full LLA, ``G = 1``, or ``g`` a power of two) the columns are the features themselves (masked
+    from ``D`` on), and the compiler sees them contiguous: the tile loads are vectorised and pipelined, where
+    the general form loads one element at a time."""
     c = tl.arange(0, BLOCK_D)
     width: tl.constexpr = BLOCK_D // G
-    return tl.where(c % width < blk_size, (c // width) * blk_size + c % width, D)
+    if G == 1 or BLK == width:
+        return c
+    return tl.where(c % width < BLK, (c // width) * BLK + c % width, D)
 
 
 @triton.jit
@@ -162,13 +180,13 @@ def per_row(v, G: tl.constexpr):
 
 
 @triton.jit
-def system_matvec(p, q, mt, omega, lam, m2, pos, K, stride_kn, stride_kd, lo, hi, S, D, feat, qk_scale2,
+def system_matvec(p, q, mt, omega, lam, m2, pos, pos0, K, stride_kn, stride_kd, lo, hi, S, D, feat, qk_scale2,
                   BLOCK_N: tl.constexpr, WINDOW: tl.constexpr, G: tl.constexpr, DPREC: tl.constexpr,
                   CENTRED: tl.constexpr):
     """``Sigma_i p_i`` (eq. 13) or, with ``CENTRED``, ``A_i p_i`` (``reference.lla.centred_matvec``: the key scatter
     about its weighted mean plus the ridge, eq. 13 less its rank-one part) for a query tile in one pass over
     the keys, fp32, ``p``, ``mt``, ``lam`` and the result in the form of ``blocked`` (``feat``: the kernel
-    columns' features, see ``block_columns``):
+    columns' features, see ``block_columns``; ``pos0``: the first row's position, ``pos[0]``):
 
     ``sum_j w_ij (k_j.p) k_j - (q.p) mu~ - (mu~.p) q + omega (q.p) q + lam p``, or with ``CENTRED``
     ``sum_j w_ij (k_j.p) k_j - (mu~.p) mu~ / omega + lam p``, every inner product within each of the ``G``
@@ -182,7 +200,8 @@ def system_matvec(p, q, mt, omega, lam, m2, pos, K, stride_kn, stride_kd, lo, hi
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         kt = load_cols(K, offs_n, feat, stride_kn, stride_kd, S, D)
-        w = tile_weights(q, kt, m2, pos, offs_n, S, qk_scale2, WINDOW, DPREC)
+        partial = partial_tile(pos0, start_n, S, q.shape[0], BLOCK_N, WINDOW)
+        w = tile_weights(q, kt, m2, pos, offs_n, S, qk_scale2, partial, WINDOW, DPREC)
         if G == 1:  # the fp32 vector and products in two half-precision parts each (see split_dot)
             pk = split_dot(p, kt, DPREC)
             acc += split_dot(w * pk, tl.trans(kt), DPREC)
@@ -201,7 +220,7 @@ def system_matvec(p, q, mt, omega, lam, m2, pos, K, stride_kn, stride_kd, lo, hi
 
 
 @triton.jit
-def cg_solve(y, q, mt, omega, lam, lam_min, m2, pos, K, stride_kn, stride_kd, lo, hi, S, D, feat, qk_scale2,
+def cg_solve(y, q, mt, omega, lam, lam_min, m2, pos, pos0, K, stride_kn, stride_kd, lo, hi, S, D, feat, qk_scale2,
              iters, tol2, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr, G: tl.constexpr, DPREC: tl.constexpr,
              CENTRED: tl.constexpr):
     """Algorithm 2: ``Sigma_i x_i = y_i``, or with ``CENTRED`` ``A_i x_i = y_i`` (see ``system_matvec``), for every
@@ -227,7 +246,7 @@ def cg_solve(y, q, mt, omega, lam, lam_min, m2, pos, K, stride_kn, stride_kd, lo
     for _ in range(iters):
         active = (rr > bound) & (rr > 0.0)
         if tl.max(tl.ravel(active.to(tl.int32)), 0) > 0:
-            sp = system_matvec(p, q, mt, omega, lam, m2, pos, K, stride_kn, stride_kd, lo, hi, S, D, feat,
+            sp = system_matvec(p, q, mt, omega, lam, m2, pos, pos0, K, stride_kn, stride_kd, lo, hi, S, D, feat,
                                qk_scale2, BLOCK_N, WINDOW, G, DPREC, CENTRED)
             pap = tl.sum(p * sp, -1, keep_dims=True)
             active = active & (pap > curvature_floor * tl.sum(p * p, -1, keep_dims=True))
