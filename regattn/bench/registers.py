@@ -8,8 +8,10 @@
 
 prints, for each kernel configuration of an op at its goal shape, what ``cuobjdump --dump-resource-usage``
 reports for the cubin compiled for sm_90: ``REG`` (registers per thread, 255 at most), ``STACK`` (bytes of
-stack frame per thread: spilled registers), ``LOCAL`` (local memory) and ``SHARED`` (bytes of shared
-memory the launch needs; an H100 has 227 KiB a block). A configuration with ``STACK > 0`` spills.
+stack frame per thread: spilled registers), ``LOCAL`` (local memory), ``SHARED`` (bytes of shared
+memory the launch needs; an H100 has 227 KiB a block) and ``SERIAL`` (1 where ``ptxas`` serialises the
+warpgroup products for want of registers: each then waits for the one before). A configuration with
+``STACK > 0`` spills.
 ``--candidates`` screens the tile candidates of :data:`CANDIDATES` as well as the table's entry.
 
 ``scan`` screens the forward kernel of the ELSA scan (one row per autotune config of each fp32 precision,
@@ -102,11 +104,31 @@ def cuobjdump(compiled, flag: str) -> str:
         return subprocess.run([tool, flag, f.name], capture_output=True, text=True, check=True).stdout
 
 
+def wgmma_serialized(compiled) -> int:
+    """1 where Triton's bundled ``ptxas`` serialises the kernel's warpgroup products for want of registers (its
+    message C7512: each ``wgmma`` then waits for the one before, so the tensor cores idle through every
+    product's latency), else 0."""
+    ptx = compiled.asm["ptx"]
+    if "wgmma" not in ptx:
+        return 0
+    from triton.backends.nvidia.compiler import get_ptxas  # the ptxas this Triton assembles with
+    arch = compiled.metadata.target.arch
+    tool = get_ptxas(arch).path
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(ptx)
+        f.flush()
+        done = subprocess.run([tool, "-v", f"-arch=sm_{arch}a", f.name, "-o", os.devnull], capture_output=True,
+                              text=True, check=True)
+    return int("C7512" in done.stdout + done.stderr)
+
+
 def resource_usage(compiled) -> dict:
-    """``REG``, ``STACK``, ``LOCAL`` (from cuobjdump) and ``SHARED`` (bytes) of a compiled kernel."""
+    """``REG``, ``STACK``, ``LOCAL`` (from cuobjdump), ``SHARED`` (bytes) and ``SERIAL``
+    (:func:`wgmma_serialized`) of a compiled kernel."""
     text = cuobjdump(compiled, "--dump-resource-usage")
     usage = {key: int(re.search(rf"\b{key}:(\d+)", text).group(1)) for key in ("REG", "STACK", "LOCAL")}
     usage["SHARED"] = compiled.metadata.shared
+    usage["SERIAL"] = wgmma_serialized(compiled)
     return usage
 
 
@@ -269,7 +291,8 @@ def lla_rows(head_dims=(128,), kinds=tuple(LLA_KINDS), candidates=False, *, B=4,
             yield dict(head_dim=D, kind=kind, table=table, **launch_settings(kwargs), **usage)
 
 
-COLUMNS = ("head_dim", "kind", "BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "REG", "STACK", "LOCAL", "SHARED")
+COLUMNS = ("head_dim", "kind", "BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "REG", "STACK", "LOCAL", "SHARED",
+           "SERIAL")
 
 
 # The tile kinds of the softmax kernels (see attention_blocks), and the Parallax kernel laid out alike: the

@@ -175,7 +175,10 @@ def moment_precision(dtype: torch.dtype) -> str:
 # weight tile through shared memory, 25 barriers a key tile in the CG loop. On the H100 at B 4, H 16, T 8192,
 # D 128, bf16, FlashLLA cg=8 took 64.7 ms with 64 x 64 on 4 warps, 67.5 with 128 x 64, 128 with 64 x 64 on
 # 8 warps and 262 with 32 x 32; BD-LLA with 2 x 2 blocks 48 ms with 128 x 32 (115 with 64 x 16 on 8 warps),
-# with CG over blocks of 16 69 ms with 64 x 32 on 4 warps (148).
+# with CG over blocks of 16 69 ms with 64 x 32 on 4 warps (148). ptxas serialises the warpgroup products of
+# 64 x 64 on 4 warps and of 128 x 64 (``registers`` column SERIAL), for want of registers in pass 3 (two fp32
+# accumulators of 128 value columns); taking the columns 64 at a time there lifts it for one more pass over
+# K: cg=8 4% and cg=16 10% faster, BD-LLA 6-9% slower on the H100.
 FORWARD_TILES = {
     (False, False): [(32, 32, 8, 2), (64, 64, 4, 2), (128, 64, 8, 2)],
     (False, True): [(32, 16, 8, 2), (64, 32, 4, 2), (128, 32, 8, 2)],

@@ -118,9 +118,9 @@ def block_columns(BLOCK_D: tl.constexpr, D, BLK: tl.constexpr, G: tl.constexpr):
     """Feature of each of the ``BLOCK_D`` kernel columns, ``D`` (masked) for padding: ``G`` column blocks of
     ``BLOCK_D // G``, block ``b`` holding features ``[b g, (b + 1) g)`` (``g = BLK``) then padding, so
     that a reshape to ``[.., G, BLOCK_D // G]`` splits the features into their BD-LLA blocks. Where the blocks
-    need no padding (full LLA, ``G = 1``, or ``g`` a power of two) the columns are the features themselves (masked
-    from ``D`` on), and the compiler sees them contiguous: the tile loads are vectorised and pipelined, where
-    the general form loads one element at a time."""
+    need no padding (full LLA, ``G = 1``, or blocks as wide as their column blocks) the columns are the
+    features themselves (masked from ``D`` on), and the compiler sees them contiguous: the tile loads are
+    vectorised and pipelined, where the general form loads one element at a time."""
     c = tl.arange(0, BLOCK_D)
     width: tl.constexpr = BLOCK_D // G
     if G == 1 or BLK == width:
