@@ -47,6 +47,7 @@ import tempfile
 import torch
 import triton
 from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import JITFunction, create_function_from_signature
 
@@ -111,9 +112,8 @@ def wgmma_serialized(compiled) -> int:
     ptx = compiled.asm["ptx"]
     if "wgmma" not in ptx:
         return 0
-    from triton.backends.nvidia.compiler import get_ptxas  # the ptxas this Triton assembles with
     arch = compiled.metadata.target.arch
-    tool = get_ptxas(arch).path
+    tool = get_ptxas(arch).path  # the ptxas this Triton assembles with
     with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
         f.write(ptx)
         f.flush()

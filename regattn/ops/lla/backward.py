@@ -35,7 +35,7 @@ from regattn.ops._common.attention_tiles import (
 from regattn.ops._common.ints import ceil_div
 from regattn.ops.lla.forward import lam_tensor, moment_precision
 from regattn.ops.lla.tiles import (
-    cg_solve, load_cols, load_rows, one_minus_a, pair_moments, pair_solve, partial_tile, query_head, query_key_tiles,
+    cg_solve, load_cols, load_rows, one_minus_a, pair_moments, pair_solve, query_head, query_key_tiles,
     relmm_tile, smallest_ridge, split_dot, square_moments, swap_pairs, tile_weights,
 )
 
@@ -77,7 +77,6 @@ def lla_bwd_q_kernel(Q, K, V, LAM, DO, RHO, DELTA, M2, OMEGA, CENTRE, DQ, U, BET
     offs_dv = tl.arange(0, BLOCK_DV)
     row_ok = offs_m < T
     pos0 = start_m + S - T
-    pos = pos0 + tl.arange(0, BLOCK_M)
     Kb = K + b * skb + hk * skh
     Vb = V + b * svb + hk * svh
     q = load_rows(Q + b * sqb + h * sqh, offs_m, offs_d, sqt, sqd, T, D)
@@ -108,8 +107,7 @@ def lla_bwd_q_kernel(Q, K, V, LAM, DO, RHO, DELTA, M2, OMEGA, CENTRE, DQ, U, BET
         offs_n = start_n + tl.arange(0, BLOCK_N)
         kt = load_cols(Kb, offs_n, offs_d, sks, skd, S, D)
         vt = load_cols(Vb, offs_n, offs_dv, svs, svd, S, DV)
-        partial = partial_tile(pos0, start_n, S, BLOCK_M, BLOCK_N, WINDOW)
-        w = tile_weights(q, kt, m2, pos, offs_n, S, qk_scale2, partial, WINDOW, DPREC)
+        w = tile_weights(q, kt, m2, pos0, start_n, S, qk_scale2, WINDOW, DPREC)
         omega += tl.sum(w, 1)
         gamma = tl.dot(do, vt, input_precision=DPREC)
         c = gamma * w / delta_safe[:, None]
@@ -137,7 +135,7 @@ def lla_bwd_q_kernel(Q, K, V, LAM, DO, RHO, DELTA, M2, OMEGA, CENTRE, DQ, U, BET
     else:  # u = Sigma^-1 (y - beta mu) + beta rho: equal to Sigma^-1 y when rho = Sigma^-1 mu, and with a
         # truncated CG rho the implicit gradient at that rho (the adjoint Sigma^-1 dL/drho by CG on Sigma itself: by
         # the forward's centred scatter and Sherman-Morrison it would cancel where mu.A^-1 mu >> omega)
-        u = cg_solve(y - beta[:, None] * mu, q, mt, omega, lam, smallest_ridge(lam, offs_d < D), m2, pos, pos0,
+        u = cg_solve(y - beta[:, None] * mu, q, mt, omega, lam, smallest_ridge(lam, offs_d < D), m2, pos0,
                      Kb, sks, skd, lo, hi, S, D, offs_d,
                      qk_scale2, iters, tol2, BLOCK_N, WINDOW, 1, DPREC, False) + beta[:, None] * rho
     dmu = 2.0 * beta[:, None] * rho - u
@@ -154,8 +152,7 @@ def lla_bwd_q_kernel(Q, K, V, LAM, DO, RHO, DELTA, M2, OMEGA, CENTRE, DQ, U, BET
         offs_n = start_n + tl.arange(0, BLOCK_N)
         kt = load_cols(Kb, offs_n, offs_d, sks, skd, S, D)
         vt = load_cols(Vb, offs_n, offs_dv, svs, svd, S, DV)
-        partial = partial_tile(pos0, start_n, S, BLOCK_M, BLOCK_N, WINDOW)
-        w = tile_weights(q, kt, m2, pos, offs_n, S, qk_scale2, partial, WINDOW, DPREC)
+        w = tile_weights(q, kt, m2, pos0, start_n, S, qk_scale2, WINDOW, DPREC)
         gamma = tl.dot(do, vt, input_precision=DPREC)
         a = relmm_tile(rho, q32, kt, DPREC)
         om = one_minus_a(rho, kt, centre, inv_omega, delta_safe, DPREC)
@@ -217,7 +214,6 @@ def lla_bwd_kv_kernel(Q, K, V, DO, RHO, U, DELTA, M2, OMEGA, CENTRE, BETA, DK, D
             offs_m = start_m + tl.arange(0, BLOCK_M)
             row_ok = offs_m < T
             pos0 = start_m + S - T
-            pos = pos0 + tl.arange(0, BLOCK_M)
             q = load_rows(Q + b * sqb + h * sqh, offs_m, offs_d, sqt, sqd, T, D)
             q32 = q.to(tl.float32)
             do = load_rows(DO + b * sdb + h * sdh, offs_m, offs_dv, sdt, sdd, T, DV)
@@ -232,8 +228,7 @@ def lla_bwd_kv_kernel(Q, K, V, DO, RHO, U, DELTA, M2, OMEGA, CENTRE, BETA, DK, D
             centre = tl.load(CENTRE + stat, mask=row_ok, other=0.0)
             m2 = tl.load(M2 + stat, mask=row_ok, other=0.0)
             beta = tl.load(BETA + stat, mask=row_ok, other=0.0)
-            partial = partial_tile(pos0, start_n, S, BLOCK_M, BLOCK_N, WINDOW)
-            w = tile_weights(q, kt, m2, pos, offs_n, S, qk_scale2, partial, WINDOW, DPREC)
+            w = tile_weights(q, kt, m2, pos0, start_n, S, qk_scale2, WINDOW, DPREC)
             w = tl.where(row_ok[:, None], w, 0.0)
             gamma = tl.dot(do, vt, input_precision=DPREC)
             a = relmm_tile(rho, q32, kt, DPREC)

@@ -82,7 +82,7 @@ def lla_fwd_kernel(Q, K, V, LAM, O, RHO, DELTA, M2, ARGMAX, OMEGA, CENTRE,
 
     # the solve: rho = Sigma^-1 mu, and delta = omega - mu.rho
     if SOLVER == 0:  # conjugate gradients on the centred scatter A = Sigma - mu mu^T / omega, then Sherman-Morrison
-        y = cg_solve(mu, q, mt, omega, lam, lam_min, m2, pos, pos0, Kb, sks, skd, lo, hi, S, D, feat, qk_scale2,
+        y = cg_solve(mu, q, mt, omega, lam, lam_min, m2, pos0, Kb, sks, skd, lo, hi, S, D, feat, qk_scale2,
                      iters, tol2, BLOCK_N, WINDOW, G, DPREC, True)
         rho, delta = centred_probe(y, mu, omega, G)
     else:
@@ -112,8 +112,7 @@ def lla_fwd_kernel(Q, K, V, LAM, O, RHO, DELTA, M2, ARGMAX, OMEGA, CENTRE,
         offs_n = start_n + tl.arange(0, BLOCK_N)
         kt = load_cols(Kb, offs_n, feat, sks, skd, S, D)
         v = load_rows(Vb, offs_n, offs_dv, svs, svd, S, DV)
-        partial = partial_tile(pos0, start_n, S, BLOCK_M, BLOCK_N, WINDOW)
-        w = tile_weights(q, kt, m2, pos, offs_n, S, qk_scale2, partial, WINDOW, DPREC).to(v.dtype)
+        w = tile_weights(q, kt, m2, pos0, start_n, S, qk_scale2, WINDOW, DPREC).to(v.dtype)
         wkr = w.to(tl.float32) * halves_dot(rho_hi, rho_lo, kt, DPREC)  # w_ij k_j.rho_i
         wsum += tl.sum(w.to(tl.float32), 1)
         wk += tl.sum(wkr, 1)

@@ -60,12 +60,14 @@ def partial_tile(first_pos, start_n, S, BLOCK_M: tl.constexpr, BLOCK_N: tl.const
 
 
 @triton.jit
-def tile_weights(q, kt, m2, pos, offs_n, S, qk_scale2, partial, WINDOW: tl.constexpr, DPREC: tl.constexpr):
-    """Kernel weights ``w = exp2(s2 - m2)`` of one ``[BM, BN]`` tile, 0 where a key is hidden (masked only
-    where ``partial``, see ``partial_tile``)."""
+def tile_weights(q, kt, m2, pos0, start_n, S, qk_scale2, WINDOW: tl.constexpr, DPREC: tl.constexpr):
+    """Kernel weights ``w = exp2(s2 - m2)`` of one ``[BM, BN]`` tile (query rows from position ``pos0``, keys
+    from ``start_n``), 0 where a key is hidden; the mask is formed only on a ``partial_tile``."""
     s2 = tl.dot(q, kt, input_precision=DPREC) * qk_scale2
     w = tl.exp2(s2 - m2[:, None])
-    if partial:
+    if partial_tile(pos0, start_n, S, q.shape[0], kt.shape[1], WINDOW):
+        pos = pos0 + tl.arange(0, q.shape[0])
+        offs_n = start_n + tl.arange(0, kt.shape[1])
         w = tl.where(visible_mask(pos, offs_n, S, True, WINDOW), w, 0.0)
     return w
 
@@ -180,13 +182,13 @@ def per_row(v, G: tl.constexpr):
 
 
 @triton.jit
-def system_matvec(p, q, mt, omega, lam, m2, pos, pos0, K, stride_kn, stride_kd, lo, hi, S, D, feat, qk_scale2,
+def system_matvec(p, q, mt, omega, lam, m2, pos0, K, stride_kn, stride_kd, lo, hi, S, D, feat, qk_scale2,
                   BLOCK_N: tl.constexpr, WINDOW: tl.constexpr, G: tl.constexpr, DPREC: tl.constexpr,
                   CENTRED: tl.constexpr):
     """``Sigma_i p_i`` (eq. 13) or, with ``CENTRED``, ``A_i p_i`` (``reference.lla.centred_matvec``: the key scatter
     about its weighted mean plus the ridge, eq. 13 less its rank-one part) for a query tile in one pass over
     the keys, fp32, ``p``, ``mt``, ``lam`` and the result in the form of ``blocked`` (``feat``: the kernel
-    columns' features, see ``block_columns``; ``pos0``: the first row's position, ``pos[0]``):
+    columns' features, see ``block_columns``; ``pos0``: the first row's position):
 
     ``sum_j w_ij (k_j.p) k_j - (q.p) mu~ - (mu~.p) q + omega (q.p) q + lam p``, or with ``CENTRED``
     ``sum_j w_ij (k_j.p) k_j - (mu~.p) mu~ / omega + lam p``, every inner product within each of the ``G``
@@ -200,8 +202,7 @@ def system_matvec(p, q, mt, omega, lam, m2, pos, pos0, K, stride_kn, stride_kd, 
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         kt = load_cols(K, offs_n, feat, stride_kn, stride_kd, S, D)
-        partial = partial_tile(pos0, start_n, S, q.shape[0], BLOCK_N, WINDOW)
-        w = tile_weights(q, kt, m2, pos, offs_n, S, qk_scale2, partial, WINDOW, DPREC)
+        w = tile_weights(q, kt, m2, pos0, start_n, S, qk_scale2, WINDOW, DPREC)
         if G == 1:  # the fp32 vector and products in two half-precision parts each (see split_dot)
             pk = split_dot(p, kt, DPREC)
             acc += split_dot(w * pk, tl.trans(kt), DPREC)
@@ -220,7 +221,7 @@ def system_matvec(p, q, mt, omega, lam, m2, pos, pos0, K, stride_kn, stride_kd, 
 
 
 @triton.jit
-def cg_solve(y, q, mt, omega, lam, lam_min, m2, pos, pos0, K, stride_kn, stride_kd, lo, hi, S, D, feat, qk_scale2,
+def cg_solve(y, q, mt, omega, lam, lam_min, m2, pos0, K, stride_kn, stride_kd, lo, hi, S, D, feat, qk_scale2,
              iters, tol2, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr, G: tl.constexpr, DPREC: tl.constexpr,
              CENTRED: tl.constexpr):
     """Algorithm 2: ``Sigma_i x_i = y_i``, or with ``CENTRED`` ``A_i x_i = y_i`` (see ``system_matvec``), for every
@@ -246,7 +247,7 @@ def cg_solve(y, q, mt, omega, lam, lam_min, m2, pos, pos0, K, stride_kn, stride_
     for _ in range(iters):
         active = (rr > bound) & (rr > 0.0)
         if tl.max(tl.ravel(active.to(tl.int32)), 0) > 0:
-            sp = system_matvec(p, q, mt, omega, lam, m2, pos, pos0, K, stride_kn, stride_kd, lo, hi, S, D, feat,
+            sp = system_matvec(p, q, mt, omega, lam, m2, pos0, K, stride_kn, stride_kd, lo, hi, S, D, feat,
                                qk_scale2, BLOCK_N, WINDOW, G, DPREC, CENTRED)
             pap = tl.sum(p * sp, -1, keep_dims=True)
             active = active & (pap > curvature_floor * tl.sum(p * p, -1, keep_dims=True))
