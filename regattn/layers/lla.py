@@ -23,7 +23,7 @@ from regattn.layers.checks import check_fraction, check_layer_input, check_optio
 from regattn.layers.norm import RMSNorm
 from regattn.layers.rope import RotaryEmbedding, norm_rope
 from regattn.ops._common.checks import check_choice, check_int, check_positive, check_window
-from regattn.ops.lla.api import lla, lla_decode
+from regattn.ops.lla.api import check_cg_gradient, lla, lla_decode
 
 
 @dataclass
@@ -46,6 +46,8 @@ class LLA(nn.Module):
         cg_iters: CG iterations; None (the default) solves exactly. At initialisation (d_model 512, 8 heads of
             64, T 512, fp32 on CPU) 8 iterations left the output 23% away from the exact solve, 16 left 4%.
         cg_tol: CG relative residual tolerance (>= 0).
+        cg_gradient: ``"implicit"`` (the kernels') or ``"unrolled"`` (autograd through the iterations, torch
+            backend): see :func:`regattn.lla`.
         lam_min: the ridge's floor ``l`` in (0, 1). Eq. 27's bare sigmoid can reach 0 (it underflows)
             and, for a query with fewer keys than dimensions, the estimator's denominator is about
             ``lam / |k - q|^2``: in fp32 it keeps about ``eps |k - q|^2 / lam`` relative error, 1e-4
@@ -57,7 +59,8 @@ class LLA(nn.Module):
     def __init__(self, d_model: int, num_heads: int, *, num_kv_heads: int | None = None,
                  head_dim: int | None = None, lam: str = "head", window: int | None = None,
                  blocks: int | None = None, cg_iters: int | None = None, cg_tol: float = 1e-6,
-                 qk_norm: bool = True, rope: bool = False, lam_min: float = 1e-2, backend: str = "auto"):
+                 cg_gradient: str = "implicit", qk_norm: bool = True, rope: bool = False, lam_min: float = 1e-2,
+                 backend: str = "auto"):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = head_layout(d_model, num_heads, num_kv_heads, head_dim)
         self.lam_mode = check_choice("lam", lam, ("head", "dim"))
@@ -70,6 +73,7 @@ class LLA(nn.Module):
         self.cg_tol = check_positive("cg_tol", cg_tol, allow_zero=True)
         self.lam_min = check_fraction("lam_min", lam_min)
         self.backend = check_options(backend=backend, flags=dict(qk_norm=qk_norm, rope=rope))
+        self.cg_gradient = check_cg_gradient(cg_gradient, backend)
         HQ, H, D = num_heads, self.num_kv_heads, self.head_dim
         self.q_proj = nn.Linear(d_model, HQ * D, bias=False)
         self.k_proj = nn.Linear(d_model, H * D, bias=False)
@@ -111,7 +115,7 @@ class LLA(nn.Module):
         """Run the prompt; returns the output and the cache for :meth:`step`."""
         check_layer_input(x, self.q_proj)
         q, k, v = self._qkv(x, 0)
-        o = lla(q, k, v, lam=self.ridge(x), **self._solver())
+        o = lla(q, k, v, lam=self.ridge(x), cg_gradient=self.cg_gradient, **self._solver())
         return self._out(o), self._keep(k, v, x.shape[1])
 
     def step(self, x: torch.Tensor, cache: LLACache) -> tuple[torch.Tensor, LLACache]:

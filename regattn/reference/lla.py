@@ -282,6 +282,9 @@ def _lla_explicit(q, k, v, *, lam, scale, window, blocks):
                       heads_first(v, HQ), seen_pairs(q, k, window), lam_min, blocks)
 
 
+CG_GRADIENTS = ("implicit", "unrolled")
+
+
 class ImplicitSolve(torch.autograd.Function):
     """Zero in the forward; in the backward, ``-solve(g, *theta)`` (``~ -Sigma^-1 g``, ``Sigma`` symmetric)
     as the gradient of the residual ``r = Sigma rho - mu`` it was given.
@@ -305,14 +308,14 @@ class ImplicitSolve(torch.autograd.Function):
 
 
 def lla_matrix_free(q, k, v, *, lam, scale, window=None, blocks=None, cg_iters: int, cg_tol=1e-6,
-                    implicit_gradient: bool = True):
+                    cg_gradient: str = "implicit"):
     """Eq. 10-16 with Algorithm 2: uncentred sums, CG on the centred scatter ``A_i`` (:func:`centred_matvec`)
     for ``y = A^-1 mu``, ``rho`` from it (:func:`probe_from_centred`), the output of :func:`lla_output`.
 
     Same arguments and result as :func:`lla` with an integer ``cg_iters``. The gradient treats the CG
     result as the exact ``Sigma^-1 mu`` (:class:`ImplicitSolve`, its adjoint system ``Sigma^-1 g`` solved by
     the same number of CG iterations on ``Sigma``), as the FlashLLA backward does;
-    ``implicit_gradient=False`` differentiates through the iterations run.
+    ``cg_gradient="unrolled"`` differentiates through the iterations run.
     """
     B, T, HQ, D = q.shape
     w, _ = lla_weights(q, k, scale=scale, window=window)
@@ -337,7 +340,7 @@ def lla_matrix_free(q, k, v, *, lam, scale, window=None, blocks=None, cg_iters: 
             return sigma_matvec(p, qh, kh, w, omega, mu_tilde, lam_diag, blocks, seen)
         return conjugate_gradient(matvec, g, iters=cg_iters, tol=cg_tol, lam_min=lam_diag.amin(-1), blocks=blocks)
 
-    if implicit_gradient:
+    if cg_gradient == "implicit":
         with torch.no_grad():
             rho = probe()
         residual = sigma_matvec(rho, qh, kh, w, omega, mu_tilde, lam_diag, blocks, seen) - mu
@@ -379,14 +382,15 @@ def lla_blocks_uncentred(q, k, v, *, lam, scale, window=None, blocks: int):
     return lla_output(w, omega, mu, rho, kh, vh, seen, lam_diag.amin(-1), blocks)
 
 
-def lla(q, k, v, *, lam, scale=None, window=None, blocks=None, cg_iters=None, cg_tol=1e-6):
+def lla(q, k, v, *, lam, scale=None, window=None, blocks=None, cg_iters=None, cg_tol=1e-6, cg_gradient="implicit"):
     """Local Linear Attention, ``[B, T, HQ, Dv]`` (see :func:`regattn.lla` for the definition).
 
     Args:
         q: ``[B, T, HQ, D]``; k: ``[B, S, H, D]``; v: ``[B, S, H, Dv]``; queries aligned to the end of the keys.
         lam: float, ``[B, T, HQ]`` or ``[B, T, HQ, D]``; scale: defaults to ``D ** -0.5``.
         window: SW-LLA; blocks: BD-LLA with ``g`` diagonal blocks; cg_iters: None (exact solve,
-            eq. 7-8) or CG iterations (matrix-free eq. 10-16, Algorithm 2); cg_tol: relative residual.
+            eq. 7-8) or CG iterations (matrix-free eq. 10-16, Algorithm 2); cg_tol: relative residual;
+            cg_gradient: ``"implicit"`` or ``"unrolled"`` (see :func:`lla_matrix_free`).
     """
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     dtype = compute_dtype(q)
@@ -397,7 +401,7 @@ def lla(q, k, v, *, lam, scale=None, window=None, blocks=None, cg_iters=None, cg
         o = _lla_explicit(q32, k32, v32, lam=lam, scale=scale, window=window, blocks=blocks)
     else:
         o = lla_matrix_free(q32, k32, v32, lam=lam, scale=scale, window=window, blocks=blocks,
-                            cg_iters=cg_iters, cg_tol=cg_tol)
+                            cg_iters=cg_iters, cg_tol=cg_tol, cg_gradient=cg_gradient)
     return o.to(q.dtype)
 
 

@@ -33,6 +33,22 @@ def test_ridge_shapes_range_and_gradients():
         assert p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0
 
 
+def test_cg_gradient_reaches_the_op():
+    """``cg_gradient`` picks the gradient of the truncated solve: the same output, other gradients at 2
+    iterations (far from converged)."""
+    x = randn(1, 9, 16)
+    grads, outs = [], []
+    for mode in ("implicit", "unrolled"):
+        torch.manual_seed(0)
+        layer = LLA(16, 2, cg_iters=2, cg_tol=0.0, cg_gradient=mode, backend="torch").double()
+        y = layer(x)
+        y.square().sum().backward()
+        outs.append(y)
+        grads.append(layer.q_proj.weight.grad)
+    assert rel_err(outs[1], outs[0]) < 1e-12
+    assert rel_err(grads[1], grads[0]) > 1e-3
+
+
 def test_saturated_ridge_keeps_its_floor_and_stays_finite():
     """A ridge gate driven far negative: eq. 27's sigmoid underflows to 0, the floor holds lam_min,
     and the fp32 layer's output and gradients stay finite."""
@@ -56,3 +72,7 @@ def test_bad_arguments():
         LLA(16, 4, num_kv_heads=3)
     with pytest.raises(ValueError, match="blocks"):
         LLA(16, 2, blocks=3)
+    with pytest.raises(ValueError, match="cg_gradient"):
+        LLA(16, 2, cg_iters=4, cg_gradient="exact")
+    with pytest.raises(ValueError, match="cg_gradient"):
+        LLA(16, 2, cg_iters=4, cg_gradient="unrolled", backend="triton")

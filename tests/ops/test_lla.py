@@ -211,7 +211,7 @@ def test_truncated_cg_gradient_is_the_same_on_both_backends(lam_kind, blocks, mo
     kw = dict(window=13, blocks=blocks, cg_iters=2, cg_tol=0.0)
     _, implicit = grads_of(lambda *a: regattn.lla(*a[:3], lam=a[3], backend="torch", **kw), q, k, v, lam,
                            do.double())
-    _, unrolled = grads_of(lambda *a: lla_matrix_free(*a[:3], lam=a[3], scale=8 ** -0.5, implicit_gradient=False,
+    _, unrolled = grads_of(lambda *a: lla_matrix_free(*a[:3], lam=a[3], scale=8 ** -0.5, cg_gradient="unrolled",
                                                       **kw), q, k, v, lam, do.double())
     for backend in ("torch", "triton"):
         _, grads = grads_of(lambda *a: regattn.lla(*a[:3], lam=a[3], backend=backend, **kw), *f32, do)
@@ -222,6 +222,11 @@ def test_truncated_cg_gradient_is_the_same_on_both_backends(lam_kind, blocks, mo
             # fp32 rounding through two CG iterations (a step skipped or not near the curvature floor) can
             # reach 1e-2; the other definition is farther still
             assert rel_err(g.double(), want) < max(0.2 * apart, 1e-3), (backend, name)
+    # cg_gradient="unrolled" is the other definition, on the torch backend whatever the backend asked
+    _, grads = grads_of(lambda *a: regattn.lla(*a[:3], lam=a[3], cg_gradient="unrolled", **kw), *f32, do)
+    for name, g, want, other in zip(("dq", "dk", "dlam"), grads[:2] + grads[3:], unrolled[:2] + unrolled[3:],
+                                    implicit[:2] + implicit[3:]):
+        assert rel_err(g.double(), want) < max(0.2 * rel_err(other, want), 1e-3), name
 
 
 def test_exact_solve_on_the_triton_backend_uses_the_uncentred_form():
@@ -286,6 +291,18 @@ def test_decode_matches_last_rows():
         regattn.lla_decode(q, k[:, :3], v[:, :3], lam=0.5)
 
 
+@pytest.mark.parametrize("cg_iters", [None, 8])
+def test_torch_forms_ignore_an_enclosing_autocast(cg_iters):
+    """Under a bf16 autocast (a training loop's) the torch forms still compute in fp32: with their products
+    rounded to bf16 the CG output was 0.11 away from float64 where fp32 is 0.0035 (D 32, lam 0.5), and an
+    MQAR model trained on them learned nothing."""
+    q, k, v = (randn(2, 40, 2, 32, dtype=torch.float32) for _ in range(3))
+    want = regattn.lla(q, k, v, lam=0.5, cg_iters=cg_iters, backend="torch")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = regattn.lla(q, k, v, lam=0.5, cg_iters=cg_iters, backend="torch")
+    assert got.dtype == torch.float32 and rel_err(got, want) < 1e-6
+
+
 def test_bad_input():
     q, k, v, _ = make(1, 8, 8, 2, 1, 8, 4, "float")
     q, k, v = q.float(), k.float(), v.float()
@@ -304,6 +321,10 @@ def test_bad_input():
         regattn.lla(q, k, v, lam=0.5, cg_iters=2.0, backend="triton")
     with pytest.raises(TypeError, match="q"):
         regattn.lla(q.double(), k.double(), v.double(), lam=0.5, cg_iters=2, backend="triton")
+    with pytest.raises(ValueError, match="cg_gradient"):
+        regattn.lla(q, k, v, lam=0.5, cg_iters=2, cg_gradient="exact")
+    with pytest.raises(ValueError, match="cg_gradient"):
+        regattn.lla(q, k, v, lam=0.5, cg_iters=2, cg_gradient="unrolled", backend="triton")
 
 
 SOLVERS = [("torch", None), ("torch", 16), ("triton", None), ("triton", 16)]

@@ -149,7 +149,7 @@ def test_gradcheck_exact_and_cg():
     assert torch.autograd.gradcheck(lambda *a: lla(*a[:3], lam=a[3], window=4), (q, k, v, lam))
     assert torch.autograd.gradcheck(lambda *a: lla(*a[:3], lam=a[3], blocks=3), (q, k, v, lam))
     assert torch.autograd.gradcheck(lambda *a: lla_matrix_free(*a[:3], lam=a[3], scale=0.5, cg_iters=2, cg_tol=0.0,
-                                                               implicit_gradient=False), (q, k, v, lam))
+                                                               cg_gradient="unrolled"), (q, k, v, lam))
     # the implicit gradient is the derivative once CG is exact (D = 3 iterations)
     assert torch.autograd.gradcheck(lambda *a: lla_matrix_free(*a[:3], lam=a[3], scale=0.5, cg_iters=3, cg_tol=0.0),
                                     (q, k, v, lam))

@@ -7,12 +7,12 @@ import torch
 
 from regattn import reference
 from regattn.ops._common.checks import (
-    check_attention_inputs, check_device, check_int, check_positive, check_scale, check_tensor,
+    check_attention_inputs, check_choice, check_device, check_int, check_positive, check_scale, check_tensor,
     check_window, host_checks_allowed, resolve_kernel_backend,
 )
 from regattn.ops.lla.backward import lla_backward
 from regattn.ops.lla.forward import SOLVER_CG, lla_forward, solver_for
-from regattn.reference.lla import lla_blocks_uncentred, lla_matrix_free
+from regattn.reference.lla import CG_GRADIENTS, lla_blocks_uncentred, lla_matrix_free
 
 HAS_TRITON = True
 
@@ -131,6 +131,19 @@ class FlashBlockLLA(torch.autograd.Function):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dlam, None, None, None, None, None, None
 
 
+def check_cg_gradient(cg_gradient, backend) -> str:
+    """``cg_gradient`` of :func:`lla`: ``"unrolled"`` needs the torch backend."""
+    if check_choice("cg_gradient", cg_gradient, CG_GRADIENTS) == "unrolled" and backend == "triton":
+        raise ValueError("cg_gradient: 'unrolled' runs on the torch backend only; pass backend='torch' or 'auto'")
+    return cg_gradient
+
+
+def full_precision(q: torch.Tensor):
+    """Autocast off: the torch forms compute in float32 (their solves and statistics lose every digit when an
+    enclosing bf16 autocast rounds their products), and the kernels take the inputs' own dtypes."""
+    return torch.autocast(device_type=q.device.type, enabled=False)
+
+
 def check_lla_args(q, k, v, lam, scale, window, blocks, cg_iters, cg_tol):
     """Validate every argument of :func:`lla`; returns ``(lam, scale, window, cg_tol)``."""
     B, T, S, HQ, H, D, Dv = check_attention_inputs(q, k, v)
@@ -164,7 +177,8 @@ def lla_triton(q, k, v, lam, *, scale, window, blocks, cg_iters, cg_tol):
     return FlashBlockLLA.apply(q, k, v, lam_tensor, lam_value, scale, window, blocks, cg_iters, cg_tol)
 
 
-def lla(q, k, v, *, lam, scale=None, window=None, blocks=None, cg_iters=None, cg_tol=1e-6, backend="auto"):
+def lla(q, k, v, *, lam, scale=None, window=None, blocks=None, cg_iters=None, cg_tol=1e-6, cg_gradient="implicit",
+        backend="auto"):
     """Local Linear Attention (lla eq. 6-8): the local linear estimator at each query.
 
     Kernel weights ``w_ij = exp(scale * q_i.k_j - m_i)`` over the visible keys ``j <= i``
@@ -198,10 +212,14 @@ def lla(q, k, v, *, lam, scale=None, window=None, blocks=None, cg_iters=None, cg
         cg_iters: None for an exact solve; an int for that many conjugate-gradient iterations
             (Algorithm 2, with the active mask: a system stops once ``||r|| <= cg_tol ||mu||``; BD-LLA
             runs one CG per block, exact after ``D / g`` iterations in exact arithmetic). Gradients with
-            ``cg_iters`` are implicit on both backends: the CG result is treated as the exact
+            ``cg_iters`` are implicit by default, on both backends: the CG result is treated as the exact
             ``Sigma^-1 mu`` and the adjoint system is solved by the same CG (``cg_iters``, ``cg_tol``), so
             they are the same on both backends at every ``cg_iters`` and the derivative of the output
             once CG has converged.
+        cg_gradient: ``"implicit"`` (the default, above) or ``"unrolled"``: autograd through the CG
+            iterations run, the derivative of the truncated solve itself; torch backend only (``"auto"``
+            takes it), storing every iteration's state for the backward. On MQAR (8 iterations) the implicit
+            gradient solved length 128 and the unrolled one reached 0.11 (docs/EXPERIMENTS.md): the default.
         backend: ``"auto" | "torch" | "triton"``. Triton (fp16, bf16, fp32) runs full LLA with
             ``cg_iters`` given (fused forward and backward) and BD-LLA (``g = D`` and ``g = D / 2``
             by direct solves, where ``cg_iters`` is not needed; other ``g`` by one CG per block); the backward is
@@ -214,11 +232,14 @@ def lla(q, k, v, *, lam, scale=None, window=None, blocks=None, cg_iters=None, cg
         ``o: [B, T, HQ, Dv]`` in q's dtype.
     """
     lam, scale, window, cg_tol = check_lla_args(q, k, v, lam, scale, window, blocks, cg_iters, cg_tol)
-    if resolve_kernel_backend(backend, q, op="lla", has_triton=HAS_TRITON) == "triton":
-        return lla_triton(q, k, v, lam, scale=scale, window=window, blocks=blocks, cg_iters=cg_iters,
-                          cg_tol=cg_tol)
-    return reference.lla(q, k, v, lam=lam, scale=scale, window=window, blocks=blocks,
-                         cg_iters=cg_iters, cg_tol=cg_tol)
+    if check_cg_gradient(cg_gradient, backend) == "unrolled" and cg_iters is not None:
+        backend = "torch"
+    with full_precision(q):
+        if resolve_kernel_backend(backend, q, op="lla", has_triton=HAS_TRITON) == "triton":
+            return lla_triton(q, k, v, lam, scale=scale, window=window, blocks=blocks, cg_iters=cg_iters,
+                              cg_tol=cg_tol)
+        return reference.lla(q, k, v, lam=lam, scale=scale, window=window, blocks=blocks,
+                             cg_iters=cg_iters, cg_tol=cg_tol, cg_gradient=cg_gradient)
 
 
 def lla_decode(q, k_cache, v_cache, *, lam, scale=None, window=None, blocks=None, cg_iters=None, cg_tol=1e-6,
@@ -240,7 +261,7 @@ def lla_decode(q, k_cache, v_cache, *, lam, scale=None, window=None, blocks=None
     if q.shape[1] > k_cache.shape[1]:
         raise ValueError(f"q: expected at most as many new tokens as the cache holds ({k_cache.shape[1]}), "
                          f"got {q.shape[1]}")
-    with torch.no_grad():
+    with torch.no_grad(), full_precision(q):
         if resolve_kernel_backend(backend, q, op="lla_decode", has_triton=HAS_TRITON) == "triton":
             return lla_triton(q, k_cache, v_cache, lam, scale=scale, window=window, blocks=blocks,
                               cg_iters=cg_iters, cg_tol=cg_tol)
