@@ -28,7 +28,7 @@ import triton.language as tl
 
 from regattn.ops._common.attention_tiles import (
     LOG2E, contained_dot, full_key_span, head_block, interpreting, key_span, online_softmax_step, query_span,
-    row_dot, softmax_finish, tile_configs, tile_loop_bounds, visible_mask, visible_mask_t,
+    row_dot, size_class, softmax_finish, tile_configs, tile_loop_bounds, visible_mask, visible_mask_t,
 )
 from regattn.ops._common.checks import longest_sequence, sm_count
 from regattn.ops._common.ints import ceil_div
@@ -266,7 +266,7 @@ def _parked_rows(O, WS_ACC, bat, h, row0, sob, soh, sot, rows, split, ws_stride,
 @triton.jit
 def _fwd_kernel(Q, K, V, O, LSE, WS_M, WS_L, WS_ACC, CU,
                 sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sob, sot, soh,
-                T, S, HQ, GROUP, qk_scale, ws_stride,
+                T, S, HQ, GROUP, qk_scale, ws_stride, SIZE_CLASS,
                 D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
                 VARLEN: tl.constexpr, NSPLIT: tl.constexpr, STORE_LSE: tl.constexpr, EVEN_N: tl.constexpr,
@@ -464,7 +464,7 @@ def _dq_tiles(dq, q, do, lse, delta, k_base, v_base, skt, svt, lo, hi, offs_m, o
 def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DVV, CU,
                      sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sdob, sdot, sdoh,
                      sdkb, sdkt, sdkh, sdvb, sdvt, sdvh,
-                     T, S, HQ, GROUP, qk_scale, sm_scale,
+                     T, S, HQ, GROUP, qk_scale, sm_scale, SIZE_CLASS,
                      D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
                      WINDOW: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr,
@@ -509,7 +509,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DVV, CU,
 @triton.jit
 def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, CU,
                    sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sdob, sdot, sdoh, sdqb, sdqt, sdqh,
-                   T, S, HQ, GROUP, qk_scale, sm_scale,
+                   T, S, HQ, GROUP, qk_scale, sm_scale, SIZE_CLASS,
                    D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
                    WINDOW: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr,
@@ -595,7 +595,7 @@ def _pruner(streamed: str):
     return {"early_config_prune": prune}
 
 
-_KEY = ["D", "DV", "CAUSAL", "WINDOW", "VARLEN", "PREC"]
+_KEY = ["D", "DV", "CAUSAL", "WINDOW", "VARLEN", "PREC", "SIZE_CLASS"]
 _FWD_TUNED = {family: triton.autotune(cfgs, key=_KEY + ["NSPLIT", "STORE_LSE"], prune_configs_by=_pruner("N"))(
     _fwd_kernel) for family, cfgs in FWD_CONFIGS.items()}
 _DKDV_TUNED = {family: triton.autotune(cfgs, key=_KEY, prune_configs_by=_pruner("M"))(_bwd_dkdv_kernel)
@@ -693,7 +693,7 @@ def forward(q, k, v, *, causal, window, scale, precision, cu_seqlens, num_splits
     _launch(FWD_CONFIGS[fam], _FWD_TUNED[fam], _fwd_kernel,
             lambda meta: (ceil_div(max_rows, meta["BLOCK_M"]), nseq * HQ, num_splits),
             q, k, v, o, lse, ws_m, ws_l, ws_acc, cu, *_strides(q), *_strides(k), *_strides(v), *_strides(o),
-            rows, S, HQ, HQ // H, scale * LOG2E, ws_stride,
+            rows, S, HQ, HQ // H, scale * LOG2E, ws_stride, size_class(B * HQ * T),
             D=D, DV=DV, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, CAUSAL=causal, WINDOW=window or 0,
             VARLEN=varlen, NSPLIT=num_splits, STORE_LSE=need_lse, PREC=prec, streamed="N",
             **_numerics(q.dtype, precision))
@@ -726,7 +726,7 @@ def backward(do, q, k, v, o, lse, *, causal, window, scale, precision, cu_seqlen
     bfam = "fp32" if q.dtype == torch.float32 else "half"
     meta = dict(D=D, DV=DV, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, CAUSAL=causal, WINDOW=window or 0,
                 VARLEN=varlen, PREC=prec, ROUND_TF32=_numerics(q.dtype, precision)["ROUND_TF32"])
-    common = (T, S, HQ, HQ // H, scale * LOG2E, scale)
+    common = (T, S, HQ, HQ // H, scale * LOG2E, scale, size_class(B * HQ * T))
     _launch(BWD_CONFIGS[bfam], _DKDV_TUNED[bfam], _bwd_dkdv_kernel,
             lambda m: (ceil_div(max_s or S, m["BLOCK_N"]), nseq * HQ),
             q, k, v, do, lse, delta, dk, dv, cu, *_strides(q), *_strides(k), *_strides(v), *_strides(do),
