@@ -69,3 +69,23 @@ def test_converged(dtype, window, backward):
 
 def test_truncated_cg_fp32():
     check_truncated_cg(16)
+
+
+def test_unrolled_gradient_under_autocast(B=1, T=256, HQ=4, H=2, D=128):
+    """``cg_gradient="unrolled"`` on bf16 inputs inside a bf16 autocast (a training step's): the torch form
+    still solves in fp32, so the output and the gradients through 4 CG iterations stay within 2x the error of
+    the same form run on the rounded inputs in fp32, plus the bf16 rounding of the results (on the CPU at D 32,
+    products rounded by the autocast left the output 0.11 from float64 against 0.0035)."""
+    q, k, v, lam, do = inputs(B, T, HQ, H, D, "cuda")
+    cg = dict(cg_iters=4, cg_tol=0.0, cg_gradient="unrolled")
+
+    def op(q, k, v, lam):
+        with torch.autocast("cuda", dtype=BF16):
+            return regattn.lla(q, k, v, lam=lam, **cg)
+
+    def form(q, k, v, lam):
+        return lla_ref(q, k, v, lam=lam, **cg)
+    got = outputs(op, leaves([q, k, v], BF16) + leaves([lam], FP32), do)
+    exact = outputs(form, leaves([q, k, v, lam]), do)
+    same = outputs(form, leaves([x.to(BF16).float() for x in (q, k, v)] + [lam.float()]), do)
+    assert_within(["o", "dq", "dk", "dv", "dlam"], got, exact, same, factor=2.0, slack=4e-3)
