@@ -23,7 +23,7 @@ from regattn.layers.checks import check_fraction, check_layer_input, check_optio
 from regattn.layers.norm import RMSNorm
 from regattn.layers.rope import RotaryEmbedding, norm_rope
 from regattn.ops._common.checks import check_choice, check_int, check_positive, check_window
-from regattn.ops.lla.api import check_cg_gradient, lla, lla_decode
+from regattn.ops.lla.api import check_cg_gradient, lla_dispatch
 
 
 @dataclass
@@ -100,8 +100,8 @@ class LLA(nn.Module):
         return q, k, self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
 
     def _solver(self):
-        return dict(window=self.window, blocks=self.blocks, cg_iters=self.cg_iters, cg_tol=self.cg_tol,
-                    backend=self.backend)
+        return dict(scale=self.head_dim ** -0.5, window=self.window, blocks=self.blocks, cg_iters=self.cg_iters,
+                    cg_tol=self.cg_tol, backend=self.backend)
 
     def _out(self, o):
         B, T = o.shape[:2]
@@ -115,7 +115,7 @@ class LLA(nn.Module):
         """Run the prompt; returns the output and the cache for :meth:`step`."""
         check_layer_input(x, self.q_proj)
         q, k, v = self._qkv(x, 0)
-        o = lla(q, k, v, lam=self.ridge(x), cg_gradient=self.cg_gradient, **self._solver())
+        o = lla_dispatch(q, k, v, self.ridge(x), cg_gradient=self.cg_gradient, **self._solver())
         return self._out(o), self._keep(k, v, x.shape[1])
 
     def step(self, x: torch.Tensor, cache: LLACache) -> tuple[torch.Tensor, LLACache]:
@@ -123,7 +123,8 @@ class LLA(nn.Module):
         check_layer_input(x, self.q_proj)
         q, k, v = self._qkv(x, cache.pos)
         k_all, v_all = torch.cat([cache.k, k], 1), torch.cat([cache.v, v], 1)
-        o = lla_decode(q, k_all, v_all, lam=self.ridge(x), **self._solver())
+        with torch.no_grad():
+            o = lla_dispatch(q, k_all, v_all, self.ridge(x), op="lla_decode", **self._solver())
         return self._out(o), self._keep(k_all, v_all, cache.pos + x.shape[1])
 
     def _keep(self, k, v, pos):

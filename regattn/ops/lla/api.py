@@ -232,10 +232,19 @@ def lla(q, k, v, *, lam, scale=None, window=None, blocks=None, cg_iters=None, cg
         ``o: [B, T, HQ, Dv]`` in q's dtype.
     """
     lam, scale, window, cg_tol = check_lla_args(q, k, v, lam, scale, window, blocks, cg_iters, cg_tol)
-    if check_cg_gradient(cg_gradient, backend) == "unrolled" and cg_iters is not None:
+    return lla_dispatch(q, k, v, lam, scale=scale, window=window, blocks=blocks, cg_iters=cg_iters, cg_tol=cg_tol,
+                        cg_gradient=check_cg_gradient(cg_gradient, backend), backend=backend)
+
+
+def lla_dispatch(q, k, v, lam, *, scale: float, window, blocks, cg_iters, cg_tol, cg_gradient="implicit",
+                 backend="auto", op="lla"):
+    """:func:`lla` on checked arguments. The LLA layer's entry: its ridge is in range by construction, so no
+    value is read on the host (no device sync per call), and a non-finite input reaches the rows that see it
+    instead of raising (a training step with it is skipped, not crashed)."""
+    if cg_gradient == "unrolled" and cg_iters is not None:
         backend = "torch"
     with full_precision(q):
-        if resolve_kernel_backend(backend, q, op="lla", has_triton=HAS_TRITON) == "triton":
+        if resolve_kernel_backend(backend, q, op=op, has_triton=HAS_TRITON) == "triton":
             return lla_triton(q, k, v, lam, scale=scale, window=window, blocks=blocks, cg_iters=cg_iters,
                               cg_tol=cg_tol)
         return reference.lla(q, k, v, lam=lam, scale=scale, window=window, blocks=blocks,
@@ -261,9 +270,6 @@ def lla_decode(q, k_cache, v_cache, *, lam, scale=None, window=None, blocks=None
     if q.shape[1] > k_cache.shape[1]:
         raise ValueError(f"q: expected at most as many new tokens as the cache holds ({k_cache.shape[1]}), "
                          f"got {q.shape[1]}")
-    with torch.no_grad(), full_precision(q):
-        if resolve_kernel_backend(backend, q, op="lla_decode", has_triton=HAS_TRITON) == "triton":
-            return lla_triton(q, k_cache, v_cache, lam, scale=scale, window=window, blocks=blocks,
-                              cg_iters=cg_iters, cg_tol=cg_tol)
-        return reference.lla(q, k_cache, v_cache, lam=lam, scale=scale, window=window, blocks=blocks,
-                             cg_iters=cg_iters, cg_tol=cg_tol)
+    with torch.no_grad():
+        return lla_dispatch(q, k_cache, v_cache, lam, scale=scale, window=window, blocks=blocks, cg_iters=cg_iters,
+                            cg_tol=cg_tol, backend=backend, op="lla_decode")
