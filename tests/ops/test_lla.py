@@ -11,6 +11,13 @@ from tests.helpers import randn, rel_err
 pytestmark = pytest.mark.usefixtures("interpret")
 
 
+@pytest.fixture(autouse=True)
+def half_kernels(monkeypatch):
+    """fp16 inputs run the half-precision kernels here, the interpreter's stand-in for the bf16 ones (whose
+    products it cannot run); regattn.lla itself widens fp16 to the fp32 kernels (see WIDEN_FP16)."""
+    monkeypatch.setattr("regattn.ops.lla.api.WIDEN_FP16", False)
+
+
 def make(B, T, S, HQ, H, D, DV, lam_kind, lam_scale=1.0, seed=None):
     q, k, v = randn(B, T, HQ, D, seed=seed), randn(B, S, H, D), randn(B, S, H, DV)
     if lam_kind == "float":
@@ -278,6 +285,30 @@ def test_half_precision_cg_keeps_its_krylov_vectors_in_fp32():
     exact = reference.lla(q.double(), k.double(), v.double(), lam=1.0)
     out = regattn.lla(q, k, v, lam=1.0, cg_iters=64, cg_tol=1e-7, backend="triton")
     assert rel_err(out, exact) <= 1e-3
+
+
+@pytest.mark.parametrize("D,backward", [(16, True), (128, False)])
+def test_fp16_inputs_keep_small_ridges_in_range(D, backward, monkeypatch):
+    """fp16 inputs at lam = 0.01 (the LLA layer's floor): the half-precision kernels left the output 18 to 23 times
+    its norm from float64 at D 128 and the gradients 80 to 1500 times at D 16 (the solve's quantities grow as
+    1 / lam past fp16's range);
+    regattn.lla runs them on the fp32 kernels, within 4x the error of the exact solve on the rounded inputs."""
+    monkeypatch.setattr("regattn.ops.lla.api.WIDEN_FP16", True)
+    q, k, v = randn(1, 24, 2, D), randn(1, 24, 2, D), randn(1, 24, 2, 8)
+    do = randn(1, 24, 2, 8)
+
+    def run(fn, *xs):
+        if not backward:
+            return [fn(*xs, 0.01)]
+        out, grads = grads_of(fn, *xs, 0.01, do)
+        return [out, *grads]
+    exact = run(lambda *a: reference.lla(*a[:3], lam=a[3]), q, k, v)
+    rounded = run(lambda *a: reference.lla(*a[:3], lam=a[3]), *(x.half().double() for x in (q, k, v)))
+    got = run(lambda *a: regattn.lla(*a[:3], lam=a[3], cg_iters=2 * D, cg_tol=1e-7, backend="triton"),
+              q.half(), k.half(), v.half())
+    assert got[0].dtype == torch.float16
+    for name, g, r, low in zip(("o", "dq", "dk", "dv"), got, exact, rounded):
+        assert rel_err(g, r) <= 4 * rel_err(low, r), name
 
 
 def test_decode_matches_last_rows():
