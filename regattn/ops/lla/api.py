@@ -250,8 +250,8 @@ def lla(q, k, v, *, lam, scale=None, window=None, blocks=None, cg_iters=None, cg
 def lla_dispatch(q, k, v, lam, *, scale: float, window, blocks, cg_iters, cg_tol, cg_gradient="implicit",
                  backend="auto", op="lla"):
     """:func:`lla` on checked arguments. The LLA layer's entry: its ridge is in range by construction, so no
-    value is read on the host (no device sync per call), and a non-finite input reaches the rows that see it
-    instead of raising (a training step with it is skipped, not crashed)."""
+    value is read on the host (no device sync per call), and a non-finite input flows to the output instead
+    of raising (a training step with it is skipped, not crashed)."""
     if cg_gradient == "unrolled" and cg_iters is not None:
         backend = "torch"
     with full_precision(q):
