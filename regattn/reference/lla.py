@@ -317,6 +317,8 @@ def lla_matrix_free(q, k, v, *, lam, scale, window=None, blocks=None, cg_iters: 
     the same number of CG iterations on ``Sigma``), as the FlashLLA backward does;
     ``cg_gradient="unrolled"`` differentiates through the iterations run.
     """
+    if cg_gradient not in CG_GRADIENTS:
+        raise ValueError(f"cg_gradient: expected one of {CG_GRADIENTS}, got {cg_gradient!r}")
     B, T, HQ, D = q.shape
     w, _ = lla_weights(q, k, scale=scale, window=window)
     seen = seen_pairs(q, k, window)

@@ -150,6 +150,8 @@ def test_gradcheck_exact_and_cg():
     assert torch.autograd.gradcheck(lambda *a: lla(*a[:3], lam=a[3], blocks=3), (q, k, v, lam))
     assert torch.autograd.gradcheck(lambda *a: lla_matrix_free(*a[:3], lam=a[3], scale=0.5, cg_iters=2, cg_tol=0.0,
                                                                cg_gradient="unrolled"), (q, k, v, lam))
+    with pytest.raises(ValueError, match="cg_gradient"):
+        lla_matrix_free(q, k, v, lam=lam, scale=0.5, cg_iters=2, cg_gradient="exact")
     # the implicit gradient is the derivative once CG is exact (D = 3 iterations)
     assert torch.autograd.gradcheck(lambda *a: lla_matrix_free(*a[:3], lam=a[3], scale=0.5, cg_iters=3, cg_tol=0.0),
                                     (q, k, v, lam))
