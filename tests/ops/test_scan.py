@@ -118,6 +118,16 @@ def test_partition_offsets():
     assert partition_offsets(2, 5, 2, "cpu").tolist() == [0, 2, 4, 5, 7, 9, 10]
 
 
+@pytest.mark.parametrize("scale", [0.0, -0.4])
+@pytest.mark.parametrize("precision", ["ieee", "tf32x3"])
+def test_zero_and_negative_scales(interpret, scale, precision):
+    """A positive scale multiplies inside exp2's argument; a zero or negative one scales the scores first (a
+    max taken before a negative scale is a min, and 0 times a hidden -inf score is NaN)."""
+    q, k, v = _inputs(1, 37, 37, 2, 1, 16, 16)
+    got, want = _run(q, k, v, causal=True, window=11, scale=scale, precision=precision)
+    _assert_close(got, want, FP32_TOL)
+
+
 def test_large_logits_do_not_overflow(interpret):
     """|q.k| up to 1e4: every exponent is taken against the running maximum."""
     q, k, v = _inputs(1, 24, 24, 1, 1, 16, 16)

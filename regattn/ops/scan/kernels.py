@@ -170,7 +170,7 @@ def _fold_span(q, q_base, sqt, k_base, v_base, skt, svt, lo, hi, full_lo, full_h
                qk_scale, D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
                EVEN_N: tl.constexpr, PREC: tl.constexpr, FRESH: tl.constexpr, ROUND_TF32: tl.constexpr,
-               DOT_K: tl.constexpr):
+               DOT_K: tl.constexpr, POS_SCALE: tl.constexpr):
     """Left fold of the key tiles ``[lo, hi)`` (``lo`` on a tile edge) from the identity, in three runs of
     :func:`_fold_tiles`: the tiles before the full keys ``[full_lo, full_hi)`` of a causal or windowed fold,
     masked; the tiles inside them, with no mask; the tiles after them, masked. The tiles and the order of
@@ -180,17 +180,18 @@ def _fold_span(q, q_base, sqt, k_base, v_base, skt, svt, lo, hi, full_lo, full_h
         _, a, b = tile_loop_bounds(lo, hi, full_lo, full_hi, BLOCK_N)  # lo is on a tile edge
         m_i, l_i, acc = _fold_tiles(m_i, l_i, acc, q, q_base, sqt, k_base, v_base, skt, svt, lo, a, offs_m,
                                     offs_n0, offs_d, offs_dv, Tb, Sb, qk_scale, D, DV, BLOCK_M, BLOCK_N, BLOCK_D,
-                                    BLOCK_DV, CAUSAL, WINDOW, EVEN_N, True, PREC, FRESH, ROUND_TF32, DOT_K)
+                                    BLOCK_DV, CAUSAL, WINDOW, EVEN_N, True, PREC, FRESH, ROUND_TF32, DOT_K, POS_SCALE)
         m_i, l_i, acc = _fold_tiles(m_i, l_i, acc, q, q_base, sqt, k_base, v_base, skt, svt, a, b, offs_m,
                                     offs_n0, offs_d, offs_dv, Tb, Sb, qk_scale, D, DV, BLOCK_M, BLOCK_N, BLOCK_D,
-                                    BLOCK_DV, CAUSAL, WINDOW, EVEN_N, False, PREC, FRESH, ROUND_TF32, DOT_K)
+                                    BLOCK_DV, CAUSAL, WINDOW, EVEN_N, False, PREC, FRESH, ROUND_TF32, DOT_K, POS_SCALE)
         m_i, l_i, acc = _fold_tiles(m_i, l_i, acc, q, q_base, sqt, k_base, v_base, skt, svt, b, hi, offs_m,
                                     offs_n0, offs_d, offs_dv, Tb, Sb, qk_scale, D, DV, BLOCK_M, BLOCK_N, BLOCK_D,
-                                    BLOCK_DV, CAUSAL, WINDOW, EVEN_N, True, PREC, FRESH, ROUND_TF32, DOT_K)
+                                    BLOCK_DV, CAUSAL, WINDOW, EVEN_N, True, PREC, FRESH, ROUND_TF32, DOT_K, POS_SCALE)
     else:
         m_i, l_i, acc = _fold_tiles(m_i, l_i, acc, q, q_base, sqt, k_base, v_base, skt, svt, lo, hi, offs_m,
                                     offs_n0, offs_d, offs_dv, Tb, Sb, qk_scale, D, DV, BLOCK_M, BLOCK_N, BLOCK_D,
-                                    BLOCK_DV, CAUSAL, WINDOW, EVEN_N, not EVEN_N, PREC, FRESH, ROUND_TF32, DOT_K)
+                                    BLOCK_DV, CAUSAL, WINDOW, EVEN_N, not EVEN_N, PREC, FRESH, ROUND_TF32, DOT_K,
+                                    POS_SCALE)
     return m_i, l_i, acc
 
 
@@ -199,7 +200,7 @@ def _fold_tiles(m_i, l_i, acc, q, q_base, sqt, k_base, v_base, skt, svt, lo, hi,
                 Tb, Sb, qk_scale, D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
                 EVEN_N: tl.constexpr, MASKED: tl.constexpr, PREC: tl.constexpr, FRESH: tl.constexpr,
-                ROUND_TF32: tl.constexpr, DOT_K: tl.constexpr):
+                ROUND_TF32: tl.constexpr, DOT_K: tl.constexpr, POS_SCALE: tl.constexpr):
     """Fold the key tiles ``[lo, hi)`` into the state ``(m_i, l_i, acc)``: each tile's state (its max, the
     sum of ``p`` and ``p @ v``: tree reductions across the tile) merges into the running state by
     un-sum-renorm (the online-softmax step). ``MASKED``: the scores of hidden pairs are set to -inf, and in
@@ -216,14 +217,17 @@ def _fold_tiles(m_i, l_i, acc, q, q_base, sqt, k_base, v_base, skt, svt, lo, hi,
                 q_c = _tf32(_load_rows(q_base, offs_m, sqt, cols, Tb, D, False), ROUND_TF32)
                 k_c = _tf32(_load_rows(k_base, offs_n, skt, cols, Sb, D, EVEN_N), ROUND_TF32)
                 s = tl.dot(q_c, tl.trans(k_c), s, input_precision=PREC)
-            s = s * qk_scale
         else:
             k = _tf32(_load_rows(k_base, offs_n, skt, offs_d, Sb, D, EVEN_N), ROUND_TF32)
-            s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+            s = tl.dot(q, tl.trans(k), input_precision=PREC)
+        s_scale = qk_scale  # a positive scale rides in exp2's fused multiply-add (one multiply an entry less)
+        if not POS_SCALE:
+            s = s * qk_scale
+            s_scale = 1.0
         if MASKED:
             seen = _visible(offs_m, offs_n, Tb, Sb, CAUSAL, WINDOW)
             s = tl.where(seen, s, float("-inf"))
-        m_i, l_i, p, alpha = online_softmax_step(m_i, l_i, s, 1.0)
+        m_i, l_i, p, alpha = online_softmax_step(m_i, l_i, s, s_scale)
         v = _tf32(_load_rows(v_base, offs_n, svt, offs_dv, Sb, DV, EVEN_N), ROUND_TF32)
         p = _tf32(p.to(v.dtype), ROUND_TF32)
         if MASKED and (CAUSAL or WINDOW > 0):
@@ -271,12 +275,13 @@ def _fwd_kernel(Q, K, V, O, LSE, WS_M, WS_L, WS_ACC, CU,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
                 VARLEN: tl.constexpr, NSPLIT: tl.constexpr, STORE_LSE: tl.constexpr, EVEN_N: tl.constexpr,
                 PREC: tl.constexpr, FRESH: tl.constexpr, ROUND_TF32: tl.constexpr, CHUNK: tl.constexpr,
-                DOT_K: tl.constexpr):
+                DOT_K: tl.constexpr, POS_SCALE: tl.constexpr):
     """One program: ``BLOCK_M`` queries of one head against key slice ``program_id(2)`` of ``NSPLIT``.
 
     ``FRESH``: each tile's ``W = p @ v`` is formed from zero and then merged (rather than accumulated
     into the running sum inside the dot); ``CHUNK > 0``: fold in two levels of ``CHUNK`` tiles;
-    ``DOT_K > 0``: ``q k^T`` in column chunks (see :func:`_fold_tiles`).
+    ``DOT_K > 0``: ``q k^T`` in column chunks (see :func:`_fold_tiles`); ``POS_SCALE``: ``qk_scale > 0``, which
+    then multiplies the scores inside exp2's argument (a zero or negative one scales them first).
     """
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -306,7 +311,7 @@ def _fwd_kernel(Q, K, V, O, LSE, WS_M, WS_L, WS_ACC, CU,
     if CHUNK == 0:
         m_i, l_i, acc = _fold_span(q, q_base, sqt, k_base, v_base, skt, svt, lo, hi, full_lo, full_hi, offs_m, offs_n0, offs_d,
                                    offs_dv, Tb, Sb, qk_scale, D, DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, CAUSAL,
-                                   WINDOW, EVEN_N, PREC, FRESH, ROUND_TF32, DOT_K)
+                                   WINDOW, EVEN_N, PREC, FRESH, ROUND_TF32, DOT_K, POS_SCALE)
     else:
         # Two levels: CHUNK tiles fold into a chunk state, and the chunk states into the total, so that
         # no accumulator sees more than max(CHUNK, n / (CHUNK * BLOCK_N)) sequential additions. The total's
@@ -320,7 +325,7 @@ def _fwd_kernel(Q, K, V, O, LSE, WS_M, WS_L, WS_ACC, CU,
             m_c, l_c, acc_c = _fold_span(q, q_base, sqt, k_base, v_base, skt, svt, c0, tl.minimum(hi, c0 + CHUNK * BLOCK_N),
                                          full_lo, full_hi, offs_m, offs_n0, offs_d, offs_dv, Tb, Sb, qk_scale, D,
                                          DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, CAUSAL, WINDOW, EVEN_N, PREC,
-                                         FRESH, ROUND_TF32, DOT_K)
+                                         FRESH, ROUND_TF32, DOT_K, POS_SCALE)
             tl.debug_barrier()
             m_i, l_i, w = _combine(m_i, l_i, tl.load(w_ptrs, mask=w_mask, other=0.0), m_c, l_c, acc_c)
             tl.store(w_ptrs, w, mask=w_mask)
@@ -695,7 +700,7 @@ def forward(q, k, v, *, causal, window, scale, precision, cu_seqlens, num_splits
             q, k, v, o, lse, ws_m, ws_l, ws_acc, cu, *_strides(q), *_strides(k), *_strides(v), *_strides(o),
             rows, S, HQ, HQ // H, scale * LOG2E, ws_stride, size_class(B * HQ * T),
             D=D, DV=DV, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, CAUSAL=causal, WINDOW=window or 0,
-            VARLEN=varlen, NSPLIT=num_splits, STORE_LSE=need_lse, PREC=prec, streamed="N",
+            VARLEN=varlen, NSPLIT=num_splits, STORE_LSE=need_lse, PREC=prec, POS_SCALE=scale > 0, streamed="N",
             **_numerics(q.dtype, precision))
     if num_splits > 1:
         block = max(1, min(64, 8192 // (num_splits * BLOCK_DV)))
