@@ -184,3 +184,12 @@ def test_tile_overrides_and_gated_entries(monkeypatch):
         assert blocks("fwd") == blocks("bwd_kv", gated=True) == blocks("bwd_kv") == fwd
         assert blocks("bwd_q") == kept
     assert tiles.BLOCK_OVERRIDES == {"bwd_q": kept} and blocks("bwd_kv", gated=True) == gated
+
+
+def test_size_class_separates_small_launches_and_caps_large_ones():
+    from regattn.ops._common.attention_tiles import SIZE_CLASS_CAP, size_class
+
+    assert size_class(0) == size_class(1) == 1
+    assert size_class(4 * 1024) < size_class(16 * 8192) == 18
+    assert size_class(2 ** SIZE_CLASS_CAP - 1) == SIZE_CLASS_CAP
+    assert size_class(16 * 65536) == size_class(2 ** 40) == SIZE_CLASS_CAP

@@ -210,12 +210,18 @@ def tile_configs(tiles) -> list:
     return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in tiles]
 
 
+# From 2^19 rows on (B 1, 16 heads, T 16384) a launch fills an H100 with many waves of every tile: the tile
+# timed there is kept for larger launches, whose tuning would run each candidate for seconds (the scan's strict
+# fp32 forward takes 0.9 s a call at B 1, 16 heads, T 65536).
+SIZE_CLASS_CAP = 19
+
+
 def size_class(rows: int) -> int:
     """A kernel's ``SIZE_CLASS`` argument, in its autotuner's key: the bit length of the rows a launch covers
-    (batch x heads x length), so a tile timed at one size is not reused at sizes 2x and more away. Without it,
-    a 32-row tile chosen at B 1, 4 heads, T 1024 ran FlashLLA 1.8x slower at B 4, 16 heads, T 8192 on an
-    H100 (and the autotuner's disk cache carries that choice between processes)."""
-    return max(int(rows), 1).bit_length()
+    (batch x heads x length), at most :data:`SIZE_CLASS_CAP`, so a tile timed at one size is not reused at sizes
+    2x and more away. Without it, a 32-row tile chosen at B 1, 4 heads, T 1024 ran FlashLLA 1.8x slower at
+    B 4, 16 heads, T 8192 on an H100 (and the autotuner's disk cache carries that choice between processes)."""
+    return min(max(int(rows), 1).bit_length(), SIZE_CLASS_CAP)
 
 
 def head_block(d: int) -> int:
