@@ -6,7 +6,8 @@ Forward, for one tile of queries and one slice of keys:
   (``tl.max`` for ``m``, ``tl.sum`` for ``S`` and the tensor-core / FMA dot for ``W``);
 * the tile's state merges into the running state by un-sum-renorm (the online-softmax step); strict
   fp32 folds in two levels (chunks of ``CHUNK_TILES`` tiles, then the chunks), so no accumulator
-  takes more than ``max(CHUNK_TILES, n / (CHUNK_TILES * BLOCK_N))`` sequential additions;
+  takes more than ``max(CHUNK_TILES * BLOCK_N, n / (CHUNK_TILES * BLOCK_N))`` sequential additions (a
+  tile's ``p @ v`` adds into its chunk's ``W`` inside the FMA dot);
 * inter-block (split-KV): the keys are cut into ``NSPLIT`` slices run by separate programs, and a
   merge kernel combines their states by a balanced pairwise tree of depth ``log2(NSPLIT)``.
 
@@ -169,8 +170,8 @@ def _combine(m_a, l_a, w_a, m_b, l_b, w_b):
 def _fold_span(q, q_base, sqt, k_base, v_base, skt, svt, lo, hi, full_lo, full_hi, offs_m, offs_n0, offs_d, offs_dv, Tb, Sb,
                qk_scale, D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
-               EVEN_N: tl.constexpr, PREC: tl.constexpr, FRESH: tl.constexpr, ROUND_TF32: tl.constexpr,
-               DOT_K: tl.constexpr, POS_SCALE: tl.constexpr):
+               EVEN_N: tl.constexpr, PREC: tl.constexpr, ROUND_TF32: tl.constexpr, DOT_K: tl.constexpr,
+               POS_SCALE: tl.constexpr):
     """Left fold of the key tiles ``[lo, hi)`` (``lo`` on a tile edge) from the identity, in three runs of
     :func:`_fold_tiles`: the tiles before the full keys ``[full_lo, full_hi)`` of a causal or windowed fold,
     masked; the tiles inside them, with no mask; the tiles after them, masked. The tiles and the order of
@@ -180,17 +181,17 @@ def _fold_span(q, q_base, sqt, k_base, v_base, skt, svt, lo, hi, full_lo, full_h
         _, a, b = tile_loop_bounds(lo, hi, full_lo, full_hi, BLOCK_N)  # lo is on a tile edge
         m_i, l_i, acc = _fold_tiles(m_i, l_i, acc, q, q_base, sqt, k_base, v_base, skt, svt, lo, a, offs_m,
                                     offs_n0, offs_d, offs_dv, Tb, Sb, qk_scale, D, DV, BLOCK_M, BLOCK_N, BLOCK_D,
-                                    BLOCK_DV, CAUSAL, WINDOW, EVEN_N, True, PREC, FRESH, ROUND_TF32, DOT_K, POS_SCALE)
+                                    BLOCK_DV, CAUSAL, WINDOW, EVEN_N, True, PREC, ROUND_TF32, DOT_K, POS_SCALE)
         m_i, l_i, acc = _fold_tiles(m_i, l_i, acc, q, q_base, sqt, k_base, v_base, skt, svt, a, b, offs_m,
                                     offs_n0, offs_d, offs_dv, Tb, Sb, qk_scale, D, DV, BLOCK_M, BLOCK_N, BLOCK_D,
-                                    BLOCK_DV, CAUSAL, WINDOW, EVEN_N, False, PREC, FRESH, ROUND_TF32, DOT_K, POS_SCALE)
+                                    BLOCK_DV, CAUSAL, WINDOW, EVEN_N, False, PREC, ROUND_TF32, DOT_K, POS_SCALE)
         m_i, l_i, acc = _fold_tiles(m_i, l_i, acc, q, q_base, sqt, k_base, v_base, skt, svt, b, hi, offs_m,
                                     offs_n0, offs_d, offs_dv, Tb, Sb, qk_scale, D, DV, BLOCK_M, BLOCK_N, BLOCK_D,
-                                    BLOCK_DV, CAUSAL, WINDOW, EVEN_N, True, PREC, FRESH, ROUND_TF32, DOT_K, POS_SCALE)
+                                    BLOCK_DV, CAUSAL, WINDOW, EVEN_N, True, PREC, ROUND_TF32, DOT_K, POS_SCALE)
     else:
         m_i, l_i, acc = _fold_tiles(m_i, l_i, acc, q, q_base, sqt, k_base, v_base, skt, svt, lo, hi, offs_m,
                                     offs_n0, offs_d, offs_dv, Tb, Sb, qk_scale, D, DV, BLOCK_M, BLOCK_N, BLOCK_D,
-                                    BLOCK_DV, CAUSAL, WINDOW, EVEN_N, not EVEN_N, PREC, FRESH, ROUND_TF32, DOT_K,
+                                    BLOCK_DV, CAUSAL, WINDOW, EVEN_N, not EVEN_N, PREC, ROUND_TF32, DOT_K,
                                     POS_SCALE)
     return m_i, l_i, acc
 
@@ -199,8 +200,8 @@ def _fold_span(q, q_base, sqt, k_base, v_base, skt, svt, lo, hi, full_lo, full_h
 def _fold_tiles(m_i, l_i, acc, q, q_base, sqt, k_base, v_base, skt, svt, lo, hi, offs_m, offs_n0, offs_d, offs_dv,
                 Tb, Sb, qk_scale, D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
-                EVEN_N: tl.constexpr, MASKED: tl.constexpr, PREC: tl.constexpr, FRESH: tl.constexpr,
-                ROUND_TF32: tl.constexpr, DOT_K: tl.constexpr, POS_SCALE: tl.constexpr):
+                EVEN_N: tl.constexpr, MASKED: tl.constexpr, PREC: tl.constexpr, ROUND_TF32: tl.constexpr,
+                DOT_K: tl.constexpr, POS_SCALE: tl.constexpr):
     """Fold the key tiles ``[lo, hi)`` into the state ``(m_i, l_i, acc)``: each tile's state (its max, the
     sum of ``p`` and ``p @ v``: tree reductions across the tile) merges into the running state by
     un-sum-renorm (the online-softmax step). ``MASKED``: the scores of hidden pairs are set to -inf, and in
@@ -232,8 +233,6 @@ def _fold_tiles(m_i, l_i, acc, q, q_base, sqt, k_base, v_base, skt, svt, lo, hi,
         p = _tf32(p.to(v.dtype), ROUND_TF32)
         if MASKED and (CAUSAL or WINDOW > 0):
             acc = contained_dot(acc * alpha[:, None], p, v, seen, PREC)
-        elif FRESH:
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PREC)
         else:
             acc = tl.dot(p, v, acc * alpha[:, None], input_precision=PREC)
     return m_i, l_i, acc
@@ -274,12 +273,11 @@ def _fwd_kernel(Q, K, V, O, LSE, WS_M, WS_L, WS_ACC, CU,
                 D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
                 VARLEN: tl.constexpr, NSPLIT: tl.constexpr, STORE_LSE: tl.constexpr, EVEN_N: tl.constexpr,
-                PREC: tl.constexpr, FRESH: tl.constexpr, ROUND_TF32: tl.constexpr, CHUNK: tl.constexpr,
-                DOT_K: tl.constexpr, POS_SCALE: tl.constexpr):
+                PREC: tl.constexpr, ROUND_TF32: tl.constexpr, CHUNK: tl.constexpr, DOT_K: tl.constexpr,
+                POS_SCALE: tl.constexpr):
     """One program: ``BLOCK_M`` queries of one head against key slice ``program_id(2)`` of ``NSPLIT``.
 
-    ``FRESH``: each tile's ``W = p @ v`` is formed from zero and then merged (rather than accumulated
-    into the running sum inside the dot); ``CHUNK > 0``: fold in two levels of ``CHUNK`` tiles;
+    ``CHUNK > 0``: fold in two levels of ``CHUNK`` tiles;
     ``DOT_K > 0``: ``q k^T`` in column chunks (see :func:`_fold_tiles`); ``POS_SCALE``: ``qk_scale > 0``, which
     then multiplies the scores inside exp2's argument (a zero or negative one scales them first).
     """
@@ -311,12 +309,12 @@ def _fwd_kernel(Q, K, V, O, LSE, WS_M, WS_L, WS_ACC, CU,
     if CHUNK == 0:
         m_i, l_i, acc = _fold_span(q, q_base, sqt, k_base, v_base, skt, svt, lo, hi, full_lo, full_hi, offs_m, offs_n0, offs_d,
                                    offs_dv, Tb, Sb, qk_scale, D, DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, CAUSAL,
-                                   WINDOW, EVEN_N, PREC, FRESH, ROUND_TF32, DOT_K, POS_SCALE)
+                                   WINDOW, EVEN_N, PREC, ROUND_TF32, DOT_K, POS_SCALE)
     else:
         # Two levels: CHUNK tiles fold into a chunk state, and the chunk states into the total, so that
-        # no accumulator sees more than max(CHUNK, n / (CHUNK * BLOCK_N)) sequential additions. The total's
-        # W parks in the (fp32) rows it ends in between chunks (the output, or this split's workspace), so
-        # the fold holds two [BLOCK_M, BLOCK_DV] accumulators in registers, not three.
+        # no accumulator sees more than max(CHUNK * BLOCK_N, n / (CHUNK * BLOCK_N)) sequential additions.
+        # The total's W parks in the (fp32) rows it ends in between chunks (the output, or this split's
+        # workspace), so the key loop holds one [BLOCK_M, BLOCK_DV] accumulator in registers, not two.
         w_ptrs, w_mask = _parked_rows(O, WS_ACC, bat, h, row0, sob, soh, sot, rows, split, ws_stride, offs_m,
                                       offs_dv, Tb, DV, BLOCK_DV, NSPLIT)
         m_i, l_i, acc = _identity(BLOCK_M, BLOCK_DV)
@@ -325,7 +323,7 @@ def _fwd_kernel(Q, K, V, O, LSE, WS_M, WS_L, WS_ACC, CU,
             m_c, l_c, acc_c = _fold_span(q, q_base, sqt, k_base, v_base, skt, svt, c0, tl.minimum(hi, c0 + CHUNK * BLOCK_N),
                                          full_lo, full_hi, offs_m, offs_n0, offs_d, offs_dv, Tb, Sb, qk_scale, D,
                                          DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, CAUSAL, WINDOW, EVEN_N, PREC,
-                                         FRESH, ROUND_TF32, DOT_K, POS_SCALE)
+                                         ROUND_TF32, DOT_K, POS_SCALE)
             tl.debug_barrier()
             m_i, l_i, w = _combine(m_i, l_i, tl.load(w_ptrs, mask=w_mask, other=0.0), m_c, l_c, acc_c)
             tl.store(w_ptrs, w, mask=w_mask)
@@ -627,12 +625,16 @@ CHUNK_TILES = 16  # tiles per chunk of the two-level fold (2 in the interpreter,
 
 
 def _numerics(dtype: torch.dtype, precision: str) -> dict:
-    """Strict fp32 forms each tile's ``p @ v`` from zero and folds in two levels (its FMA dot would
-    otherwise add every key into one accumulator: error growing like n), and forms ``q k^T`` in chunks of
-    :data:`DOT_K` columns (fewer operand registers: sm_90 spills less); TF32 rounds its operands."""
+    """Strict fp32 folds in two levels (its FMA dot adds every key of a tile into the running ``W``: in one
+    level that is a chain of n additions, an error growing like n), and forms ``q k^T`` in chunks of
+    :data:`DOT_K` columns (fewer operand registers: sm_90 spills less); TF32 rounds its operands.
+
+    Forming each tile's ``p @ v`` from zero before adding it compiled to the same sm_90 code: Triton folds
+    ``acc * alpha + dot(p, v)`` into the dot's accumulator, so the kernels add into the running ``W`` in the
+    interpreter as on the GPU."""
     strict = dtype == torch.float32 and precision == "ieee"
     chunk = 2 if interpreting() else CHUNK_TILES
-    return dict(FRESH=strict, CHUNK=chunk if strict else 0, DOT_K=DOT_K if strict else 0,
+    return dict(CHUNK=chunk if strict else 0, DOT_K=DOT_K if strict else 0,
                 ROUND_TF32=dtype == torch.float32 and precision == "tf32")
 
 
