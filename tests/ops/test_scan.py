@@ -69,14 +69,16 @@ def test_precisions(interpret, precision, tol):
     _assert_close(got, want, tol)
 
 
+@pytest.mark.parametrize("precision", ["tf32", "tf32x3"])
 @pytest.mark.parametrize("bits", [-1, 0x7FFFFFFF], ids=["negative", "positive"])
-def test_tf32_rounding_keeps_nan_payloads(interpret, bits):
-    """A NaN key whose payload fills the mantissa (rounding it to TF32 by an integer addition carries out of the
-    exponent and leaves a zero) still makes NaN exactly the rows that see it."""
+@pytest.mark.parametrize("tensor", ["k", "v"])
+def test_tf32_rounding_keeps_nan_payloads(interpret, tensor, bits, precision):
+    """A NaN key or value whose payload fills the mantissa (rounding it to TF32 by an integer addition carries
+    out of the exponent and leaves a zero) still makes NaN exactly the rows that see it."""
     q, k, v = (x.detach() for x in _inputs(1, 20, 20, 2, 1, 16, 16))
-    k.view(torch.int32)[0, 7, 0, 3] = bits
-    o = regattn.scan_attention(q, k, v, causal=True, precision="tf32", backend="triton")
-    assert torch.isnan(o[0, 7:]).all() and torch.isfinite(o[0, :7]).all()
+    (k if tensor == "k" else v).view(torch.int32)[0, 7, 0, 3] = bits
+    o = regattn.scan_attention(q, k, v, causal=True, precision=precision, backend="triton")
+    assert torch.isnan(o[0, 7:]).any(-1).all() and torch.isfinite(o[0, :7]).all()
 
 
 def test_fp16_within_twice_torch_half_error(interpret):
