@@ -307,7 +307,6 @@ def test_fp16_inputs_keep_small_ridges_in_range(D, backward, monkeypatch):
     kernel = lambda *a: regattn.lla(*a[:3], lam=a[3], cg_iters=2 * D, cg_tol=1e-7, backend="triton")
     got = run(kernel, q, k, v)
     fp32 = run(kernel, q.float(), k.float(), v.float())
-    assert got[0].dtype == torch.float16
     for name, g, g32, r in zip(("o", "dq", "dk", "dv"), got, fp32, exact):
         assert g.dtype == torch.float16 and rel_err(g, g32) <= 2.0 ** -11, name
         assert rel_err(g32, r) <= 5e-3, name
