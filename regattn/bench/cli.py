@@ -100,6 +100,14 @@ def output_path(arg: str | None, name: str, every: bool, machine: dict, cuda: bo
     return results.default_path(name, machine) if cuda and suffix == ".json" else None
 
 
+def grid_name(specs: list[str] | None, suite, quick: bool, cuda: bool) -> str:
+    """The shapes a run took, by name: the one grid ``--shapes`` named, else ``custom``; without ``--shapes`` the
+    default grid (``goal`` or ``quick`` on a GPU, ``tiny`` on the CPU)."""
+    if specs:
+        return specs[0] if len(specs) == 1 and specs[0] in suite.GRIDS else "custom"
+    return ("quick" if quick else "goal") if cuda else "tiny"
+
+
 def run_one(name: str, args, device: str) -> dict:
     suite = suites.get(name)
     cuda = device.startswith("cuda")
@@ -109,8 +117,7 @@ def run_one(name: str, args, device: str) -> dict:
     shapes = parse_shapes(args.shapes, suite, cuda, args.quick)
     machine = results.machine_info(device)
     config = {"dtype": dtype, "backend": args.backend, "peers": list(peers), "rep_ms": args.rep_ms,
-              "grid": "custom" if args.shapes else ("quick" if args.quick else "goal") if cuda else "tiny",
-              "cpu_smoke": not cuda}
+              "grid": grid_name(args.shapes, suite, args.quick, cuda), "cpu_smoke": not cuda}
     every = args.suite == "all"
     out = output_path(args.out, name, every, machine, cuda, ".json")
     start = time.perf_counter()

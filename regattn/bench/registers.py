@@ -135,9 +135,10 @@ def resource_usage(compiled) -> dict:
 SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)\s*([^;]*);")
 
 
-def inner_loop(sass: str) -> dict:
+def inner_loop(sass: str, nested: bool = False) -> dict:
     """Instruction mix of the hottest loop of a kernel's SASS: of the loops (a backward ``BRA`` to its
-    head) that hold no other loop, the one of most instructions. ``loop``: its instruction count;
+    head) that hold no other loop, the one of most instructions (with ``nested``, of those inside another loop
+    where there are any: the key loop of an iterative solver, run once per iteration). ``loop``: its instruction count;
     ``FFMA``, ``MMA`` (``HMMA`` and ``HGMMA``: tensor core), ``LDS``, ``LDL``/``STL`` (local memory:
     spills): how many of each; ``FFMA%``: the FFMA share; ``FFMA/w``: FFMAs per 4-byte word read from
     shared memory (an SM reads 32 words a cycle and retires 128 FFMAs: below 4 the loop waits on shared
@@ -146,6 +147,8 @@ def inner_loop(sass: str) -> dict:
     loops = [(int(args.split()[-1], 16), addr) for addr, op, args in code
              if op == "BRA" and args and int(args.split()[-1], 16) < addr]
     innermost = [(a, b) for a, b in loops if not any(a <= c and d <= b and (c, d) != (a, b) for c, d in loops)]
+    inside = [(a, b) for a, b in innermost if any(c <= a and b <= d and (c, d) != (a, b) for c, d in loops)]
+    innermost = inside if nested and inside else innermost
     if not innermost:
         return {}
     body = max(([op for addr, op, _ in code if a <= addr <= b] for a, b in innermost), key=len)
@@ -194,12 +197,13 @@ def parallax_launch(kind: str, head_dim: int, config: dict | None = None, *, B=4
     return next(launch for launch in launches if launch[0].__name__ == name)
 
 
-def launch_usage(kernel, args, kwargs, *, loop: bool = False) -> dict:
-    """:func:`resource_usage` of a captured launch (with ``loop``, also the :func:`inner_loop` mix), or
-    ``error`` when it does not compile (e.g. out of shared memory: reported, not fatal to the screen)."""
+def launch_usage(kernel, args, kwargs, *, loop: bool = False, nested: bool = False) -> dict:
+    """:func:`resource_usage` of a captured launch (with ``loop``, also the :func:`inner_loop` mix, ``nested`` as
+    there), or ``error`` when it does not compile (e.g. out of shared memory: reported, not fatal to the screen)."""
     try:
         compiled = compile_launch(kernel, args, kwargs)
-        return dict(**resource_usage(compiled), **(inner_loop(cuobjdump(compiled, "-sass")) if loop else {}))
+        mix = inner_loop(cuobjdump(compiled, "-sass"), nested) if loop else {}
+        return dict(**resource_usage(compiled), **mix)
     except Exception as error:
         return dict(error=str(error).splitlines()[0][:80])
 
@@ -261,7 +265,8 @@ def scan_rows(head_dims=(64,), kinds=("ieee", "tf32x3"), candidates=False):
             yield dict(head_dim=D, kind=precision, table=listed, **launch_settings(kwargs), **usage)
 
 
-LLA_KINDS = {"pairs": 64, "diag": 128, "cg": None, "cg-g16": 16}  # kind -> blocks at D = 128 (scaled with D)
+# kind -> blocks at D = 128 (scaled with D); cg-pre: cg with the preconditioner
+LLA_KINDS = {"pairs": 64, "diag": 128, "cg": None, "cg-pre": None, "cg-g16": 16}
 LLA_TILES = [(16, 32, 4), (32, 16, 8), (32, 32, 4), (32, 32, 8), (32, 64, 8), (64, 32, 4), (64, 64, 4), (64, 64, 8),
              (128, 32, 8), (128, 64, 8)]
 LLA_CANDIDATES = [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=2) for m, n, w in LLA_TILES]
@@ -269,9 +274,9 @@ LLA_CANDIDATES = [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=2) for m, n
 
 def lla_rows(head_dims=(128,), kinds=tuple(LLA_KINDS), candidates=False, *, B=4, T=8192, H=16):
     """One row per (head dim, solver, tiles) of the LLA forward kernel at the bench's shape, bf16, cg_iters=8:
-    direct solves of 2 x 2 (``pairs``) and 1 x 1 blocks (``diag``), CG (``cg``) and CG over 16 feature
-    blocks (``cg-g16``); the autotune list's tiles, then :data:`LLA_CANDIDATES`; with the hottest loop's
-    instruction mix (as for ``scan``)."""
+    direct solves of 2 x 2 (``pairs``) and 1 x 1 blocks (``diag``), CG (``cg``, ``cg-pre`` preconditioned) and
+    CG over 16 feature blocks (``cg-g16``); the autotune list's tiles, then :data:`LLA_CANDIDATES`; with the
+    instruction mix of the CG key loop (the hottest loop for the direct solves) (as for ``scan``)."""
     from unittest import mock
 
     from regattn.ops.lla import forward
@@ -285,9 +290,9 @@ def lla_rows(head_dims=(128,), kinds=tuple(LLA_KINDS), candidates=False, *, B=4,
             with captured_launches() as launches, mock.patch.object(forward, "AUTOTUNE", False), \
                     mock.patch.object(forward, "forward_blocks", lambda *a, c=config: dict(c)):
                 forward.lla_forward(q, q, q, 0.5, scale=D ** -0.5, window=None, blocks=blocks, cg_iters=8,
-                                    cg_tol=1e-6)
+                                    cg_tol=1e-6, cg_precondition=kind == "cg-pre")
             kernel, args, kwargs = launches[0]
-            usage = launch_usage(kernel, args, kwargs, loop=True)
+            usage = launch_usage(kernel, args, kwargs, loop=True, nested=True)
             yield dict(head_dim=D, kind=kind, table=table, **launch_settings(kwargs), **usage)
 
 

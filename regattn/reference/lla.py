@@ -17,6 +17,7 @@ Low-precision inputs are computed in float32 and returned in their own dtype.
 """
 from __future__ import annotations
 
+from functools import partial
 from typing import NamedTuple
 
 import torch
@@ -233,11 +234,98 @@ def probe_from_centred(y, mu, omega, blocks) -> torch.Tensor:
     return (split_blocks(y, blocks) * factor).reshape(y.shape)
 
 
+PRECONDITIONER_BLOCK = 128  # query positions [b P, (b + 1) P) share one CG preconditioner
+PRECONDITIONER_RIDGE = 0.1  # its ridge, relative to the keys' mean variance
+
+
+def key_preconditioner(k, T: int, window=None) -> torch.Tensor:
+    """The CG preconditioner of every block of ``P = PRECONDITIONER_BLOCK`` query positions, ``[B, H, NB, D, D]``
+    (``k [B, S, H, D]``, the ``T`` queries at the last positions, ``NB`` the blocks they fall in):
+    ``M_b = (C_b / c_b + PRECONDITIONER_RIDGE I)^-1`` with ``C_b`` the covariance of the keys before the block
+    that every query of the block sees (whole blocks of ``P`` keys: all of ``[0, b P)``, or with a window the
+    last ``window // P - 1`` of them) and ``c_b = tr(C_b) / D`` (1 where it is 0).
+
+    The keys' own sampling noise shapes the spectrum of each query's weighted scatter ``A_i`` (a sample of
+    few effective keys in ``D`` dimensions), and the queries of a block share it, so ``M_b A_i`` is far
+    better conditioned than ``A_i``: at D 128, T 512, bf16 random inputs, 8 CG iterations come within 0.03
+    of the exact solve instead of 0.088. Only keys every query of the block sees enter it, so the output of a
+    row never depends on a key it cannot see. A block without keys, or whose ``C_b`` fails Cholesky, gets
+    ``I / PRECONDITIONER_RIDGE``. A fixed operator: no gradient flows through it.
+    """
+    B, S, H, D = k.shape
+    P = PRECONDITIONER_BLOCK
+    first, last = (S - T) // P, (S - 1) // P
+    with torch.no_grad():
+        kh = k.detach().transpose(1, 2).to(compute_dtype(k))  # [B, H, S, D]
+        sums, grams, count = key_block_sums(kh, first, last, window)
+        n = count.to(kh.dtype).clamp(min=1)
+        eye = torch.eye(D, dtype=kh.dtype, device=k.device)
+        for i in range(0, last - first + 1, 32):  # in place, 32 blocks at a time: no full-size temporaries
+            part = slice(i, i + 32)
+            ni = n[part, None, None]
+            cov = (grams[:, :, part] - sums[:, :, part, :, None] * sums[:, :, part, None, :] / ni) / ni
+            trace = torch.diagonal(cov, dim1=-2, dim2=-1).sum(-1)
+            spread = torch.where(trace > 0, trace / D, torch.ones_like(trace))
+            chol, info = torch.linalg.cholesky_ex(cov / spread[..., None, None] + PRECONDITIONER_RIDGE * eye)
+            chol = torch.where((info == 0)[..., None, None], chol, eye * PRECONDITIONER_RIDGE ** 0.5)
+            inv_chol = torch.linalg.solve_triangular(chol, eye.expand_as(chol), upper=False)
+            grams[:, :, part] = inv_chol.mT @ inv_chol  # symmetric in every rounding
+    return grams
+
+
+def key_block_sums(kh, first: int, last: int, window):
+    """``(sums [B, H, NB, D], grams [B, H, NB, D, D], count [NB])``: the sum, the sum of outer products and the
+    number of the keys that enter :func:`key_preconditioner` for the query blocks ``first..last``
+    (``kh [B, H, S, D]``)."""
+    B, H, S, D = kh.shape
+    P = PRECONDITIONER_BLOCK
+    if first < 0:  # queries before the first key (S < T): blocks < 0 have no key before them
+        sums, grams, count = key_block_sums(kh, 0, last, window)
+        sums, grams = (torch.cat([x.new_zeros(*x.shape[:2], -first, *x.shape[3:]), x], 2) for x in (sums, grams))
+        return sums, grams, torch.cat([count.new_zeros(-first), count])
+    span = None if window is None else max(window // P - 1, 0)  # key blocks each query block sees whole
+    start = first if span is None else first - span  # the first key block needed (< 0: none there)
+    chunks = kh[:, :, max(start, 0) * P:last * P].unflatten(2, (last - max(start, 0), P))
+    sums, grams = chunks.sum(3), chunks.mT @ chunks
+    blocks = torch.arange(first, last + 1, device=kh.device)
+    if span is None:  # every key before the block: the keys before the first query block, then running sums
+        base = kh[:, :, :start * P]
+        sums = torch.cat([base.sum(2, keepdim=True), sums], 2).cumsum_(2)
+        grams = torch.cat([(base.mT @ base)[:, :, None], grams], 2).cumsum_(2)
+        return sums, grams, blocks * P
+    # the last `span` key blocks before each query block, summed directly (a running sum's differences would
+    # carry a non-finite key from outside the window)
+    pad = max(-start, 0) + 1
+    sums, grams = (torch.cat([x.new_zeros(*x.shape[:2], pad, *x.shape[3:]), x], 2) for x in (sums, grams))
+    return window_sum(sums, span), window_sum(grams, span), blocks.clamp(max=span) * P
+
+
+def window_sum(x, span: int) -> torch.Tensor:
+    """``out[b] = x[b + 1] + ... + x[b + span]`` along dim 2 (0 where ``span`` is 0), one fewer than ``span``
+    blocks shorter: the sums of the ``span`` blocks before each query block, summed directly."""
+    if span == 0:
+        return torch.zeros_like(x)
+    return x.unfold(2, span, 1)[:, :, 1:].sum(-1)
+
+
+def precondition_rows(M, r, S: int) -> torch.Tensor:
+    """``M_b r_i`` for each row ``i`` of ``r [B, HQ, T, D]`` with ``M_b`` its block's preconditioner
+    (:func:`key_preconditioner`, ``[B, H, NB, D, D]``, repeated over the query heads of a group)."""
+    B, HQ, T, D = r.shape
+    P, NB = PRECONDITIONER_BLOCK, M.shape[2]
+    before = (S - T) % P  # positions of the first block before the first query
+    rows = torch.nn.functional.pad(r, (0, 0, before, NB * P - before - T)).unflatten(2, (NB, P))
+    heads = M.repeat_interleave(HQ // M.shape[1], dim=1)  # M is symmetric: r M = (M r)^T
+    return (rows @ heads).flatten(2, 3)[:, :, before:before + T]
+
+
 CURVATURE_FLOOR = 0.1  # a CG step needs p.Ap > CURVATURE_FLOOR * lam_min * |p|^2 (the exact value is >= lam_min |p|^2)
 
 
-def conjugate_gradient(matvec, y, *, iters: int, tol: float, lam_min, blocks=None) -> torch.Tensor:
-    """Algorithm 2: solve ``A x = y`` for every row of ``y [..., D]`` from ``x = 0``.
+def conjugate_gradient(matvec, y, *, iters: int, tol: float, lam_min, blocks=None, precondition=None) -> torch.Tensor:
+    """Algorithm 2: solve ``A x = y`` for every row of ``y [..., D]`` from ``x = 0``; with ``precondition`` (a
+    symmetric positive definite ``M`` as a function ``r -> M r``, full LLA only) preconditioned CG, whose
+    steps take ``r.Mr`` where plain CG takes ``r.r`` (the residual norm still decides convergence).
 
     With ``blocks = g`` (BD-LLA) ``A`` is block diagonal and each of its ``g`` blocks is its own system
     with its own step sizes, so ``D / g`` iterations solve it exactly in exact arithmetic.
@@ -253,23 +341,29 @@ def conjugate_gradient(matvec, y, *, iters: int, tol: float, lam_min, blocks=Non
     def block_matvec(p):  # one system per block
         return split_blocks(matvec(p.reshape(shape)), blocks)
 
+    def block_precondition(r):
+        return r if precondition is None else split_blocks(precondition(r.reshape(shape)), blocks)
+
     y = split_blocks(y, blocks)
     x = torch.zeros_like(y)
-    r, p = y, y
-    rr = (r * r).sum(-1)
+    r = y
+    p = block_precondition(r)
+    rr, rz = (r * r).sum(-1), (r * p).sum(-1)
     bound = (tol ** 2) * rr
     for _ in range(iters):
-        active = (rr > bound) & (rr > 0)
+        active = (rr > bound) & (rr > 0) & (rz > 0)
         Ap = block_matvec(p)
         pAp = (p * Ap).sum(-1)
         active = active & (pAp > CURVATURE_FLOOR * lam_min * (p * p).sum(-1))
-        alpha = torch.where(active, rr / torch.where(active, pAp, torch.ones_like(pAp)), torch.zeros_like(rr))
+        alpha = torch.where(active, rz / torch.where(active, pAp, torch.ones_like(pAp)), torch.zeros_like(rz))
         x = x + alpha[..., None] * p
         r = r - alpha[..., None] * Ap
-        rr_new = (r * r).sum(-1)
-        beta = torch.where(active, rr_new / torch.where(active, rr, torch.ones_like(rr)), torch.zeros_like(rr))
-        p = torch.where(active[..., None], r + beta[..., None] * p, p)
-        rr = torch.where(active, rr_new, rr)
+        z = block_precondition(r)
+        rz_new = (r * z).sum(-1)
+        beta = torch.where(active, rz_new / torch.where(active, rz, torch.ones_like(rz)), torch.zeros_like(rz))
+        p = torch.where(active[..., None], z + beta[..., None] * p, p)
+        rr = torch.where(active, (r * r).sum(-1), rr)
+        rz = torch.where(active, rz_new, rz)
     return x.reshape(shape)
 
 
@@ -308,14 +402,16 @@ class ImplicitSolve(torch.autograd.Function):
 
 
 def lla_matrix_free(q, k, v, *, lam, scale, window=None, blocks=None, cg_iters: int, cg_tol=1e-6,
-                    cg_gradient: str = "implicit"):
+                    cg_gradient: str = "implicit", cg_precondition: bool = False):
     """Eq. 10-16 with Algorithm 2: uncentred sums, CG on the centred scatter ``A_i`` (:func:`centred_matvec`)
     for ``y = A^-1 mu``, ``rho`` from it (:func:`probe_from_centred`), the output of :func:`lla_output`.
 
     Same arguments and result as :func:`lla` with an integer ``cg_iters``. The gradient treats the CG
     result as the exact ``Sigma^-1 mu`` (:class:`ImplicitSolve`, its adjoint system ``Sigma^-1 g`` solved by
     the same number of CG iterations on ``Sigma``), as the FlashLLA backward does;
-    ``cg_gradient="unrolled"`` differentiates through the iterations run.
+    ``cg_gradient="unrolled"`` differentiates through the iterations run (the preconditioner held fixed).
+    ``cg_precondition``: precondition full LLA's CG by :func:`key_preconditioner` (BD-LLA's blocks run plain
+    CG).
     """
     if cg_gradient not in CG_GRADIENTS:
         raise ValueError(f"cg_gradient: expected one of {CG_GRADIENTS}, got {cg_gradient!r}")
@@ -331,7 +427,11 @@ def lla_matrix_free(q, k, v, *, lam, scale, window=None, blocks=None, cg_iters: 
     def probe():  # rho from y = A^-1 mu by CG on the centred scatter (see centred_matvec)
         def matvec(p):
             return centred_matvec(p, kh, w, omega, mu_tilde, lam_diag, blocks, seen)
-        y = conjugate_gradient(matvec, mu, iters=cg_iters, tol=cg_tol, lam_min=lam_diag.amin(-1), blocks=blocks)
+        precondition = None
+        if cg_precondition and blocks in (None, 1):
+            precondition = partial(precondition_rows, key_preconditioner(k, T, window), S=k.shape[1])
+        y = conjugate_gradient(matvec, mu, iters=cg_iters, tol=cg_tol, lam_min=lam_diag.amin(-1), blocks=blocks,
+                               precondition=precondition)
         return probe_from_centred(y, mu, omega, blocks)
 
     def sigma_solve(g, qh, kh, w, omega, mu_tilde, lam_diag):
@@ -384,7 +484,8 @@ def lla_blocks_uncentred(q, k, v, *, lam, scale, window=None, blocks: int):
     return lla_output(w, omega, mu, rho, kh, vh, seen, lam_diag.amin(-1), blocks)
 
 
-def lla(q, k, v, *, lam, scale=None, window=None, blocks=None, cg_iters=None, cg_tol=1e-6, cg_gradient="implicit"):
+def lla(q, k, v, *, lam, scale=None, window=None, blocks=None, cg_iters=None, cg_tol=1e-6, cg_gradient="implicit",
+        cg_precondition=False):
     """Local Linear Attention, ``[B, T, HQ, Dv]`` (see :func:`regattn.lla` for the definition).
 
     Args:
@@ -392,7 +493,7 @@ def lla(q, k, v, *, lam, scale=None, window=None, blocks=None, cg_iters=None, cg
         lam: float, ``[B, T, HQ]`` or ``[B, T, HQ, D]``; scale: defaults to ``D ** -0.5``.
         window: SW-LLA; blocks: BD-LLA with ``g`` diagonal blocks; cg_iters: None (exact solve,
             eq. 7-8) or CG iterations (matrix-free eq. 10-16, Algorithm 2); cg_tol: relative residual;
-            cg_gradient: ``"implicit"`` or ``"unrolled"`` (see :func:`lla_matrix_free`).
+            cg_gradient: ``"implicit"`` or ``"unrolled"``; cg_precondition (see :func:`lla_matrix_free`).
     """
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     dtype = compute_dtype(q)
@@ -403,7 +504,7 @@ def lla(q, k, v, *, lam, scale=None, window=None, blocks=None, cg_iters=None, cg
         o = _lla_explicit(q32, k32, v32, lam=lam, scale=scale, window=window, blocks=blocks)
     else:
         o = lla_matrix_free(q32, k32, v32, lam=lam, scale=scale, window=window, blocks=blocks,
-                            cg_iters=cg_iters, cg_tol=cg_tol, cg_gradient=cg_gradient)
+                            cg_iters=cg_iters, cg_tol=cg_tol, cg_gradient=cg_gradient, cg_precondition=cg_precondition)
     return o.to(q.dtype)
 
 

@@ -162,7 +162,9 @@ def test_gate_bad_input():
 
 
 def test_gate_feeds_attention_end_to_end(interpret):
-    """gate kernel -> attention kernel: gradients of q, k, v, h and beta match the reference chain."""
+    """gate kernel -> attention kernel: gradients of q, k, v, h and beta match the reference chain, within 10x the
+    error of the same chain in fp32 torch (dbeta sums over the sequence: one draw left the fp32 torch chain
+    1.7e-5 from float64 and the kernels 6.7e-5)."""
     B, T, HQ, H, D = 1, 36, 2, 1, 16
     q, k, v = (randn(B, T, n, D, device=DEV, dtype=torch.float32, requires_grad=True) for n in (HQ, H, H))
     h, beta = _gate_inputs(B, T, HQ, torch.float32)
@@ -174,10 +176,11 @@ def test_gate_feeds_attention_end_to_end(interpret):
 
     leaves = [q, k, v, h, beta]
     got = torch.autograd.grad(chain(*leaves, "triton"), leaves, do)
+    same = torch.autograd.grad(chain(*leaves, "torch"), leaves, do)
     exact_leaves = [x.detach().double().requires_grad_(True) for x in leaves]
     exact = torch.autograd.grad(chain(*exact_leaves, "torch"), exact_leaves, do.double())
-    for a, b in zip(got, exact):
-        assert rel_err(a, b) < 2e-5
+    for a, c, b in zip(got, same, exact):
+        assert rel_err(a, b) < 10 * rel_err(c, b) + 1e-6
 
 
 @pytest.mark.gpu

@@ -104,6 +104,38 @@ def test_truncated_cg_follows_algorithm_2(iters):
     assert rel_err(out, reference.lla(q, k, v, lam=lam, window=13)) > 1e-3
 
 
+@pytest.mark.parametrize("window", [None, 300])
+def test_preconditioned_cg_follows_the_reference(window):
+    """Over more than one preconditioner block (128 positions), with queries after a prefix (tiles across two
+    blocks), GQA and a window that leaves each query block one key block: the kernel's preconditioned CG is
+    the reference's step for step, and without the preconditioner it is plain CG."""
+    q, k, v, lam = make(1, 150, 400, 2, 1, 16, 8, "query")
+    runs = {}
+    for precondition in (True, False):
+        args = dict(window=window, cg_iters=3, cg_tol=0.0, cg_precondition=precondition)
+        ref = reference.lla(q, k, v, lam=lam, **args)
+        out = regattn.lla(q.float(), k.float(), v.float(), lam=lam.float(), backend="triton", **args)
+        assert within_float32_rule(out, ref, reference.lla(q.float(), k.float(), v.float(), lam=lam.float(), **args),
+                                   slack=1e-4)
+        runs[precondition] = out
+    assert rel_err(runs[True], runs[False]) > 1e-3
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("window, bad, unseen", [(None, 380, slice(256, 320)), (300, 3, slice(384, 400))])
+def test_preconditioner_keeps_a_non_finite_key_from_rows_that_cannot_see_it(backend, window, bad, unseen):
+    """A NaN key enters only the preconditioners of blocks whose every query sees it. Causal: the block of rows
+    256 to 383 takes the keys before 256 only, so its rows before the key are untouched; windowed: the block
+    of rows 384 to 399 takes keys 256 to 383 (the sums are direct, not differences of running sums). The rows
+    checked share no key tile of up to 64 with the NaN (the kernel contains hidden keys only per tile)."""
+    q, k, v = (randn(1, 400, 1, 8, dtype=torch.float32) for _ in range(3))
+    poisoned = k.clone()
+    poisoned[0, bad, 0, 0] = float("nan")
+    args = dict(lam=0.5, window=window, cg_iters=4, cg_precondition=True, backend=backend)
+    got, want = regattn.lla(q, poisoned, v, **args)[:, unseen], regattn.lla(q, k, v, **args)[:, unseen]
+    assert torch.isfinite(got).all() and rel_err(got, want) < 1e-6
+
+
 def test_early_convergence_keeps_rows_finite():
     """Three times D iterations: rows reach the tolerance at different steps and stop there, no NaN."""
     q, k, v, lam = make(1, 20, 20, 1, 1, 8, 4, "float")
@@ -323,6 +355,18 @@ def test_decode_matches_last_rows():
         regattn.lla_decode(q, k[:, :3], v[:, :3], lam=0.5)
 
 
+def test_decode_takes_the_preconditioner_of_its_block():
+    """Decode past several preconditioner blocks gives the prefill's rows at a few CG iterations (far from the
+    exact solve, where any other preconditioner would differ): the new queries' blocks by their positions."""
+    q, k, v, lam = make(1, 300, 300, 2, 1, 8, 5, "query")
+    q, k, v, lam = q.float(), k.float(), v.float(), lam.float()
+    args = dict(cg_iters=3, cg_tol=0.0, cg_precondition=True, backend="triton")
+    full = regattn.lla(q, k, v, lam=lam, **args)
+    for n in (1, 45):  # the last row alone; rows 255 to 299, across the blocks at 256
+        out = regattn.lla_decode(q[:, -n:], k, v, lam=lam[:, -n:], **args)
+        assert rel_err(out, full[:, -n:]) < 1e-5
+
+
 @pytest.mark.parametrize("cg_iters", [None, 8])
 def test_torch_forms_ignore_an_enclosing_autocast(cg_iters):
     """Under a bf16 autocast (a training loop's) the torch forms still compute in fp32: with their products
@@ -357,6 +401,8 @@ def test_bad_input():
         regattn.lla(q, k, v, lam=0.5, cg_iters=2, cg_gradient="exact")
     with pytest.raises(ValueError, match="cg_gradient"):
         regattn.lla(q, k, v, lam=0.5, cg_iters=2, cg_gradient="unrolled", backend="triton")
+    with pytest.raises(TypeError, match="cg_precondition"):
+        regattn.lla(q, k, v, lam=0.5, cg_iters=2, cg_precondition="yes", backend="triton")
 
 
 SOLVERS = [("torch", None), ("torch", 16), ("triton", None), ("triton", 16)]

@@ -4,7 +4,8 @@ import torch
 
 from regattn.reference import lla, softmax_attention
 from regattn.reference.lla import (
-    lla_blocks_uncentred, lla_decomposition, lla_matrix_free, lla_probe, lla_statistics,
+    PRECONDITIONER_BLOCK, PRECONDITIONER_RIDGE, key_preconditioner, lla_blocks_uncentred, lla_decomposition,
+    lla_matrix_free, lla_probe, lla_statistics,
 )
 from regattn.reference.regression import affine_mesanet
 from tests.helpers import randn, rel_err
@@ -51,6 +52,44 @@ def test_cg_with_d_iterations_equals_exact_solve(blocks):
     exact = lla(q, k, v, lam=lam, blocks=blocks)
     assert rel_err(lla(q, k, v, lam=lam, blocks=blocks, cg_iters=D, cg_tol=0.0), exact) < 1e-8
     assert rel_err(lla(q, k, v, lam=lam, blocks=blocks, cg_iters=1, cg_tol=0.0), exact) > 1e-4
+
+
+@pytest.mark.parametrize("window", [None, 400, 200])
+def test_key_preconditioner_inverts_the_scaled_covariance_of_the_keys_each_block_sees(window):
+    """``M_b`` from its definition: the covariance of the whole key blocks before query block ``b`` that every
+    query of the block sees (``window // P - 1`` of them with a window: none at 200), scaled to unit mean
+    variance, plus the ridge, inverted; queries after a prefix, two key heads."""
+    S, T, Dk, P = 700, 300, 8, PRECONDITIONER_BLOCK
+    k = randn(2, S, 2, Dk)
+    M = key_preconditioner(k, T, window)
+    first = (S - T) // P
+    assert M.shape == (2, 2, (S - 1) // P - first + 1, Dk, Dk)
+    eye = torch.eye(Dk, dtype=k.dtype)
+    for i in range(M.shape[2]):
+        lo = 0 if window is None else max(0, (first + i + 1 - window // P) * P)
+        for b in range(2):
+            for h in range(2):
+                keys = k[b, lo:(first + i) * P, h]
+                want = eye / PRECONDITIONER_RIDGE
+                if len(keys):
+                    c = torch.cov(keys.T, correction=0)
+                    want = torch.linalg.inv(c / (c.trace() / Dk) + PRECONDITIONER_RIDGE * eye)
+                assert rel_err(M[b, h, i], want) < 1e-12
+
+
+def test_preconditioned_cg_is_exact_after_d_iterations_and_closer_before():
+    """Preconditioned CG solves exactly after D iterations, as plain CG does, and comes nearer
+    before: at 6 iterations under 0.7 times plain CG's error on the rows of the third block (0.40 to 0.49
+    over six draws)."""
+    q, k, v = (randn(1, 384, 2, 32) for _ in range(3))
+    exact = lla(q, k, v, lam=1.0)[:, 256:]
+    errors = {}
+    for precondition in (True, False):
+        def run(iters):
+            return lla(q, k, v, lam=1.0, cg_iters=iters, cg_tol=0.0, cg_precondition=precondition)[:, 256:]
+        assert rel_err(run(32), exact) < 1e-8
+        errors[precondition] = rel_err(run(6), exact)
+    assert errors[True] < 0.7 * errors[False]
 
 
 def test_cg_active_mask_freezes_converged_rows():

@@ -47,10 +47,11 @@ def truth(q, k, v, w=None, **solve) -> Check:
     return Check(lambda q, k, v: reference.lla(q, k, v, lam=LAM, window=w, **solve), dict(q=q, k=k, v=v), where)
 
 
-def solve_tag(D: int, blocks=None, cg_iters=None) -> str:
-    """``[BD g=D/2]``, ``[cg=8]``, ``[BD g=D/8][cg=8]``: which solve a row ran."""
+def solve_tag(D: int, blocks=None, cg_iters=None, cg_precondition=False) -> str:
+    """``[BD g=D/2]``, ``[cg=8]``, ``[cg=8][pre]``, ``[BD g=D/8][cg=8]``: which solve a row ran (``[pre]``: full
+    LLA's CG with its preconditioner)."""
     tag = "" if not blocks else "[BD g=D]" if blocks == D else f"[BD g=D/{D // blocks}]"
-    return tag + (f"[cg={cg_iters}]" if cg_iters else "")
+    return tag + (f"[cg={cg_iters}]" if cg_iters else "") + ("[pre]" if cg_precondition else "")
 
 
 def lla_case(q, k, v, setup, w=None, n=None, check=None, **solve):
@@ -61,12 +62,13 @@ def lla_case(q, k, v, setup, w=None, n=None, check=None, **solve):
 
 
 def latency_solves(D: int, cg: int | None) -> list[dict]:
-    """FlashLLA with 8 and 16 CG iterations, BD-LLA by direct solves (g = D/2, D) and with CG (g = D/8);
-    with ``cg`` given, FlashLLA with ``cg`` iterations and BD-LLA's direct solve of g = D alone."""
+    """FlashLLA with 8 and 16 CG iterations (8 also preconditioned), BD-LLA by direct solves
+    (g = D/2, D) and with CG (g = D/8); with ``cg`` given, FlashLLA with ``cg`` iterations and BD-LLA's direct
+    solve of g = D alone."""
     if cg:
         return [dict(cg_iters=cg), dict(blocks=D)]
-    return [dict(cg_iters=8), dict(cg_iters=16), dict(blocks=D // 2), dict(blocks=D),
-            dict(blocks=max(D // 8, 1), cg_iters=8)]
+    return [dict(cg_iters=8), dict(cg_iters=8, cg_precondition=True), dict(cg_iters=16), dict(blocks=D // 2),
+            dict(blocks=D), dict(blocks=max(D // 8, 1), cg_iters=8)]
 
 
 def latency_cases(shape, setup):
@@ -95,11 +97,13 @@ def scaling_cases(shape, setup):
 
 
 def precision_cases(shape, setup):
-    """Each CG iteration count against the float64 exact solve (lla Table 2's relative error)."""
+    """Each CG iteration count against the float64 exact solve (lla Table 2's relative error), with and
+    without the preconditioner."""
     B, H, T, D = shape["B"], shape["H"], shape["T"], shape["D"]
     q, k, v = qkv(shape, setup)
     exact = truth(q, k, v)
-    for iters in (i for i in CG_ITERS if i <= D):
-        n = dict(flops=counts.lla_flops(B, T, T, H, D, D, cg_iters=iters),
-                 bytes=counts.attention_bytes(B, T, T, H, H, D, D, q.element_size()))
-        yield "cg", lla_case(q, k, v, setup, n=n, check=exact, cg_iters=iters)
+    for precondition in (False, True):
+        for iters in (i for i in CG_ITERS if i <= D):
+            n = dict(flops=counts.lla_flops(B, T, T, H, D, D, cg_iters=iters),
+                     bytes=counts.attention_bytes(B, T, T, H, H, D, D, q.element_size()))
+            yield "cg", lla_case(q, k, v, setup, n=n, check=exact, cg_iters=iters, cg_precondition=precondition)

@@ -7,8 +7,8 @@ import torch
 
 from regattn import reference
 from regattn.ops._common.checks import (
-    check_attention_inputs, check_choice, check_device, check_int, check_positive, check_scale, check_tensor,
-    check_window, host_checks_allowed, resolve_kernel_backend,
+    check_attention_inputs, check_bool, check_choice, check_device, check_int, check_positive, check_scale,
+    check_tensor, check_window, host_checks_allowed, resolve_kernel_backend,
 )
 from regattn.ops.lla.backward import lla_backward
 from regattn.ops.lla.forward import SOLVER_CG, lla_forward, solver_for
@@ -39,13 +39,13 @@ class FlashLLA(torch.autograd.Function):
     1 x 1 (``bd = 1``) or 2 x 2 blocks (``bd = 2``): Triton forward and fused backward (Appendix D)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, lam_tensor, lam_value, scale, window, bd, cg_iters, cg_tol):
+    def forward(ctx, q, k, v, lam_tensor, lam_value, scale, window, bd, cg_iters, cg_tol, cg_precondition):
         lam = lam_value if lam_tensor is None else lam_tensor
         cg_iters = cg_iters or 1  # not used by the direct solves
         D = q.shape[-1]
         o, rho, delta, m2, argmax, omega, centre = lla_forward(q, k, v, lam, scale=scale, window=window,
                                                 blocks={0: None, 1: D, 2: D // 2}[bd],
-                                                cg_iters=cg_iters, cg_tol=cg_tol)
+                                                cg_iters=cg_iters, cg_tol=cg_tol, cg_precondition=cg_precondition)
         ctx.save_for_backward(q, k, v, lam_tensor, rho, delta, m2, argmax, omega, centre)
         ctx.lam_value, ctx.scale, ctx.window, ctx.cg_iters, ctx.cg_tol = lam_value, scale, window, cg_iters, cg_tol
         ctx.bd = bd
@@ -60,7 +60,7 @@ class FlashLLA(torch.autograd.Function):
                                         window=ctx.window, cg_iters=ctx.cg_iters, cg_tol=ctx.cg_tol,
                                         lam_grad=lam_grad, bd=ctx.bd)
         dlam = dlam.to(lam_tensor.dtype) if dlam is not None else None
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dlam, None, None, None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dlam, None, None, None, None, None, None, None
 
 
 BLOCK_BACKWARD_CHUNK = 256
@@ -144,7 +144,7 @@ def full_precision(q: torch.Tensor):
     return torch.autocast(device_type=q.device.type, enabled=False)
 
 
-def check_lla_args(q, k, v, lam, scale, window, blocks, cg_iters, cg_tol):
+def check_lla_args(q, k, v, lam, scale, window, blocks, cg_iters, cg_tol, cg_precondition):
     """Validate every argument of :func:`lla`; returns ``(lam, scale, window, cg_tol)``."""
     B, T, S, HQ, H, D, Dv = check_attention_inputs(q, k, v)
     lam = check_lam(lam, B, T, HQ, D, q)
@@ -157,6 +157,7 @@ def check_lla_args(q, k, v, lam, scale, window, blocks, cg_iters, cg_tol):
     if cg_iters is not None:
         check_int("cg_iters", cg_iters, minimum=1)
     cg_tol = check_positive("cg_tol", cg_tol, allow_zero=True)
+    check_bool("cg_precondition", cg_precondition)
     return lam, scale, window, cg_tol
 
 
@@ -167,11 +168,11 @@ def check_lla_args(q, k, v, lam, scale, window, blocks, cg_iters, cg_tol):
 WIDEN_FP16 = True
 
 
-def lla_triton(q, k, v, lam, *, scale, window, blocks, cg_iters, cg_tol):
+def lla_triton(q, k, v, lam, *, scale, window, blocks, cg_iters, cg_tol, cg_precondition=False):
     """Dispatch to the kernels; exact solves other than the direct BD-LLA ones stay in torch."""
     if WIDEN_FP16 and q.dtype == torch.float16:
         return lla_triton(q.float(), k.float(), v.float(), lam, scale=scale, window=window, blocks=blocks,
-                          cg_iters=cg_iters, cg_tol=cg_tol).to(torch.float16)
+                          cg_iters=cg_iters, cg_tol=cg_tol, cg_precondition=cg_precondition).to(torch.float16)
     D = q.shape[-1]
     lam_tensor, lam_value = (lam, None) if isinstance(lam, torch.Tensor) else (None, lam)
     solver, _ = solver_for(blocks, D)
@@ -183,12 +184,12 @@ def lla_triton(q, k, v, lam, *, scale, window, blocks, cg_iters, cg_tol):
         lam32 = lam.float() if isinstance(lam, torch.Tensor) else lam
         return lla_blocks_uncentred(*f32, lam=lam32, scale=scale, window=window, blocks=blocks or 1).to(q.dtype)
     if blocks is None or bd:
-        return FlashLLA.apply(q, k, v, lam_tensor, lam_value, scale, window, bd, cg_iters, cg_tol)
+        return FlashLLA.apply(q, k, v, lam_tensor, lam_value, scale, window, bd, cg_iters, cg_tol, cg_precondition)
     return FlashBlockLLA.apply(q, k, v, lam_tensor, lam_value, scale, window, blocks, cg_iters, cg_tol)
 
 
 def lla(q, k, v, *, lam, scale=None, window=None, blocks=None, cg_iters=None, cg_tol=1e-6, cg_gradient="implicit",
-        backend="auto"):
+        cg_precondition=False, backend="auto"):
     """Local Linear Attention (lla eq. 6-8): the local linear estimator at each query.
 
     Kernel weights ``w_ij = exp(scale * q_i.k_j - m_i)`` over the visible keys ``j <= i``
@@ -230,6 +231,13 @@ def lla(q, k, v, *, lam, scale=None, window=None, blocks=None, cg_iters=None, cg
             iterations run, the derivative of the truncated solve itself; torch backend only (``"auto"``
             takes it), storing every iteration's state for the backward. On MQAR (8 iterations) the implicit
             gradient solved length 128 and the unrolled one reached 0.11 (docs/EXPERIMENTS.md): the default.
+        cg_precondition: precondition full LLA's CG by the inverse covariance of the keys that every query
+            of a block of 128 positions sees before the block (with a small relative ridge;
+            :func:`regattn.reference.lla.key_preconditioner`). It shares the keys' sampling noise with each
+            query's scatter: on the H100 (bf16, D 128, T 512) 8 iterations come within 0.037 of the exact
+            solve instead of 0.084, and with anisotropic keys the gain is larger. Off by default for now:
+            its product costs the kernel about half its time again at B 4, H 16, T 8192 (docs/MODELS.md).
+            BD-LLA's blocks and the backward's adjoint solve run plain CG.
         backend: ``"auto" | "torch" | "triton"``. Triton (bf16, fp32; fp16 on the fp32 kernels, whose range
             holds the solve) runs full LLA with
             ``cg_iters`` given (fused forward and backward) and BD-LLA (``g = D`` and ``g = D / 2``
@@ -242,13 +250,15 @@ def lla(q, k, v, *, lam, scale=None, window=None, blocks=None, cg_iters=None, cg
     Returns:
         ``o: [B, T, HQ, Dv]`` in q's dtype.
     """
-    lam, scale, window, cg_tol = check_lla_args(q, k, v, lam, scale, window, blocks, cg_iters, cg_tol)
+    lam, scale, window, cg_tol = check_lla_args(q, k, v, lam, scale, window, blocks, cg_iters, cg_tol,
+                                                cg_precondition)
     return lla_dispatch(q, k, v, lam, scale=scale, window=window, blocks=blocks, cg_iters=cg_iters, cg_tol=cg_tol,
-                        cg_gradient=check_cg_gradient(cg_gradient, backend), backend=backend)
+                        cg_gradient=check_cg_gradient(cg_gradient, backend), cg_precondition=cg_precondition,
+                        backend=backend)
 
 
 def lla_dispatch(q, k, v, lam, *, scale: float, window, blocks, cg_iters, cg_tol, cg_gradient="implicit",
-                 backend="auto", op="lla"):
+                 cg_precondition=False, backend="auto", op="lla"):
     """:func:`lla` on checked arguments. The LLA layer's entry: its ridge is in range by construction, so no
     value is read on the host (no device sync per call), and a non-finite input flows to the output instead
     of raising (a training step with it is skipped, not crashed)."""
@@ -257,30 +267,31 @@ def lla_dispatch(q, k, v, lam, *, scale: float, window, blocks, cg_iters, cg_tol
     with full_precision(q):
         if resolve_kernel_backend(backend, q, op=op, has_triton=HAS_TRITON) == "triton":
             return lla_triton(q, k, v, lam, scale=scale, window=window, blocks=blocks, cg_iters=cg_iters,
-                              cg_tol=cg_tol)
-        return reference.lla(q, k, v, lam=lam, scale=scale, window=window, blocks=blocks,
-                             cg_iters=cg_iters, cg_tol=cg_tol, cg_gradient=cg_gradient)
+                              cg_tol=cg_tol, cg_precondition=cg_precondition)
+        return reference.lla(q, k, v, lam=lam, scale=scale, window=window, blocks=blocks, cg_iters=cg_iters,
+                             cg_tol=cg_tol, cg_gradient=cg_gradient, cg_precondition=cg_precondition)
 
 
 def lla_decode(q, k_cache, v_cache, *, lam, scale=None, window=None, blocks=None, cg_iters=None, cg_tol=1e-6,
-               backend="auto"):
+               cg_precondition=False, backend="auto"):
     """LLA for new tokens against a KV cache (inference; no autograd graph is built).
 
     Args:
         q: ``[B, Tn, HQ, D]``, the ``Tn`` newest queries; k_cache: ``[B, S, H, D]`` and
             v_cache: ``[B, S, H, Dv]`` hold every key and value so far, the new tokens' last
             (query ``i`` sits at cache position ``S - Tn + i``).
-        lam, scale, window, blocks, cg_iters, cg_tol, backend: as in :func:`lla`.
+        lam, scale, window, blocks, cg_iters, cg_tol, cg_precondition, backend: as in :func:`lla` (the
+            preconditioner of a query's block reads the cache before the block once per call).
 
     Returns:
         ``o: [B, Tn, HQ, Dv]``. The kernel keeps only per-query state, so memory grows with the
         cache alone.
     """
     lam, scale, window, cg_tol = check_lla_args(q, k_cache, v_cache, lam, scale, window, blocks, cg_iters,
-                                                cg_tol)
+                                                cg_tol, cg_precondition)
     if q.shape[1] > k_cache.shape[1]:
         raise ValueError(f"q: expected at most as many new tokens as the cache holds ({k_cache.shape[1]}), "
                          f"got {q.shape[1]}")
     with torch.no_grad():
         return lla_dispatch(q, k_cache, v_cache, lam, scale=scale, window=window, blocks=blocks, cg_iters=cg_iters,
-                            cg_tol=cg_tol, backend=backend, op="lla_decode")
+                            cg_tol=cg_tol, cg_precondition=cg_precondition, backend=backend, op="lla_decode")

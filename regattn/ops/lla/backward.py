@@ -137,7 +137,7 @@ def lla_bwd_q_kernel(Q, K, V, LAM, DO, RHO, DELTA, M2, OMEGA, CENTRE, DQ, U, BET
         # the forward's centred scatter and Sherman-Morrison it would cancel where mu.A^-1 mu >> omega)
         u = cg_solve(y - beta[:, None] * mu, q, mt, omega, lam, smallest_ridge(lam, offs_d < D), m2, pos0,
                      Kb, sks, skd, lo, hi, S, D, offs_d,
-                     qk_scale2, iters, tol2, BLOCK_N, WINDOW, 1, DPREC, False) + beta[:, None] * rho
+                     qk_scale2, iters, tol2, Kb, 0, 1, BLOCK_N, WINDOW, 1, DPREC, False, False, 1) + beta[:, None] * rho
     dmu = 2.0 * beta[:, None] * rho - u
     hd = rho * (u - beta[:, None] * rho)  # diagonal of the masked dL/dSigma
     h1 = rho * (swap_pairs(u, BLOCK_M, BLOCK_D) - beta[:, None] * swap_pairs(rho, BLOCK_M, BLOCK_D))

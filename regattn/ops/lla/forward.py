@@ -2,8 +2,9 @@
 
 One program per (query tile, query head). Pass 1 streams the visible keys once for the online
 maximum, ``omega`` and the weighted key sum ``mu~`` (eq. 10); the solver finds ``rho = Sigma^-1 mu``
-(CG on the key scatter about its weighted mean, streaming K once per iteration, then Sherman-Morrison:
-see ``tiles.centred_probe``; or a direct solve for BD-LLA with 1 x 1 / 2 x 2 blocks);
+(CG on the key scatter about its weighted mean, for full LLA optionally preconditioned by the inverse key
+covariance of the row's block of positions, streaming K once per iteration, then Sherman-Morrison: see
+``tiles.centred_probe``; or a direct solve for BD-LLA with 1 x 1 / 2 x 2 blocks);
 pass 3 streams K, V once more for the output through relmm (eq. 12, 16). Saved for the backward:
 ``rho`` (fp32), ``delta``, the base-2 row maximum ``m2``, the index of the key that attains it, ``omega``
 (as pass 3 summed it) and ``kbar.rho`` (for ``1 - z.rho`` without cancellation, see ``tiles.one_minus_a``).
@@ -23,18 +24,19 @@ from regattn.ops.lla.tiles import (
     pair_solve, partial_tile, query_head, query_key_tiles, smallest_ridge, split_dot, split_halves, square_moments,
     tile_weights,
 )
+from regattn.reference.lla import PRECONDITIONER_BLOCK, key_preconditioner
 
 SOLVER_CG, SOLVER_DIAG, SOLVER_PAIRS = 0, 1, 2  # the kernel's SOLVER values
 
 
 @triton.jit
-def lla_fwd_kernel(Q, K, V, LAM, O, RHO, DELTA, M2, ARGMAX, OMEGA, CENTRE,
+def lla_fwd_kernel(Q, K, V, LAM, PRE, O, RHO, DELTA, M2, ARGMAX, OMEGA, CENTRE,
                    sqb, sqt, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd, slb, slt, slh, sld,
-                   sob, sot, soh, sod,
-                   T, S, HQ, GROUPS, D, DV, qk_scale2, iters, tol2, SIZE_CLASS,
+                   sob, sot, soh, sod, spb, sph,
+                   T, S, HQ, GROUPS, D, DV, qk_scale2, iters, tol2, pre_first, pre_blocks, SIZE_CLASS,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                    BLK: tl.constexpr, WINDOW: tl.constexpr, SOLVER: tl.constexpr, G: tl.constexpr,
-                   DPREC: tl.constexpr, MPREC: tl.constexpr):
+                   DPREC: tl.constexpr, MPREC: tl.constexpr, PRECOND: tl.constexpr, PB: tl.constexpr):
     # float arguments come as fp64 when torch.compile launches the kernel: keep the arithmetic fp32
     qk_scale2, tol2 = tl.cast(qk_scale2, tl.float32), tl.cast(tol2, tl.float32)
     start_m, b, h, hk = query_head(HQ, GROUPS, BLOCK_M)
@@ -83,7 +85,8 @@ def lla_fwd_kernel(Q, K, V, LAM, O, RHO, DELTA, M2, ARGMAX, OMEGA, CENTRE,
     # the solve: rho = Sigma^-1 mu, and delta = omega - mu.rho
     if SOLVER == 0:  # conjugate gradients on the centred scatter A = Sigma - mu mu^T / omega, then Sherman-Morrison
         y = cg_solve(mu, q, mt, omega, lam, lam_min, m2, pos0, Kb, sks, skd, lo, hi, S, D, feat, qk_scale2,
-                     iters, tol2, BLOCK_N, WINDOW, G, DPREC, True)
+                     iters, tol2, PRE + b * spb + hk * sph, pre_first, pre_blocks, BLOCK_N, WINDOW, G, DPREC, True,
+                     PRECOND, PB)
         rho, delta = centred_probe(y, mu, omega, G)
     else:
         sdiag = kk - 2.0 * q32 * mt + omega[:, None] * q32 * q32 + lam
@@ -210,7 +213,7 @@ def forward_blocks(T: int, dtype: torch.dtype, solver: int = SOLVER_CG, G: int =
 
 def tuned_kernels(tiles: dict) -> dict:
     """The forward kernel autotuned over each list of ``tiles`` (as :data:`FORWARD_TILES`), by family."""
-    key = ["D", "DV", "WINDOW", "SOLVER", "G", "SIZE_CLASS"]
+    key = ["D", "DV", "WINDOW", "SOLVER", "G", "PRECOND", "SIZE_CLASS"]
     return {family: triton.autotune(tile_configs(configs), key=key)(lla_fwd_kernel)
             for family, configs in tiles.items()}
 
@@ -218,8 +221,10 @@ def tuned_kernels(tiles: dict) -> dict:
 TUNED = tuned_kernels(FORWARD_TILES)
 
 
-def lla_forward(q, k, v, lam, *, scale: float, window, blocks, cg_iters: int, cg_tol: float):
-    """Launch the forward. ``q [B, T, HQ, D]``, ``k [B, S, H, D]``, ``v [B, S, H, Dv]``.
+def lla_forward(q, k, v, lam, *, scale: float, window, blocks, cg_iters: int, cg_tol: float,
+                cg_precondition: bool = False):
+    """Launch the forward. ``q [B, T, HQ, D]``, ``k [B, S, H, D]``, ``v [B, S, H, Dv]``; with ``cg_precondition``
+    full LLA's CG is preconditioned (``reference.lla.key_preconditioner``).
 
     Returns ``o [B, T, HQ, Dv]`` (q's dtype) and the saved ``rho [B, T, HQ, D]``, ``delta, m2 [B, HQ, T]``
     (fp32), ``argmax [B, HQ, T]`` (int32), ``omega`` and ``centre = kbar.rho [B, HQ, T]`` (fp32).
@@ -234,15 +239,19 @@ def lla_forward(q, k, v, lam, *, scale: float, window, blocks, cg_iters: int, cg
     argmax = torch.empty(B, HQ, T, device=q.device, dtype=torch.int32)
     omega, centre = torch.empty_like(delta), torch.empty_like(delta)
     lam4 = lam_tensor(lam, q)
+    precond = cg_precondition and solver == SOLVER_CG and G == 1
+    pre = key_preconditioner(k, T, window).float().contiguous() if precond else lam4.new_zeros(1, 1, 1, 1, 1)
     kernel_blocks, block_d = column_blocks(D, G)
     if AUTOTUNE and T > SHORT and not interpreting():
         kernel, cfg = TUNED[tile_family(q.dtype, solver, G)], {}
     else:
         kernel, cfg = lla_fwd_kernel, forward_blocks(T, q.dtype, solver, G)
     kernel[lambda meta: (ceil_div(T, meta["BLOCK_M"]), B * HQ)](
-        q, k, v, lam4, o, rho, delta, m2, argmax, omega, centre,
-        *q.stride(), *k.stride(), *v.stride(), *lam4.stride(), *o.stride(),
-        T, S, HQ, HQ // H, D, DV, scale * LOG2E, cg_iters, cg_tol ** 2, size_class(B * HQ * T),
+        q, k, v, lam4, pre, o, rho, delta, m2, argmax, omega, centre,
+        *q.stride(), *k.stride(), *v.stride(), *lam4.stride(), *o.stride(), pre.stride(0), pre.stride(1),
+        T, S, HQ, HQ // H, D, DV, scale * LOG2E, cg_iters, cg_tol ** 2, (S - T) // PRECONDITIONER_BLOCK,
+        pre.shape[2], size_class(B * HQ * T),
         BLOCK_D=block_d, BLK=D // G, BLOCK_DV=head_block(DV), WINDOW=window or 0, SOLVER=solver, G=kernel_blocks,
-        DPREC=dot_precision(q.dtype), MPREC=moment_precision(q.dtype), **cfg)
+        DPREC=dot_precision(q.dtype), MPREC=moment_precision(q.dtype), PRECOND=precond, PB=PRECONDITIONER_BLOCK,
+        **cfg)
     return o, rho, delta, m2, argmax, omega, centre

@@ -222,13 +222,14 @@ def system_matvec(p, q, mt, omega, lam, m2, pos0, K, stride_kn, stride_kd, lo, h
 
 @triton.jit
 def cg_solve(y, q, mt, omega, lam, lam_min, m2, pos0, K, stride_kn, stride_kd, lo, hi, S, D, feat, qk_scale2,
-             iters, tol2, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr, G: tl.constexpr, DPREC: tl.constexpr,
-             CENTRED: tl.constexpr):
+             iters, tol2, PRE, pre_first, pre_blocks, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr, G: tl.constexpr,
+             DPREC: tl.constexpr, CENTRED: tl.constexpr, PRECOND: tl.constexpr, PB: tl.constexpr):
     """Algorithm 2: ``Sigma_i x_i = y_i``, or with ``CENTRED`` ``A_i x_i = y_i`` (see ``system_matvec``), for every
     row of the tile from ``x = 0``, fp32 ``[BM, BD]``; with
     ``G`` feature blocks (BD-LLA, columns laid out by ``block_columns``) one CG per block, exact after
     ``D / G`` iterations in exact arithmetic.
 
+    With ``PRECOND`` (``G = 1``) preconditioned CG with the blocks' matrices at ``PRE`` (``precondition_tile``).
     A system is active while ``||r||^2 > tol2 * ||y||^2`` (and > 0) and ``p.Sigma p > CURVATURE_FLOOR *
     lam_min |p|^2`` (``Sigma, A >= lam_min I`` exactly, ``lam_min`` the smallest ridge of the row; rounding can
     break that for a nearly singular Sigma); inactive systems keep their iterate, so neither early
@@ -241,26 +242,59 @@ def cg_solve(y, q, mt, omega, lam, lam_min, m2, pos0, K, stride_kn, stride_kd, l
     r = blocked(y, G)
     x = tl.zeros(r.shape, dtype=tl.float32)
     p = r
+    if PRECOND:
+        p = precondition_tile(r, PRE, pos0, pre_first, pre_blocks, D, PB, DPREC)
     rr = tl.sum(r * r, -1, keep_dims=True)
+    rz = tl.sum(r * p, -1, keep_dims=True)
     bound = tol2 * rr
     curvature_floor = CURVATURE_FLOOR * per_row(lam_min, G)
     for _ in range(iters):
-        active = (rr > bound) & (rr > 0.0)
+        active = (rr > bound) & (rr > 0.0) & (rz > 0.0)
         if tl.max(tl.ravel(active.to(tl.int32)), 0) > 0:
             sp = system_matvec(p, q, mt, omega, lam, m2, pos0, K, stride_kn, stride_kd, lo, hi, S, D, feat,
                                qk_scale2, BLOCK_N, WINDOW, G, DPREC, CENTRED)
             pap = tl.sum(p * sp, -1, keep_dims=True)
             active = active & (pap > curvature_floor * tl.sum(p * p, -1, keep_dims=True))
-            alpha = tl.where(active, rr / tl.where(active, pap, 1.0), 0.0)
+            alpha = tl.where(active, rz / tl.where(active, pap, 1.0), 0.0)
             x += alpha * p
             r -= alpha * sp
-            rr_new = tl.sum(r * r, -1, keep_dims=True)
-            beta = tl.where(active, rr_new / tl.where(active, rr, 1.0), 0.0)
-            p = tl.where(active, r + beta * p, p)
-            rr = tl.where(active, rr_new, rr)
+            z = r
+            if PRECOND:
+                z = precondition_tile(r, PRE, pos0, pre_first, pre_blocks, D, PB, DPREC)
+            rz_new = tl.sum(r * z, -1, keep_dims=True)
+            beta = tl.where(active, rz_new / tl.where(active, rz, 1.0), 0.0)
+            p = tl.where(active, z + beta * p, p)
+            rr = tl.where(active, tl.sum(r * r, -1, keep_dims=True), rr)
+            rz = tl.where(active, rz_new, rz)
     if G > 1:
         x = from_blocks(x)
     return x
+
+
+@triton.jit
+def precondition_tile(r, PRE, pos0, pre_first, pre_blocks, D, PB: tl.constexpr, DPREC: tl.constexpr):
+    """``M_b r_i`` for every row of ``r [BM, BD]`` (fp32; rows from position ``pos0``), ``M_b`` the fp32 ``[D, D]``
+    matrix at ``PRE + (b - pre_first) D^2`` of the row's block ``b = pos // PB`` (``reference.lla.key_preconditioner``,
+    ``pre_blocks`` of them: rows past the last take the last, a tile across two blocks takes both). ``M_b`` is
+    symmetric, so ``M_b r_i`` is the row ``r_i M_b``; the product runs in tf32 for half-precision inputs."""
+    BM: tl.constexpr = r.shape[0]
+    rel = pos0 - pre_first * PB  # >= 0 (positions may be < 0 when S < T; integer division truncates)
+    b0 = rel // PB
+    z = rows_times_matrix(r, PRE + b0 * D * D, D, DPREC)
+    b1 = tl.minimum((rel + BM - 1) // PB, pre_blocks - 1)
+    if b1 != b0:
+        z1 = rows_times_matrix(r, PRE + b1 * D * D, D, DPREC)
+        z = tl.where((rel + tl.arange(0, BM) >= b1 * PB)[:, None], z1, z)
+    return z
+
+
+@triton.jit
+def rows_times_matrix(r, M, D, DPREC: tl.constexpr):
+    """``r @ M`` for ``r [BM, BD]`` (fp32; columns are features, ``G = 1``) and the fp32 ``[D, D]`` matrix at ``M``
+    (zeros outside it)."""
+    c = tl.arange(0, r.shape[1])
+    m = tl.load(M + c[:, None] * D + c[None, :], mask=(c < D)[:, None] & (c < D)[None, :], other=0.0)
+    return tl.dot(r, m, input_precision=DPREC)
 
 
 @triton.jit
