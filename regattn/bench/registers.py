@@ -138,8 +138,8 @@ SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.
 def inner_loop(sass: str, nested: bool = False) -> dict:
     """Instruction mix of the hottest loop of a kernel's SASS: of the loops (a backward ``BRA`` to its
     head) that hold no other loop, the one of most instructions (with ``nested``, of those inside another loop
-    where there are any: the key loop of an iterative solver, run once per iteration). ``loop``: its instruction count;
-    ``FFMA``, ``MMA`` (``HMMA`` and ``HGMMA``: tensor core), ``LDS``, ``LDL``/``STL`` (local memory:
+    where there are any: the key loop of an iterative solver, run once per iteration). ``loop``: its instruction
+    count; ``FFMA``, ``MMA`` (``HMMA`` and ``HGMMA``: tensor core), ``LDS``, ``LDL``/``STL`` (local memory:
     spills): how many of each; ``FFMA%``: the FFMA share; ``FFMA/w``: FFMAs per 4-byte word read from
     shared memory (an SM reads 32 words a cycle and retires 128 FFMAs: below 4 the loop waits on shared
     memory, not on the FMA pipe)."""
@@ -276,7 +276,7 @@ def lla_rows(head_dims=(128,), kinds=tuple(LLA_KINDS), candidates=False, *, B=4,
     """One row per (head dim, solver, tiles) of the LLA forward kernel at the bench's shape, bf16, cg_iters=8:
     direct solves of 2 x 2 (``pairs``) and 1 x 1 blocks (``diag``), CG (``cg``, ``cg-pre`` preconditioned) and
     CG over 16 feature blocks (``cg-g16``); the autotune list's tiles, then :data:`LLA_CANDIDATES`; with the
-    instruction mix of the CG key loop (the hottest loop for the direct solves) (as for ``scan``)."""
+    instruction mix (as for ``scan``) of the CG key loop, or of the hottest loop for the direct solves."""
     from unittest import mock
 
     from regattn.ops.lla import forward

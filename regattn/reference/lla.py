@@ -247,8 +247,8 @@ def key_preconditioner(k, T: int, window=None) -> torch.Tensor:
 
     The keys' own sampling noise shapes the spectrum of each query's weighted scatter ``A_i`` (a sample of
     few effective keys in ``D`` dimensions), and the queries of a block share it, so ``M_b A_i`` is far
-    better conditioned than ``A_i``: at D 128, T 512, bf16 random inputs, 8 CG iterations come within 0.03
-    of the exact solve instead of 0.088. Only keys every query of the block sees enter it, so the output of a
+    better conditioned than ``A_i``: on the H100 (bf16 random inputs, D 128, T 512) 8 CG iterations came within
+    0.037 of the exact solve instead of 0.084. Only keys every query of the block sees enter it, so the output of a
     row never depends on a key it cannot see. A block without keys, or whose ``C_b`` fails Cholesky, gets
     ``I / PRECONDITIONER_RIDGE``. A fixed operator: no gradient flows through it.
     """
@@ -301,8 +301,8 @@ def key_block_sums(kh, first: int, last: int, window):
 
 
 def window_sum(x, span: int) -> torch.Tensor:
-    """``out[b] = x[b + 1] + ... + x[b + span]`` along dim 2 (0 where ``span`` is 0), one fewer than ``span``
-    blocks shorter: the sums of the ``span`` blocks before each query block, summed directly."""
+    """``out[b] = x[b + 1] + ... + x[b + span]`` along dim 2 (0 where ``span`` is 0; ``len(x) - span`` entries):
+    the ``span`` key blocks before each query block, summed directly."""
     if span == 0:
         return torch.zeros_like(x)
     return x.unfold(2, span, 1)[:, :, 1:].sum(-1)

@@ -86,6 +86,26 @@ def test_inner_loop_is_the_longest_loop_holding_no_other():
     assert registers.inner_loop("        /*0000*/                   EXIT ;") == {}
 
 
+NESTED = """
+        /*0000*/                   LDS R4, [R2] ;
+        /*0010*/                   FFMA R8, R4, R5, R8 ;
+        /*0020*/              @!P0 BRA 0x0 ;
+        /*0030*/              @!P1 BRA 0x0 ;
+        /*0040*/                   FFMA R8, R4, R5, R8 ;
+        /*0050*/                   FFMA R8, R4, R5, R8 ;
+        /*0060*/                   FFMA R8, R4, R5, R8 ;
+        /*0070*/                   FFMA R8, R4, R5, R8 ;
+        /*0080*/              @!P2 BRA 0x40 ;
+"""
+
+
+def test_inner_loop_nested_prefers_a_loop_inside_another():
+    # [0x0, 0x20] sits inside [0x0, 0x30] (a solver's key loop in its iterations); [0x40, 0x80] is longer, alone
+    assert registers.inner_loop(NESTED)["loop"] == 5
+    assert registers.inner_loop(NESTED, nested=True)["loop"] == 3
+    assert registers.inner_loop(SASS, nested=True) == registers.inner_loop(SASS)  # both innermost loops nested
+
+
 @compiles
 @pytest.mark.parametrize("precision", ["ieee", "tf32x3"])
 def test_scan_forward_loop_uses_the_fma_pipe_only_in_strict_fp32(precision):
