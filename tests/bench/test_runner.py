@@ -80,8 +80,8 @@ def test_parse_shapes_expands_alternatives_and_grid_names():
     assert cli.grid_name(["goal"], suite, False, True) == "goal"
     for specs in (["goal", "tiny"], ["T=64"]):
         assert cli.grid_name(specs, suite, False, True) == "custom"
-    defaults = [cli.grid_name(None, suite, quick, cuda) for quick, cuda in ((False, True), (True, True), (False, False))]
-    assert defaults == ["goal", "quick", "tiny"]
+    defaults = [(False, True), (True, True), (False, False)]  # (quick, cuda)
+    assert [cli.grid_name(None, suite, quick, cuda) for quick, cuda in defaults] == ["goal", "quick", "tiny"]
     for bad in ("B4", "B=", "=4"):
         with pytest.raises(cli.UsageError, match="--shapes"):
             cli.parse_shapes([bad], suite, cuda=True)
