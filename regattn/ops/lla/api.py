@@ -234,10 +234,10 @@ def lla(q, k, v, *, lam, scale=None, window=None, blocks=None, cg_iters=None, cg
         cg_precondition: precondition full LLA's CG by the inverse covariance of the keys that every query
             of a block of 128 positions sees before the block (with a small relative ridge;
             :func:`regattn.reference.lla.key_preconditioner`). It shares the keys' sampling noise with each
-            query's scatter: on the H100 (bf16, D 128, T 512) 8 iterations come within 0.037 of the exact
-            solve instead of 0.084, and with anisotropic keys the gain is larger. Off by default for now:
-            its product costs the kernel about half its time again at B 4, H 16, T 8192 (docs/MODELS.md).
-            BD-LLA's blocks and the backward's adjoint solve run plain CG.
+            query's scatter: on the H100 (bf16, D 128, T 512) 8 iterations come within 0.035 of the exact
+            solve instead of 0.084, and with anisotropic keys the gain is larger. Off by default: at B 4,
+            H 16, T 8192 it adds a quarter to cg=8's time, about what three more plain iterations cost
+            (docs/MODELS.md). BD-LLA's blocks and the backward's adjoint solve run plain CG.
         backend: ``"auto" | "torch" | "triton"``. Triton (bf16, fp32; fp16 on the fp32 kernels, whose range
             holds the solve) runs full LLA with
             ``cg_iters`` given (fused forward and backward) and BD-LLA (``g = D`` and ``g = D / 2``

@@ -243,7 +243,7 @@ def cg_solve(y, q, mt, omega, lam, lam_min, m2, pos0, K, stride_kn, stride_kd, l
     x = tl.zeros(r.shape, dtype=tl.float32)
     p = r
     if PRECOND:
-        p = precondition_tile(r, PRE, pos0, pre_first, pre_blocks, D, PB, DPREC)
+        p = precondition_tile(r, PRE, pos0, pre_first, pre_blocks, D, PB, q.dtype, DPREC)
     rr = tl.sum(r * r, -1, keep_dims=True)
     rz = tl.sum(r * p, -1, keep_dims=True)
     bound = tol2 * rr
@@ -260,7 +260,7 @@ def cg_solve(y, q, mt, omega, lam, lam_min, m2, pos0, K, stride_kn, stride_kd, l
             r -= alpha * sp
             z = r
             if PRECOND:
-                z = precondition_tile(r, PRE, pos0, pre_first, pre_blocks, D, PB, DPREC)
+                z = precondition_tile(r, PRE, pos0, pre_first, pre_blocks, D, PB, q.dtype, DPREC)
             rz_new = tl.sum(r * z, -1, keep_dims=True)
             beta = tl.where(active, rz_new / tl.where(active, rz, 1.0), 0.0)
             p = tl.where(active, z + beta * p, p)
@@ -272,7 +272,8 @@ def cg_solve(y, q, mt, omega, lam, lam_min, m2, pos0, K, stride_kn, stride_kd, l
 
 
 @triton.jit
-def precondition_tile(r, PRE, pos0, pre_first, pre_blocks, D, PB: tl.constexpr, DPREC: tl.constexpr):
+def precondition_tile(r, PRE, pos0, pre_first, pre_blocks, D, PB: tl.constexpr, dtype: tl.constexpr,
+                      DPREC: tl.constexpr):
     """``M_b r_i`` for every row of ``r [BM, BD]`` (fp32; rows from position ``pos0``), ``M_b`` the fp32 ``[D, D]``
     matrix at ``PRE + (b - pre_first) D^2`` of the row's block ``b = pos // PB`` (``reference.lla.key_preconditioner``,
     ``pre_blocks`` of them: rows past the last take the last, a tile across two blocks takes both). ``M_b`` is
@@ -280,21 +281,44 @@ def precondition_tile(r, PRE, pos0, pre_first, pre_blocks, D, PB: tl.constexpr, 
     BM: tl.constexpr = r.shape[0]
     rel = pos0 - pre_first * PB  # >= 0 (positions may be < 0 when S < T; integer division truncates)
     b0 = rel // PB
-    z = rows_times_matrix(r, PRE + b0 * D * D, D, DPREC)
+    z = rows_times_matrix(r, PRE + b0 * D * D, D, dtype, DPREC)
     b1 = tl.minimum((rel + BM - 1) // PB, pre_blocks - 1)
     if b1 != b0:
-        z1 = rows_times_matrix(r, PRE + b1 * D * D, D, DPREC)
+        z1 = rows_times_matrix(r, PRE + b1 * D * D, D, dtype, DPREC)
         z = tl.where((rel + tl.arange(0, BM) >= b1 * PB)[:, None], z1, z)
     return z
 
 
 @triton.jit
-def rows_times_matrix(r, M, D, DPREC: tl.constexpr):
+def rows_times_matrix(r, M, D, dtype: tl.constexpr, DPREC: tl.constexpr):
     """``r @ M`` for ``r [BM, BD]`` (fp32; columns are features, ``G = 1``) and the fp32 ``[D, D]`` matrix at ``M``
-    (zeros outside it)."""
-    c = tl.arange(0, r.shape[1])
-    m = tl.load(M + c[:, None] * D + c[None, :], mask=(c < D)[:, None] & (c < D)[None, :], other=0.0)
-    return tl.dot(r, m, input_precision=DPREC)
+    (zeros outside it), in two halves of ``M``'s rows against the two halves of ``r``'s columns (one for
+    ``BD < 32``), each a ``[BM, BD / 2] x [BD / 2, BD]`` product with operands of the input ``dtype`` as the key
+    loop takes them (see ``matrix_rows_product``): on sm_90 a full-width or fp32 product there put spills into
+    the CG key loop (benchmarks/results/sm90-registers/lla.txt)."""
+    BM: tl.constexpr = r.shape[0]
+    BD: tl.constexpr = r.shape[1]
+    if BD >= 32:
+        first, second = tl.split(tl.permute(tl.reshape(r, (BM, 2, BD // 2)), (0, 2, 1)))
+        z = matrix_rows_product(first, M, 0, D, BD, dtype, DPREC)
+        z += matrix_rows_product(second, M, BD // 2, D, BD, dtype, DPREC)
+    else:
+        z = matrix_rows_product(r, M, 0, D, BD, dtype, DPREC)
+    return z
+
+
+@triton.jit
+def matrix_rows_product(r, M, row0, D, BD: tl.constexpr, dtype: tl.constexpr, DPREC: tl.constexpr):
+    """``r @ M[row0:row0 + W, :BD]`` for fp32 ``r [BM, W]`` (zeros outside ``D x D``), both in a high and a low part
+    of ``dtype`` (three products; one for fp32): about fp32 accuracy."""
+    rows = row0 + tl.arange(0, r.shape[1])
+    cols = tl.arange(0, BD)
+    m = tl.load(M + rows[:, None] * D + cols[None, :], mask=(rows < D)[:, None] & (cols < D)[None, :], other=0.0)
+    hi = m.to(dtype)
+    z = split_dot(r, hi, DPREC)
+    if dtype != tl.float32:
+        z += tl.dot(r.to(dtype), (m - hi.to(tl.float32)).to(dtype), input_precision=DPREC)
+    return z
 
 
 @triton.jit
