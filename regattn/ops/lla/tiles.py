@@ -277,7 +277,7 @@ def precondition_tile(r, PRE, pos0, pre_first, pre_blocks, D, PB: tl.constexpr, 
     """``M_b r_i`` for every row of ``r [BM, BD]`` (fp32; rows from position ``pos0``), ``M_b`` the fp32 ``[D, D]``
     matrix at ``PRE + (b - pre_first) D^2`` of the row's block ``b = pos // PB`` (``reference.lla.key_preconditioner``,
     ``pre_blocks`` of them: rows past the last take the last, a tile across two blocks takes both). ``M_b`` is
-    symmetric, so ``M_b r_i`` is the row ``r_i M_b``; the product runs in tf32 for half-precision inputs."""
+    symmetric, so ``M_b r_i`` is the row ``r_i M_b`` (``rows_times_matrix``: about fp32 accuracy)."""
     BM: tl.constexpr = r.shape[0]
     rel = pos0 - pre_first * PB  # >= 0 (positions may be < 0 when S < T; integer division truncates)
     b0 = rel // PB
@@ -314,10 +314,11 @@ def matrix_rows_product(r, M, row0, D, BD: tl.constexpr, dtype: tl.constexpr, DP
     rows = row0 + tl.arange(0, r.shape[1])
     cols = tl.arange(0, BD)
     m = tl.load(M + rows[:, None] * D + cols[None, :], mask=(rows < D)[:, None] & (cols < D)[None, :], other=0.0)
-    hi = m.to(dtype)
-    z = split_dot(r, hi, DPREC)
+    m_hi, m_lo = split_halves(m, dtype)
+    r_hi, r_lo = split_halves(r, dtype)
+    z = halves_dot(r_hi, r_lo, m_hi, DPREC)
     if dtype != tl.float32:
-        z += tl.dot(r.to(dtype), (m - hi.to(tl.float32)).to(dtype), input_precision=DPREC)
+        z += tl.dot(r_hi, m_lo, input_precision=DPREC)
     return z
 
 
