@@ -81,16 +81,29 @@ def plot_scaling(rows: list[dict], path: str, *, seq_len: int, title: str = "") 
     _save(plt, fig, path)
 
 
+def x_order(xs: list) -> list[str]:
+    """The sweep's points as labels, one each, in the plots' order: ascending where all are numbers, else in the
+    order they first appear (a mixer without some points keeps its place on the shared axis)."""
+    labels = list(dict.fromkeys(str(x) for x in xs))
+    try:
+        return sorted(labels, key=float)
+    except ValueError:
+        return labels
+
+
 def plot_sweep(summary: dict, path: str, *, xlabel: str, metric: str, title: str = "") -> None:
     """``summary[mixer][point] = {"x": value, "mean": m, "std": s}``: metric against x, one line per mixer."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(5.5, 3.8))
+    widest_first = sorted(summary.values(), key=len, reverse=True)   # its points in the sweep's order
+    order = x_order([r["x"] for points in widest_first for r in points.values()])
     for mixer, points in summary.items():
-        rows = sorted(points.values(), key=lambda r: (isinstance(r["x"], str), r["x"]))
-        xs = [str(r["x"]) for r in rows]
+        rows = sorted(points.values(), key=lambda r: order.index(str(r["x"])))
+        at = [order.index(str(r["x"])) for r in rows]
         means = np.array([np.nan if r["mean"] is None else r["mean"] for r in rows])
         stds = np.array([0.0 if r["std"] is None else r["std"] for r in rows])
-        ax.errorbar(xs, means, yerr=stds, marker="o", capsize=3, label=mixer)
+        ax.errorbar(at, means, yerr=stds, marker="o", capsize=3, label=mixer)
+    ax.set_xticks(range(len(order)), order)
     ax.set_xlabel(xlabel)
     if max((len(str(x)) for points in summary.values() for x in points), default=0) > 8:
         ax.tick_params(axis="x", labelrotation=30)           # task names: keep them apart

@@ -35,7 +35,7 @@ from regattn.tasks import MAD_TASKS, TASKS, mad_benchmark_settings, mad_hard_set
 from regattn.train import checks
 from regattn.train.cli import (add_common, base_config, check_common, parse_list, parse_value, rate, record,
                                refused_mixers, write_json)
-from regattn.train.plots import plot_curves, plot_sweep
+from regattn.train.plots import plot_curves, plot_sweep, x_order
 from regattn.train.trainer import TrainConfig, score, train
 from regattn.usage import UsageError
 
@@ -63,9 +63,10 @@ PRESETS = {
                     f"--set num_train=40000 --set vocab_size=8192 --set num_test=1000 --set offset_power=0.01 "
                     f"--mixers softmax,swa,gatedfwa,parallax,lla {_ADAMW} --seeds 0",
     # parallax Appendix E (Muon, WSD without warm-up, last 20% decayed, 60 epochs, three peak rates)
-    # Table 1a's Mamba and GDN are flash-linear-attention's layers (the baselines extra); a baseline FLA
-    # refuses on this machine is skipped, with its reason in the sweep's JSON
-    "parallax-mad": f"mad --mixers softmax,parallax,gatedfwa,decay,mesanet,mamba2,gdn {_MUON}",
+    # Table 1a's Mamba and GDN are flash-linear-attention's layers (the baselines extra), as is GLA, a gated
+    # linear layer FLA runs on Hopper with triton < 3.7.1 where it refuses GDN; a baseline FLA refuses on this
+    # machine is skipped, with its reason in the sweep's JSON
+    "parallax-mad": f"mad --mixers softmax,parallax,gatedfwa,decay,mesanet,mamba2,gdn,gla {_MUON}",
     "parallax-mad-benchmark": f"mad_benchmark --mixers softmax,parallax,gatedfwa,decay {_MUON}",
     "parallax-mad-hard": f"mad_hard --mixers softmax,parallax,gatedfwa,decay {_MUON}",
 }
@@ -272,14 +273,22 @@ def summarize_sweep(runs: list[dict]) -> dict:
 
 
 def suite_average(summary: dict) -> dict:
-    """Per mixer: the mean over MAD tasks of each task's mean over its settings (Table 1a's Avg)."""
-    out = {}
+    """Per mixer: the mean over MAD tasks of each task's mean over its settings (Table 1a's Avg). A mixer without
+    a score on every task some mixer has gets ``average`` None and its ``missing`` tasks: a partial mean is not
+    comparable."""
+    per_mixer = {}
     for mixer, points in summary.items():
         per_task: dict = {}
         for key, cell in points.items():
             per_task.setdefault(str(key).split(":")[0], []).append(cell["mean"])
-        tasks = {t: statistics.fmean(v) for t, v in per_task.items()}
-        out[mixer] = dict(tasks=tasks, average=statistics.fmean(tasks.values()))
+        per_mixer[mixer] = {t: statistics.fmean(v) for t, v in per_task.items()}
+    every = list(dict.fromkeys(t for tasks in per_mixer.values() for t in tasks))
+    out = {}
+    for mixer, tasks in per_mixer.items():
+        missing = [t for t in every if t not in tasks]
+        out[mixer] = dict(tasks=tasks, average=None if missing else statistics.fmean(tasks.values()))
+        if missing:
+            out[mixer]["missing"] = missing
     return out
 
 
@@ -325,15 +334,6 @@ def resumed(path: str | None, mixers: list[str], skipped: dict) -> tuple[list[di
     return done, shown, {**kept, **skipped}
 
 
-def point_order(runs: list[dict]) -> list[str]:
-    """The points of ``runs`` (their ``x``): ascending where all are numbers, else in order of appearance."""
-    xs = list(dict.fromkeys(str(r["x"]) for r in runs))
-    try:
-        return sorted(xs, key=float)
-    except ValueError:
-        return xs
-
-
 def plot_results(stem: str, payload: dict) -> None:
     """The sweep's plot (best rate per point and mixer) and the curves of each point's best runs, from its JSON
     ``payload``, beside ``stem``: every point the runs hold, so a resumed sweep redraws the earlier ones too."""
@@ -345,7 +345,7 @@ def plot_results(stem: str, payload: dict) -> None:
     others = [k for key in vary for k in key.split(":") if k != first]
     xlabel = "task" if not vary else first + (f" (mean over {', '.join(others)})" if others else "")
     plot_sweep(shown, stem + ".png", xlabel=xlabel, metric=runs[0]["metric"], title=payload["task"])
-    for i, x in enumerate(point_order(runs)):
+    for i, x in enumerate(x_order([r["x"] for r in runs])):
         best = {m: [r for r in runs if r["mixer"] == m and str(r["x"]) == x and r["lr"] == summary[m][x]["best_lr"]]
                 for m in payload["mixers"] if x in summary.get(m, {})}
         plot_curves(best, f"{stem}-curves-{i}.png", title=f"{payload['task']} {x}")
@@ -406,6 +406,6 @@ def main(argv=None) -> int:
     plot_results(stem, payload)
     print(json.dumps({m: {k: round(c["mean"], 4) for k, c in pts.items()} for m, pts in summary.items()}))
     if "average" in payload:
-        print(json.dumps({m: round(a["average"], 4) for m, a in payload["average"].items()}))
+        print(json.dumps({m: a["average"] and round(a["average"], 4) for m, a in payload["average"].items()}))
     print(f"wrote {stem}.json and plots")
     return 0

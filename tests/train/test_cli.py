@@ -1,7 +1,9 @@
 import json
 
+import matplotlib.axes
+
 from regattn.cli import COMMANDS
-from regattn.train import cli, sweep
+from regattn.train import cli, plots, sweep
 
 BASE = ["--set", "vocab_size=32", "--set", "num_train=16", "--set", "num_test=4", "--dim", "16", "--steps", "2",
         "--batch-size", "4", "--quiet"]
@@ -54,6 +56,9 @@ def test_sweep_points_for_suites():
                                       "length=32,pairs_per_length=8", "length=32,pairs_per_length=4"]
     summary = {"m": {"recall:a": {"mean": 0.5}, "recall:b": {"mean": 1.0}, "copy:a": {"mean": 0.25}}}
     assert sweep.suite_average(summary)["m"] == dict(tasks={"recall": 0.75, "copy": 0.25}, average=0.5)
+    partial = sweep.suite_average({**summary, "n": {"recall:a": {"mean": 1.0}}})
+    assert partial["m"]["average"] == 0.5
+    assert partial["n"] == dict(tasks={"recall": 1.0}, average=None, missing=["copy"])
 
 
 def test_sweep_resume_keeps_done_runs(tmp_path):
@@ -236,5 +241,20 @@ def test_sweep_plots_every_point_its_runs_hold(tmp_path):
     assert sweep.main(args + ["--vary", "length=24"]) == 0
     assert sweep.main(args + ["--vary", "length=16", "--resume"]) == 0
     assert (out / "sweep-mqar-curves-0.png").exists() and (out / "sweep-mqar-curves-1.png").exists()
-    assert sweep.point_order([{"x": 512}, {"x": 128}, {"x": "256"}]) == ["128", "256", "512"]
-    assert sweep.point_order([{"x": "recall"}, {"x": "copy"}, {"x": "recall"}]) == ["recall", "copy"]
+    assert plots.x_order([512, 128, "256"]) == ["128", "256", "512"]
+    assert plots.x_order(["recall", "copy", "recall"]) == ["recall", "copy"]
+
+
+def test_sweep_plot_keeps_each_point_in_its_place_when_a_mixer_lacks_some(tmp_path, monkeypatch):
+    drawn = {}
+    original = matplotlib.axes.Axes.errorbar
+
+    def record(ax, x, y, *args, label=None, **kwargs):
+        drawn[label] = (list(x), list(y))
+        return original(ax, x, y, *args, label=label, **kwargs)
+    monkeypatch.setattr(matplotlib.axes.Axes, "errorbar", record)
+    cell = {"recall": 0.9, "copy": 0.5, "memo": 0.7}
+    summary = {"partial": {k: dict(x=k, mean=cell[k], std=0.0) for k in ("copy", "memo")},
+               "whole": {k: dict(x=k, mean=cell[k], std=0.0) for k in ("recall", "copy", "memo")}}
+    plots.plot_sweep(summary, str(tmp_path / "s.png"), xlabel="task", metric="accuracy")
+    assert drawn == {"partial": ([1, 2], [0.5, 0.7]), "whole": ([0, 1, 2], [0.9, 0.5, 0.7])}
