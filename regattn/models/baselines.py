@@ -106,11 +106,12 @@ def refusal(name: str, dim: int, heads: int, device, **options) -> str | None:
     return None
 
 
-def refusals(mixers: list[str], *, dim: int, heads: int, device, options: dict) -> dict[str, str]:
-    """``{mixer: reason}`` for each baseline among ``mixers`` that does not run on ``device``."""
+def refusals(mixers: list[str], *, dim: int, heads: int, device, options: dict[str, dict]) -> dict[str, str]:
+    """``{mixer: reason}`` for each baseline among ``mixers`` that does not run on ``device``; ``options``: each
+    mixer's own options (none where it is not a key)."""
     out = {}
     for name in mixers:
-        reason = refusal(name, dim, heads, device, **options) if name in BASELINES else None
+        reason = refusal(name, dim, heads, device, **options.get(name, {})) if name in BASELINES else None
         if reason is not None:
             out[name] = reason
     return out

@@ -159,12 +159,29 @@ WINDOWED = ("swa", "gatedfwa")
 MIXER_NAMES = tuple(sorted(MIXERS)) + BASELINES
 
 
+def options_for(name: str, options: dict) -> dict:
+    """The options of ``options`` that reach the mixer ``name``: every ``key``, and every ``name.key`` as ``key``
+    (it wins over a plain ``key``); an ``other.key`` is the mixer ``other``'s (ValueError if no mixer is named so)."""
+    plain, own = {}, {}
+    for key, value in options.items():
+        mixer, dot, option = key.partition(".")
+        if not dot:
+            plain[key] = value
+        elif mixer not in MIXER_NAMES:
+            raise ValueError(f"mixer option {key!r}: {mixer!r} names no mixer; expected one of {list(MIXER_NAMES)}")
+        elif mixer == name:
+            own[option] = value
+    return {**plain, **own}
+
+
 def build_mixer(name: str, dim: int, heads: int, *, seq_len: int | None = None, **options) -> nn.Module:
     """The mixer ``name`` of :data:`MIXER_NAMES` at width ``dim`` with ``heads`` heads.
 
-    ``options`` go to the mixer (``window``, ``lam``, ``blocks``, ``rope``, ...); the windowed mixers
-    default to ``window = max(1, seq_len // 2)``. A baseline without its extra raises ImportError.
+    ``options`` go to the mixer (``window``, ``lam``, ``blocks``, ``rope``, ...; ``name.key`` to this mixer
+    alone, see :func:`options_for`); the windowed mixers default to ``window = max(1, seq_len // 2)``. A
+    baseline without its extra raises ImportError.
     """
+    options = options_for(name, options)
     if name in BASELINES:
         return build_baseline(name, dim, heads, **options)
     if name not in MIXERS:

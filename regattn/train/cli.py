@@ -3,7 +3,8 @@
 Each seed is a separate run (data and initialisation); the JSON written under ``--out`` holds every
 run's history and final / best test metric and their mean over seeds, and a plot of the curves.
 Task settings go through ``--set key=value`` (e.g. ``--set length=128 --set pairs=16``), mixer
-options through ``--mixer-opt key=value`` (e.g. ``--mixer-opt lam=0.1``).
+options through ``--mixer-opt key=value`` (e.g. ``--mixer-opt lam=0.1``), or ``MIXER.key=value`` for one
+mixer of a sweep (``--mixer-opt mamba2.state_size=4``).
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import os
 import statistics
 
 from regattn.models.baselines import refusals
-from regattn.models.mixers import MIXER_NAMES
+from regattn.models.mixers import MIXER_NAMES, options_for
 from regattn.tasks import TASKS
 from regattn.train import checks
 from regattn.train.optim import OPTIMIZERS
@@ -80,7 +81,8 @@ def add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heads", type=int, default=2)
     p.add_argument("--no-mlp", action="store_true", help="mixer-only blocks (lla's in-context regression)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="a task setting")
-    p.add_argument("--mixer-opt", action="append", metavar="KEY=VALUE", help="a mixer option")
+    p.add_argument("--mixer-opt", action="append", metavar="KEY=VALUE",
+                   help="a mixer option; MIXER.KEY=VALUE for that mixer alone")
     p.add_argument("--eval-every", type=int, default=0, help="evaluate every N steps (and at the end)")
     p.add_argument("--eval-batch-size", type=int, default=256)
     p.add_argument("--device", default="auto")
@@ -131,8 +133,9 @@ def check_common(args, tasks: list[str], mixers: list[str]) -> None:
 def refused_mixers(args, mixers: list[str]) -> dict[str, str]:
     """``{mixer: reason}`` for the baselines among ``mixers`` that FLA will not run on ``--device`` at these
     sizes (:func:`regattn.models.baselines.refusal`)."""
+    options = parse_pairs(args.mixer_opt, "--mixer-opt")
     return refusals(mixers, dim=args.dim, heads=args.heads, device=resolve_device(args.device),
-                    options=parse_pairs(args.mixer_opt, "--mixer-opt"))
+                    options={m: options_for(m, options) for m in mixers})
 
 
 def base_config(args, **overrides) -> TrainConfig:

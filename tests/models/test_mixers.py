@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from regattn.layers.norm import RMSNorm
-from regattn.models.mixers import MIXERS, build_mixer
+from regattn.models.mixers import MIXERS, build_mixer, options_for
 from regattn.models.stack import MixerStack, build_model
 from regattn.tasks import mad_task, mqar, in_context_regression
 
@@ -38,6 +38,18 @@ def test_window_default_and_bad_name():
         build_mixer("mamba", 16, 2, seq_len=8)
     with pytest.raises(ValueError, match="heads"):
         build_mixer("softmax", 16, 3)
+
+
+def test_options_named_for_one_mixer_reach_it_alone():
+    options = {"window": 4, "swa.window": 6, "lla.cg_iters": 3}
+    assert options_for("swa", options) == {"window": 6}
+    assert options_for("gatedfwa", options) == {"window": 4}
+    assert options_for("lla", options) == {"window": 4, "cg_iters": 3}
+    assert build_mixer("swa", 16, 2, seq_len=20, **options).window == 6
+    assert build_mixer("lla", 16, 2, seq_len=20, **{"lla.cg_iters": 3, "swa.window": 6}).cg_iters == 3
+    assert build_mixer("softmax", 16, 2, **{"lla.cg_iters": 3}).window is None
+    with pytest.raises(ValueError, match="'lal.cg_iters'.*names no mixer"):
+        build_mixer("lla", 16, 2, seq_len=20, **{"lal.cg_iters": 3})
 
 
 def test_stack_kinds():

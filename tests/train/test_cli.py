@@ -1,9 +1,11 @@
 import json
 
 import matplotlib.axes
+import pytest
 
 from regattn.cli import COMMANDS
 from regattn.train import cli, plots, sweep
+from regattn.usage import UsageError
 
 BASE = ["--set", "vocab_size=32", "--set", "num_train=16", "--set", "num_test=4", "--dim", "16", "--steps", "2",
         "--batch-size", "4", "--quiet"]
@@ -128,6 +130,11 @@ def test_presets_parse_into_valid_sweeps():
                                          dict(length=64, pairs_per_length=8, num_train=40000),
                                          dict(length=64, pairs_per_length=4, num_train=60000)]
     assert args.epochs == 32 and args.batch_size == 256 and args.optimizer == "adamw"
+
+
+def test_sweep_refuses_an_option_for_no_mixer(tmp_path):
+    with pytest.raises(UsageError, match="--mixer-opt: .*'sw.window'.*names no mixer"):
+        sweep.main(["mqar", "--mixers", "softmax,swa", "--mixer-opt", "sw.window=3", "--out", str(tmp_path)] + TINY)
 
 
 def test_sweep_varies_a_training_setting(tmp_path):
