@@ -256,56 +256,79 @@ def key_preconditioner(k, T: int, window=None) -> torch.Tensor:
     P = PRECONDITIONER_BLOCK
     first, last = (S - T) // P, (S - 1) // P
     with torch.no_grad():
-        kh = k.detach().transpose(1, 2).to(compute_dtype(k))  # [B, H, S, D]
-        sums, grams, count = key_block_sums(kh, first, last, window)
-        n = count.to(kh.dtype).clamp(min=1)
-        eye = torch.eye(D, dtype=kh.dtype, device=k.device)
-        for i in range(0, last - first + 1, 32):  # in place, 32 blocks at a time: no full-size temporaries
-            part = slice(i, i + 32)
+        sums, grams, count = key_block_sums(k.detach(), first, last, window)
+        n = count.to(grams.dtype).clamp(min=1)
+        eye = torch.eye(D, dtype=grams.dtype, device=k.device)
+        for i in range(0, last - first + 1, BUILD_SLICE):  # in place, a slice of blocks at a time
+            part = slice(i, i + BUILD_SLICE)
             ni = n[part, None, None]
-            cov = (grams[:, :, part] - sums[:, :, part, :, None] * sums[:, :, part, None, :] / ni) / ni
+            cov = grams[:, :, part].sub_(sums[:, :, part, :, None] * sums[:, :, part, None, :] / ni).div_(ni)
             trace = torch.diagonal(cov, dim1=-2, dim2=-1).sum(-1)
             spread = torch.where(trace > 0, trace / D, torch.ones_like(trace))
-            chol, info = torch.linalg.cholesky_ex(cov / spread[..., None, None] + PRECONDITIONER_RIDGE * eye)
+            cov.div_(spread[..., None, None]).diagonal(dim1=-2, dim2=-1).add_(PRECONDITIONER_RIDGE)
+            chol, info = torch.linalg.cholesky_ex(cov)
             chol = torch.where((info == 0)[..., None, None], chol, eye * PRECONDITIONER_RIDGE ** 0.5)
             inv_chol = torch.linalg.solve_triangular(chol, eye.expand_as(chol), upper=False)
-            grams[:, :, part] = inv_chol.mT @ inv_chol  # symmetric in every rounding
+            del chol
+            cov.copy_(inv_chol.mT @ inv_chol)  # symmetric in every rounding
     return grams
 
 
-def key_block_sums(kh, first: int, last: int, window):
+BUILD_SLICE = 16  # blocks a step of the preconditioner's build takes: its temporaries stay a fraction of the result
+
+
+def key_block_sums(k, first: int, last: int, window):
     """``(sums [B, H, NB, D], grams [B, H, NB, D, D], count [NB])``: the sum, the sum of outer products and the
-    number of the keys that enter :func:`key_preconditioner` for the query blocks ``first..last``
-    (``kh [B, H, S, D]``)."""
-    B, H, S, D = kh.shape
-    P = PRECONDITIONER_BLOCK
-    if first < 0:  # queries before the first key (S < T): blocks < 0 have no key before them
-        sums, grams, count = key_block_sums(kh, 0, last, window)
-        sums, grams = (torch.cat([x.new_zeros(*x.shape[:2], -first, *x.shape[3:]), x], 2) for x in (sums, grams))
-        return sums, grams, torch.cat([count.new_zeros(-first), count])
-    span = None if window is None else max(window // P - 1, 0)  # key blocks each query block sees whole
-    start = first if span is None else first - span  # the first key block needed (< 0: none there)
-    chunks = kh[:, :, max(start, 0) * P:last * P].unflatten(2, (last - max(start, 0), P))
-    sums, grams = chunks.sum(3), chunks.mT @ chunks
-    blocks = torch.arange(first, last + 1, device=kh.device)
-    if span is None:  # every key before the block: the keys before the first query block, then running sums
-        base = kh[:, :, :start * P]
-        sums = torch.cat([base.sum(2, keepdim=True), sums], 2).cumsum_(2)
-        grams = torch.cat([(base.mT @ base)[:, :, None], grams], 2).cumsum_(2)
+    number of the keys of ``k [B, S, H, D]`` that enter :func:`key_preconditioner` for the query blocks
+    ``first..last``, in the compute dtype, formed :data:`BUILD_SLICE` blocks at a time (the keys before the
+    first query block, in one step)."""
+    B, S, H, D = k.shape
+    P, NB = PRECONDITIONER_BLOCK, last - first + 1
+    blocks = torch.arange(first, last + 1, device=k.device).clamp(min=0)
+    sums = k.new_zeros(B, H, NB, D, dtype=compute_dtype(k))
+    grams = k.new_zeros(B, H, NB, D, D, dtype=sums.dtype)
+    lead = max(-first, 0)  # query blocks before the first key (S < T): no key before them
+    if window is None:  # every key before the block: the keys before the first query block, then running sums
+        start = first + lead
+        base = k[:, :start * P].transpose(1, 2).to(sums.dtype)  # in one step: a decoding query's cache
+        sums[:, :, lead] = base.sum(2)
+        grams[:, :, lead] = base.mT @ base
+        del base
+        key_moments(k, start, last, sums.dtype, out=(sums[:, :, lead + 1:], grams[:, :, lead + 1:]))
+        sums.cumsum_(2)
+        grams.cumsum_(2)
         return sums, grams, blocks * P
     # the last `span` key blocks before each query block, summed directly (a running sum's differences would
     # carry a non-finite key from outside the window)
-    pad = max(-start, 0) + 1
-    sums, grams = (torch.cat([x.new_zeros(*x.shape[:2], pad, *x.shape[3:]), x], 2) for x in (sums, grams))
-    return window_sum(sums, span), window_sum(grams, span), blocks.clamp(max=span) * P
-
-
-def window_sum(x, span: int) -> torch.Tensor:
-    """``out[b] = x[b + 1] + ... + x[b + span]`` along dim 2 (0 where ``span`` is 0; ``len(x) - span`` entries):
-    the ``span`` key blocks before each query block, summed directly."""
+    span = max(window // P - 1, 0)  # key blocks each query block sees whole
     if span == 0:
-        return torch.zeros_like(x)
-    return x.unfold(2, span, 1)[:, :, 1:].sum(-1)
+        return sums, grams, blocks * 0
+    for a in range(0, NB, BUILD_SLICE):  # query blocks first+a..first+b-1 see key blocks lo..hi-1
+        b = min(a + BUILD_SLICE, NB)
+        lo, hi = first + a - span, first + b - 1
+        block_sums = k.new_zeros(B, H, hi - lo, D, dtype=sums.dtype)
+        block_grams = k.new_zeros(B, H, hi - lo, D, D, dtype=sums.dtype)
+        none = max(-lo, 0)  # key blocks before the first key: zeros
+        key_moments(k, lo + none, hi, sums.dtype, out=(block_sums[:, :, none:], block_grams[:, :, none:]))
+        sums[:, :, a:b] = block_sums.unfold(2, span, 1).sum(-1)
+        grams[:, :, a:b] = block_grams.unfold(2, span, 1).sum(-1)
+    return sums, grams, blocks.clamp(max=span) * P
+
+
+def key_moments(k, lo: int, hi: int, dtype, out=None):
+    """The sum and the sum of outer products of the keys of each key block ``lo..hi-1`` of ``k [B, S, H, D]``:
+    ``[B, H, hi - lo, D]`` and ``[B, H, hi - lo, D, D]`` in ``dtype``, into ``out`` where given, formed
+    :data:`BUILD_SLICE` blocks at a time."""
+    B, S, H, D = k.shape
+    P = PRECONDITIONER_BLOCK
+    if out is None:
+        out = (k.new_empty(B, H, hi - lo, D, dtype=dtype), k.new_empty(B, H, hi - lo, D, D, dtype=dtype))
+    for j in range(lo, hi, BUILD_SLICE):
+        e = min(j + BUILD_SLICE, hi)
+        chunk = k[:, j * P:e * P].transpose(1, 2).to(dtype).unflatten(2, (e - j, P))  # [B, H, blocks, P, D]
+        out[0][:, :, j - lo:e - lo] = chunk.sum(3)
+        out[1][:, :, j - lo:e - lo] = chunk.mT @ chunk
+    return out
 
 
 def precondition_rows(M, r, S: int) -> torch.Tensor:
