@@ -294,7 +294,7 @@ def key_block_sums(k, first: int, last: int, window):
         sums[:, :, lead] = base.sum(2)
         grams[:, :, lead] = base.mT @ base
         del base
-        key_moments(k, start, last, sums.dtype, out=(sums[:, :, lead + 1:], grams[:, :, lead + 1:]))
+        key_moments(k, start, last, sums[:, :, lead + 1:], grams[:, :, lead + 1:])
         sums.cumsum_(2)
         grams.cumsum_(2)
         return sums, grams, blocks * P
@@ -309,26 +309,22 @@ def key_block_sums(k, first: int, last: int, window):
         block_sums = k.new_zeros(B, H, hi - lo, D, dtype=sums.dtype)
         block_grams = k.new_zeros(B, H, hi - lo, D, D, dtype=sums.dtype)
         none = max(-lo, 0)  # key blocks before the first key: zeros
-        key_moments(k, lo + none, hi, sums.dtype, out=(block_sums[:, :, none:], block_grams[:, :, none:]))
+        key_moments(k, lo + none, hi, block_sums[:, :, none:], block_grams[:, :, none:])
         sums[:, :, a:b] = block_sums.unfold(2, span, 1).sum(-1)
         grams[:, :, a:b] = block_grams.unfold(2, span, 1).sum(-1)
     return sums, grams, blocks.clamp(max=span) * P
 
 
-def key_moments(k, lo: int, hi: int, dtype, out=None):
-    """The sum and the sum of outer products of the keys of each key block ``lo..hi-1`` of ``k [B, S, H, D]``:
-    ``[B, H, hi - lo, D]`` and ``[B, H, hi - lo, D, D]`` in ``dtype``, into ``out`` where given, formed
-    :data:`BUILD_SLICE` blocks at a time."""
-    B, S, H, D = k.shape
+def key_moments(k, lo: int, hi: int, sums, grams) -> None:
+    """Write the sum and the sum of outer products of the keys of each key block ``lo..hi-1`` of ``k [B, S, H, D]``
+    into ``sums [B, H, hi - lo, D]`` and ``grams [B, H, hi - lo, D, D]`` (in their dtype), :data:`BUILD_SLICE`
+    blocks at a time."""
     P = PRECONDITIONER_BLOCK
-    if out is None:
-        out = (k.new_empty(B, H, hi - lo, D, dtype=dtype), k.new_empty(B, H, hi - lo, D, D, dtype=dtype))
     for j in range(lo, hi, BUILD_SLICE):
         e = min(j + BUILD_SLICE, hi)
-        chunk = k[:, j * P:e * P].transpose(1, 2).to(dtype).unflatten(2, (e - j, P))  # [B, H, blocks, P, D]
-        out[0][:, :, j - lo:e - lo] = chunk.sum(3)
-        out[1][:, :, j - lo:e - lo] = chunk.mT @ chunk
-    return out
+        chunk = k[:, j * P:e * P].transpose(1, 2).to(sums.dtype).unflatten(2, (e - j, P))  # [B, H, blocks, P, D]
+        sums[:, :, j - lo:e - lo] = chunk.sum(3)
+        grams[:, :, j - lo:e - lo] = chunk.mT @ chunk
 
 
 def precondition_rows(M, r, S: int) -> torch.Tensor:

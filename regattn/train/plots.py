@@ -97,9 +97,10 @@ def plot_sweep(summary: dict, path: str, *, xlabel: str, metric: str, title: str
     fig, ax = plt.subplots(figsize=(5.5, 3.8))
     widest_first = sorted(summary.values(), key=len, reverse=True)   # its points in the sweep's order
     order = x_order([r["x"] for points in widest_first for r in points.values()])
+    place = {x: i for i, x in enumerate(order)}
     for mixer, points in summary.items():
-        rows = sorted(points.values(), key=lambda r: order.index(str(r["x"])))
-        at = [order.index(str(r["x"])) for r in rows]
+        rows = sorted(points.values(), key=lambda r: place[str(r["x"])])
+        at = [place[str(r["x"])] for r in rows]
         means = np.array([np.nan if r["mean"] is None else r["mean"] for r in rows])
         stds = np.array([0.0 if r["std"] is None else r["std"] for r in rows])
         ax.errorbar(at, means, yerr=stds, marker="o", capsize=3, label=mixer)

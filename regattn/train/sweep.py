@@ -409,6 +409,7 @@ def main(argv=None) -> int:
     plot_results(stem, payload)
     print(json.dumps({m: {k: round(c["mean"], 4) for k, c in pts.items()} for m, pts in summary.items()}))
     if "average" in payload:
-        print(json.dumps({m: a["average"] and round(a["average"], 4) for m, a in payload["average"].items()}))
+        averages = payload["average"].items()
+        print(json.dumps({m: None if a["average"] is None else round(a["average"], 4) for m, a in averages}))
     print(f"wrote {stem}.json and plots")
     return 0
