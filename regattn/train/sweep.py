@@ -339,8 +339,10 @@ def resumed(path: str | None, mixers: list[str], skipped: dict) -> tuple[list[di
 
 def plot_results(stem: str, payload: dict) -> None:
     """The sweep's plot (best rate per point and mixer) and the curves of each point's best runs, from its JSON
-    ``payload``, beside ``stem``: every point the runs hold, so a resumed sweep redraws the earlier ones too."""
-    summary, vary = payload["summary"], payload["vary"]
+    ``payload``, beside ``stem``: every point the runs hold, so a resumed sweep redraws the earlier ones too; the
+    mixers in the sweep's order, whichever ran first."""
+    vary, order = payload["vary"], list(dict.fromkeys(payload["mixers"] + list(payload["summary"])))
+    summary = {m: payload["summary"][m] for m in order if m in payload["summary"]}
     runs = [r for r in payload["runs"] if not r.get("error")]
     first = vary[0].split(":")[0] if vary else None
     single = len(vary) == 1 and ":" not in vary[0]

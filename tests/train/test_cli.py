@@ -265,3 +265,16 @@ def test_sweep_plot_keeps_each_point_in_its_place_when_a_mixer_lacks_some(tmp_pa
                "whole": {k: dict(x=k, mean=cell[k], std=0.0) for k in ("recall", "copy", "memo")}}
     plots.plot_sweep(summary, str(tmp_path / "s.png"), xlabel="task", metric="accuracy")
     assert drawn == {"partial": ([1, 2], [0.5, 0.7]), "whole": ([0, 1, 2], [0.9, 0.5, 0.7])}
+
+
+def test_sweep_plots_draw_the_mixers_in_the_sweeps_order(monkeypatch):
+    """A mixer whose runs came first in the JSON (a resumed sweep's) still takes its place in the legend."""
+    drawn = []
+    monkeypatch.setattr(sweep, "plot_sweep", lambda summary, *a, **k: drawn.append(list(summary)))
+    monkeypatch.setattr(sweep, "plot_curves", lambda best, *a, **k: drawn.append(list(best)))
+    cell = {"recall": dict(x="recall", best_lr=1e-3, mean=0.5, std=0.0)}
+    runs = [dict(mixer=m, x="recall", lr=1e-3, metric="accuracy") for m in ("late", "first")]
+    payload = dict(task="mad", vary=[], mixers=["first", "late"], runs=runs,
+                   summary={"late": cell, "first": cell})
+    sweep.plot_results("unused", payload)
+    assert drawn == [["first", "late"], ["first", "late"]]
