@@ -15,7 +15,9 @@ override it (a ``--vary`` of the same key replaces the preset's).
 
 ``--jobs N`` runs N runs at a time, each in its own process (spawned; the small task models leave room
 for several on one GPU). A run that raises is recorded with its ``error`` (and no score) and is run
-again by ``--resume``; an interrupt (SIGINT) ends the runs in flight at once, and ``--resume`` runs them again.
+again by ``--resume``; an interrupt (SIGINT) ends the runs in flight at once, and ``--resume`` runs them again:
+from the start, or with ``--checkpoint-every N`` from the last of their checkpoints (every N steps, in
+``OUT/checkpoints/``, each removed once its run is recorded).
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ import itertools
 import json
 import multiprocessing
 import os
+import re
 import statistics
 import sys
 import time
@@ -145,15 +148,22 @@ def run_key(mixer: str, x, lr: float, seed: int) -> tuple:
     return (mixer, str(x), float(lr), int(seed))
 
 
+def checkpoint_name(task: str, key: tuple) -> str:
+    """The file name of a run's checkpoint: its task and :func:`run_key`, in characters safe in any path."""
+    mixer, x, lr, seed = key
+    return re.sub(r"[^A-Za-z0-9_.=-]+", "_", f"{task}-{x}-{mixer}-lr{lr:g}-seed{seed}") + ".pt"
+
+
 def run_sweep(base: TrainConfig, *, mixers: list[str], lrs: list[float], seeds: list[int],
               points: list[tuple[str, dict, object]], done: list[dict] | None = None, on_run=None,
-              jobs: int = 1) -> list[dict]:
+              jobs: int = 1, checkpoints: str | None = None) -> list[dict]:
     """Every run of the grid; each record carries ``mixer, x, setting, lr, seed``, in the grid's order.
 
     done: records of an earlier, interrupted sweep; their runs are kept, not repeated (a failed one, with an
     ``error``, is run again). on_run: called with the list of records after each run (to save partial
     results). jobs: runs at a time, each in its own process; with 1, in this process, the task data built
-    once per point and seed.
+    once per point and seed. checkpoints: a folder where each run checkpoints (every ``base.checkpoint_every``
+    steps) and resumes from; a run's file is removed once ``on_run`` has its record.
     """
     runs = [r for r in done or [] if not r.get("error")]
     finished = {run_key(r["mixer"], r["x"], r["lr"], r["seed"]) for r in runs}
@@ -166,8 +176,9 @@ def run_sweep(base: TrainConfig, *, mixers: list[str], lrs: list[float], seeds: 
                 key = run_key(mixer, x, lr, seed)
                 grid.append(key)
                 if key not in finished:
+                    path = checkpoints and os.path.join(checkpoints, checkpoint_name(task, key))
                     config = dataclasses.replace(base, task=task, task_options=options, mixer=mixer, lr=lr, seed=seed,
-                                                 **model)
+                                                 checkpoint=path, **model)
                     pending.append((config, dict(mixer=mixer, x=x, setting=setting, lr=lr, seed=seed)))
     order = {key: i for i, key in enumerate(grid)}
     for run in execute([config for config, _ in pending], jobs):
@@ -177,6 +188,8 @@ def run_sweep(base: TrainConfig, *, mixers: list[str], lrs: list[float], seeds: 
         print_run(run)
         if on_run is not None:
             on_run(runs)
+        if checkpoints and not run.get("error") and os.path.exists(run["config"]["checkpoint"]):
+            os.remove(run["config"]["checkpoint"])
     return runs
 
 
@@ -318,6 +331,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep the runs already in the output JSON (written after every run) and do the rest")
     p.add_argument("--preset", choices=sorted(PRESETS), help="a paper's protocol (see PRESETS); give no TASK")
     p.add_argument("--jobs", type=int, default=1, help="runs at a time, each in its own process (default 1)")
+    p.add_argument("--checkpoint-every", type=int, default=0, metavar="N",
+                   help="each run checkpoints every N steps into OUT/checkpoints, and --resume continues an "
+                        "interrupted run from there (default 0: it starts again)")
     return p
 
 
@@ -371,6 +387,7 @@ def main(argv=None) -> int:
         checks.positive("--lrs", lr)
     check_common(args, sorted({task for task, _, _ in points}), mixers)
     checks.at_least("--jobs", args.jobs, 1)
+    checks.at_least("--checkpoint-every", args.checkpoint_every, 0)
     check_points(points)
     skipped = refused_mixers(args, mixers)
     for mixer, reason in skipped.items():
@@ -378,7 +395,8 @@ def main(argv=None) -> int:
     mixers = [m for m in mixers if m not in skipped]
     if not mixers:
         raise UsageError(f"--mixers: none runs on this machine: {skipped}")
-    base = base_config(args, task=args.task if args.task in TASKS else "mad_recall")
+    base = base_config(args, task=args.task if args.task in TASKS else "mad_recall",
+                       checkpoint_every=args.checkpoint_every)
     stem = os.path.join(args.out, f"sweep-{args.task}")
     done, shown_mixers, skipped = resumed(stem + ".json" if args.resume else None, mixers, skipped)
     lrs, seeds = parse_list(args.lrs), parse_list(args.seeds, int)
@@ -395,7 +413,8 @@ def main(argv=None) -> int:
 
     started = time.time()
     runs = run_sweep(base, mixers=mixers, lrs=lrs, seeds=seeds, points=points, done=done,
-                     on_run=save, jobs=args.jobs)
+                     on_run=save, jobs=args.jobs,
+                     checkpoints=os.path.join(args.out, "checkpoints") if args.checkpoint_every else None)
     wall = time.time() - started
     payload = save(runs)
     summary = payload["summary"]
@@ -403,7 +422,7 @@ def main(argv=None) -> int:
     failed = len(runs) - len(done_runs)
     earlier = {id(r) for r in done}
     fresh = [r for r in done_runs if id(r) not in earlier]
-    steps = sum(r["steps"] for r in fresh)
+    steps = sum(r["steps"] - r.get("resumed_from", 0) for r in fresh)
     print(f"{len(fresh)} runs, {steps} steps in {wall:.0f} s: {steps / max(wall, 1e-9):.0f} steps/s over all runs "
           f"({args.jobs} at a time){f'; {failed} failed (run again with --resume)' if failed else ''}")
     if not done_runs:

@@ -160,7 +160,8 @@ def train(config: TrainConfig, *, data: TaskData | None = None, stop_at: int | N
     """Run (or resume) training; returns the result: config, final and best evaluation, history, and
     ``steps_per_second`` (optimizer steps per second from the first log point to the end, evaluations
     left out: the first steps, which compile, are not counted; None with a single log point), and
-    ``captured`` (whether the steps replayed a CUDA graph).
+    ``captured`` (whether the steps replayed a CUDA graph), ``resumed_from`` (the checkpoint's step, 0 for a fresh
+    run; ``seconds`` and ``steps_per_second`` cover the steps after it).
 
     stop_at: leave after that many steps in total (for a checkpoint to be resumed later).
     A step whose training loss or gradient norm is not finite makes no update (``result["skipped_steps"]``
@@ -183,6 +184,7 @@ def train(config: TrainConfig, *, data: TaskData | None = None, stop_at: int | N
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         step, history = state["step"], state["history"]
+    resumed_from = step
     total = total_steps(config, len(data.train))
     end = total if stop_at is None else min(stop_at, total)
     sched = dict(warmup=config.warmup, decay_start=config.decay_start)
@@ -222,7 +224,7 @@ def train(config: TrainConfig, *, data: TaskData | None = None, stop_at: int | N
     log.close()
     result = summarize(config, data, model, history, step, time.time() - started)
     result.update(diverged=diverged, steps_per_second=clock.rate(), captured=train_step.graph is not None,
-                  skipped_steps=sum(row.get("skipped", 0) for row in history["train"]))
+                  resumed_from=resumed_from, skipped_steps=sum(row.get("skipped", 0) for row in history["train"]))
     return result
 
 

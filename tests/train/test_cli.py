@@ -278,3 +278,24 @@ def test_sweep_plots_draw_the_mixers_in_the_sweeps_order(monkeypatch):
                    summary={"late": cell, "first": cell})
     sweep.plot_results("unused", payload)
     assert drawn == [["first", "late"], ["first", "late"]]
+
+
+def test_sweep_resumes_an_interrupted_run_from_its_checkpoint(tmp_path, monkeypatch):
+    """A run stopped after 3 of its 6 steps continues from its checkpoint on --resume and ends as the same
+    run uninterrupted does; its checkpoint is removed once the run is recorded."""
+    args = ["mqar", "--mixers", "softmax", "--lrs", "1e-3"] + TINY + ["--steps", "6", "--log-every", "1"]
+    assert sweep.main(args + ["--out", str(tmp_path / "whole")]) == 0
+
+    def stopped(config, data=None):
+        sweep_train(config, data=data, stop_at=3)
+        raise RuntimeError("stopped")
+    sweep_train, out = sweep.train, tmp_path / "resumed"
+    monkeypatch.setattr(sweep, "train", stopped)
+    assert sweep.main(args + ["--out", str(out), "--checkpoint-every", "2"]) == 1
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["mqar-default-softmax-lr0.001-seed0.pt"]
+    monkeypatch.setattr(sweep, "train", sweep_train)
+    assert sweep.main(args + ["--out", str(out), "--checkpoint-every", "2", "--resume"]) == 0
+    assert list((out / "checkpoints").iterdir()) == []
+    whole, resumed = (json.loads((d / "sweep-mqar.json").read_text())["runs"][0] for d in (tmp_path / "whole", out))
+    assert resumed["resumed_from"] == 3 and whole["resumed_from"] == 0
+    assert resumed["history"]["train"] == whole["history"]["train"] and resumed["best"] == whole["best"]
