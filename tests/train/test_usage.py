@@ -33,6 +33,7 @@ BAD = [
     (SWEEP + ["--compile", "fast"], "--compile"),
     (SWEEP + ["--log-every", "-1"], "--log-every"),
     (SWEEP + ["--jobs", "0"], "--jobs"),
+    (SWEEP + ["--checkpoint-every", "-1"], "--checkpoint-every"),
     (TRAIN + ["--cuda-graph", "--compile", "reduce-overhead"], "--cuda-graph"),
     (SWEEP + ["--cuda-graph", "--wda-gamma", "1"], "--wda-gamma"),
     (SWEEP + ["--jobs", "two"], "--jobs"),
