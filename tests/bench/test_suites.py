@@ -151,8 +151,10 @@ def test_lla_latency_shape_with_cg_times_that_count_and_the_direct_solve(tmp_pat
     assert main(["bench", "lla", "--device", "cpu", "--rep-ms", "1", "--backend", "triton", "--peers", "none",
                  "--shapes", "B=1,H=2,T=24,D=8,cg=4", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
-    assert [r["op"] for r in rows] == ["regattn:triton[cg=4]", "regattn:triton[BD g=D]"]
+    assert [(r["mode"], r["op"]) for r in rows] == [(mode, op) for mode in ("fwd", "fwd+bwd")
+                                                    for op in ("regattn:triton[cg=4]", "regattn:triton[BD g=D]")]
     assert all(r["status"] == "ok" and max(r["err"].values()) <= BOUND["lla"] for r in rows), rows
+    assert all(set(r["err"]) == {"o", "dq", "dk", "dv"} for r in rows if r["mode"] == "fwd+bwd"), rows
 
 
 @pytest.mark.parametrize("shape, message", [

@@ -1,6 +1,7 @@
 """Local Linear Attention: FlashLLA and BD-LLA against SDPA (the attention floor); latency and peak
 memory over sequence length beside the naive reference (lla Figure 7: d=128, batch 32); and the
-CG precision table (lla Table 2): CG in the run's dtype against the float64 exact solve."""
+CG precision table (lla Table 2): CG in the run's dtype against the float64 exact solve. The latency shapes
+also time forward and backward, the cost of training with the kernels, beside SDPA's."""
 from __future__ import annotations
 
 import regattn
@@ -12,7 +13,7 @@ from regattn.bench.runner import ours, randn, reference_case, sdpa_cases
 NAME = "lla"
 PEERS = ("sdpa-flash", "sdpa-cudnn", "reference")
 QUICK_PEERS = ("sdpa-cudnn",)
-MAIN = {"fwd": ("sdpa:cudnn",)}
+MAIN = {"fwd": ("sdpa:cudnn",), "fwd+bwd": ("sdpa:cudnn",)}
 SCALING = "fig7"  # the report plots latency and memory against T for these rows
 LAM = 1.0
 CG_ITERS = (1, 2, 4, 8, 16, 32, 64)
@@ -41,10 +42,12 @@ def qkv(shape, setup):
     return randn(setup, B, T, H, D), randn(setup, B, T, H, D), randn(setup, B, T, H, D)
 
 
-def truth(q, k, v, w=None, **solve) -> Check:
-    """The float64 reference of one solve (``cg_iters`` / ``blocks``) on the last rows of head 0."""
-    where = Slice(kv_heads=k.shape[2], rows=min(q.shape[1], CHECK_ROWS), last=True)
-    return Check(lambda q, k, v: reference.lla(q, k, v, lam=LAM, window=w, **solve), dict(q=q, k=k, v=v), where)
+def truth(q, k, v, w=None, grads=False, **solve) -> Check:
+    """The float64 reference of one solve (``cg_iters`` / ``blocks``) on the last rows of head 0, or with
+    ``grads`` on the first rows (their own problem), differentiated for q, k and v."""
+    where = Slice(kv_heads=k.shape[2], rows=min(q.shape[1], CHECK_ROWS), last=not grads)
+    return Check(lambda q, k, v: reference.lla(q, k, v, lam=LAM, window=w, **solve), dict(q=q, k=k, v=v), where,
+                 grads=("q", "k", "v") if grads else ())
 
 
 def solve_tag(D: int, blocks=None, cg_iters=None, cg_precondition=False) -> str:
@@ -54,11 +57,12 @@ def solve_tag(D: int, blocks=None, cg_iters=None, cg_precondition=False) -> str:
     return tag + (f"[cg={cg_iters}]" if cg_iters else "") + ("[pre]" if cg_precondition else "")
 
 
-def lla_case(q, k, v, setup, w=None, n=None, check=None, **solve):
+def lla_case(q, k, v, setup, w=None, n=None, check=None, leaves=(), **solve):
     """Our op with one solve (``cg_iters``, ``blocks`` or both), checked against the same solve in
-    float64 unless another ``check`` is given."""
+    float64 unless another ``check`` is given; ``leaves`` are differentiated in a forward+backward mode."""
     return ours(regattn.lla, q, setup, lambda: regattn.lla(q, k, v, lam=LAM, window=w, backend=setup.backend, **solve),
-                [], tag=solve_tag(q.shape[-1], **solve), check=check or truth(q, k, v, w, **solve), **n)
+                list(leaves), tag=solve_tag(q.shape[-1], **solve),
+                check=check or truth(q, k, v, w, grads=bool(leaves), **solve), **n)
 
 
 def latency_solves(D: int, cg: int | None) -> list[dict]:
@@ -71,16 +75,26 @@ def latency_solves(D: int, cg: int | None) -> list[dict]:
             dict(blocks=D), dict(blocks=max(D // 8, 1), cg_iters=8)]
 
 
+def training_solves(D: int, cg: int | None) -> list[dict]:
+    """The kernels' solves timed forward and backward: FlashLLA with ``cg`` (default 8) CG iterations and
+    BD-LLA's direct solve of g = D."""
+    return [dict(cg_iters=cg or 8), dict(blocks=D)]
+
+
 def latency_cases(shape, setup):
-    """The solves of :func:`latency_solves` (``cg``: optional) against SDPA."""
+    """The solves of :func:`latency_solves` (``cg``: optional) against SDPA, and those of :func:`training_solves`
+    forward and backward (no FLOP count: the backward's passes depend on the solve)."""
     B, H, T, D, w = shape["B"], shape["H"], shape["T"], shape["D"], shape.get("window")
-    q, k, v = qkv(shape, setup)
-    n_bytes = counts.attention_bytes(B, T, T, H, H, D, D, q.element_size())
-    for solve in latency_solves(D, shape.get("cg")):
-        n = dict(flops=counts.lla_flops(B, T, T, H, D, D, window=w, cg_iters=solve.get("cg_iters")), bytes=n_bytes)
-        yield "fwd", lla_case(q, k, v, setup, w, n, **solve)
-    yield from sdpa_cases(setup, "fwd", q, k, v, window=w, backends=("cudnn", "flash"), tag=" (attention)",
-                          flops=counts.attention_flops(B, T, T, H, D, D, window=w), bytes=n_bytes)
+    q, k, v = (x.requires_grad_() for x in qkv(shape, setup))
+    for mode in ("fwd", "fwd+bwd"):
+        bwd = mode == "fwd+bwd"
+        n_bytes = counts.attention_bytes(B, T, T, H, H, D, D, q.element_size(), backward=bwd)
+        for solve in training_solves(D, shape.get("cg")) if bwd else latency_solves(D, shape.get("cg")):
+            flops = None if bwd else counts.lla_flops(B, T, T, H, D, D, window=w, cg_iters=solve.get("cg_iters"))
+            leaves = (q, k, v) if bwd else ()
+            yield mode, lla_case(q, k, v, setup, w, dict(flops=flops, bytes=n_bytes), leaves=leaves, **solve)
+        yield from sdpa_cases(setup, mode, q, k, v, window=w, backends=("cudnn", "flash"), tag=" (attention)",
+                              flops=counts.attention_flops(B, T, T, H, D, D, window=w, backward=bwd), bytes=n_bytes)
 
 
 def scaling_cases(shape, setup):
