@@ -25,17 +25,20 @@ def inputs(B, T, HQ, H, D, device):
     return q, k, v, lam, randn(B, T, HQ, D, device=device)
 
 
-def check_converged(dtype, *, window=None, backward=True, B=1, T=1024, HQ=4, H=2, D=128, device="cuda"):
-    """2 D CG iterations: the output (and the gradients of q, k, v and lam) against the exact solve in
-    float64; fp32 within 10x the float32 exact solve's error (the solve amplifies rounding), fp16/bf16
-    within LOW_FACTOR x the error of the reference run on the same low-precision inputs."""
+def check_converged(dtype, *, window=None, backward=True, blocks=None, B=1, T=1024, HQ=4, H=2, D=128,
+                    device="cuda"):
+    """2 D CG iterations, or BD-LLA's direct solves with ``blocks``: the output (and the gradients of q, k, v
+    and lam) against the exact solve in float64; fp32 within 10x the float32 exact solve's error (the solve
+    amplifies rounding), fp16/bf16 within LOW_FACTOR x the error of the reference run on the same
+    low-precision inputs."""
     q, k, v, lam, do = inputs(B, T, HQ, H, D, device)
 
     def exact_form(q, k, v, lam):
-        return lla_blocks_uncentred(q, k, v, lam=lam, scale=D ** -0.5, window=window, blocks=1)
+        return lla_blocks_uncentred(q, k, v, lam=lam, scale=D ** -0.5, window=window, blocks=blocks or 1)
 
     def kernel(q, k, v, lam):
-        return regattn.lla(q, k, v, lam=lam, window=window, cg_iters=2 * D, cg_tol=1e-7, backend="triton")
+        solve = dict(blocks=blocks) if blocks else dict(cg_iters=2 * D, cg_tol=1e-7)
+        return regattn.lla(q, k, v, lam=lam, window=window, backend="triton", **solve)
 
     def run(fn, xs):
         return outputs(fn, xs, do) if backward else [fn(*xs)]
@@ -65,6 +68,14 @@ def check_truncated_cg(iters, precondition, *, B=1, T=1024, HQ=4, H=2, D=128, de
 ])
 def test_converged(dtype, window, backward):
     check_converged(dtype, window=window, backward=backward)
+
+
+@pytest.mark.parametrize("blocks", [128, 64], ids=["1x1", "2x2"])
+def test_block_diagonal_direct_solves_bf16(blocks):
+    """BD-LLA's direct solves, forward and backward: the kernels' second moments and cross terms in
+    tf32x3 (``moment_precision``), where one tf32 product would lose the cancellations of keys far
+    from the query."""
+    check_converged(BF16, blocks=blocks)
 
 
 @pytest.mark.parametrize("precondition", [True, False])

@@ -53,13 +53,14 @@ def pair_terms(w, gamma, a, om, bu, beta, delta_safe):
 
 
 @triton.jit
-def cross_quad(h, q32, qs32, kt, kst):
+def cross_quad(h, q32, qs32, kt, kst, PREC: tl.constexpr):
     """``sum_d z_ijd z_ije h_id`` on a tile with ``e`` the column of ``kst``/``qs32`` (``d`` itself or its
-    partner ``d xor 1``), fp32 ``[BM, BN]``: ``h.(k k') - (h q).k' - (h q').k + sum h q q'``."""
+    partner ``d xor 1``), fp32 ``[BM, BN]``: ``h.(k k') - (h q).k' - (h q').k + sum h q q'``, whose terms cancel
+    where keys sit far from the query: ``PREC`` (``moment_precision``) keeps fp32 accuracy."""
     k32 = kt.to(tl.float32)
     ks32 = kst.to(tl.float32)
-    return (tl.dot(h, k32 * ks32, input_precision="ieee") - tl.dot(h * q32, ks32, input_precision="ieee")
-            - tl.dot(h * qs32, k32, input_precision="ieee") + tl.sum(h * q32 * qs32, 1)[:, None])
+    return (tl.dot(h, k32 * ks32, input_precision=PREC) - tl.dot(h * q32, ks32, input_precision=PREC)
+            - tl.dot(h * qs32, k32, input_precision=PREC) + tl.sum(h * q32 * qs32, 1)[:, None])
 
 
 @triton.jit
@@ -159,9 +160,9 @@ def lla_bwd_q_kernel(Q, K, V, LAM, DO, RHO, DELTA, M2, OMEGA, CENTRE, DQ, U, BET
         bu = relmm_tile(u, q32, kt, DPREC)
         s, dw, f, g = pair_terms(w, gamma, a, om, bu, beta, delta_safe)
         if BD > 0:
-            quad = cross_quad(hd, q32, q32, kt, kt)
+            quad = cross_quad(hd, q32, q32, kt, kt, MPREC)
             if BD == 2:
-                quad += cross_quad(h1, q32, qs32, kt, load_cols(Kb, offs_n, offs_d ^ 1, sks, skd, S, D))
+                quad += cross_quad(h1, q32, qs32, kt, load_cols(Kb, offs_n, offs_d ^ 1, sks, skd, S, D), MPREC)
             dw = gamma * s + w * (2.0 * beta[:, None] * a - bu - beta[:, None] + quad)
         dq += tl.dot(dw.to(kt.dtype), tl.trans(kt), input_precision=DPREC)
         dwsum += tl.sum(dw, 1)
@@ -185,7 +186,8 @@ def lla_bwd_kv_kernel(Q, K, V, DO, RHO, U, DELTA, M2, OMEGA, CENTRE, BETA, DK, D
                       sqb, sqt, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd, sdb, sdt, sdh, sdd,
                       T, S, HQ, H, GROUPS, D, DV, scale, qk_scale2, SIZE_CLASS,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                      BLOCK_DV: tl.constexpr, WINDOW: tl.constexpr, BD: tl.constexpr, DPREC: tl.constexpr):
+                      BLOCK_DV: tl.constexpr, WINDOW: tl.constexpr, BD: tl.constexpr, DPREC: tl.constexpr,
+                      MPREC: tl.constexpr):
     # float arguments come as fp64 when torch.compile launches the kernel: keep the arithmetic fp32
     scale, qk_scale2 = tl.cast(scale, tl.float32), tl.cast(qk_scale2, tl.float32)
     start_n = tl.program_id(0) * BLOCK_N
@@ -238,8 +240,7 @@ def lla_bwd_kv_kernel(Q, K, V, DO, RHO, U, DELTA, M2, OMEGA, CENTRE, BETA, DK, D
             dmu = 2.0 * beta[:, None] * rho - u
             if BD > 0:
                 hd = rho * (u - beta[:, None] * rho)
-                quad = cross_quad(hd, q32, q32, kt, kt)
-                w32 = tl.where(row_ok[:, None], w, 0.0)
+                quad = cross_quad(hd, q32, q32, kt, kt, MPREC)
                 if BD == 2:
                     vec_s = ((b * T + offs_m[:, None]) * HQ + h) * D + (offs_d ^ 1)[None, :]
                     rho_s = tl.load(RHO + vec_s, mask=vec_ok, other=0.0)
@@ -247,13 +248,13 @@ def lla_bwd_kv_kernel(Q, K, V, DO, RHO, U, DELTA, M2, OMEGA, CENTRE, BETA, DK, D
                     qs32 = load_rows(Q + b * sqb + h * sqh, offs_m, offs_d ^ 1, sqt, sqd, T, D).to(tl.float32)
                     h1 = rho * (u_s - beta[:, None] * rho_s)
                     hs = 0.5 * (h1 + rho_s * (u - beta[:, None] * rho))
-                    quad += cross_quad(h1, q32, qs32, kt, kst)
-                    dk -= 2.0 * tl.dot(tl.trans(hs * qs32), w32, input_precision="ieee")
-                    whs += tl.dot(tl.trans(hs), w32, input_precision="ieee")
+                    quad += cross_quad(h1, q32, qs32, kt, kst, MPREC)
+                    dk -= 2.0 * tl.dot(tl.trans(hs * qs32), w, input_precision=MPREC)
+                    whs += tl.dot(tl.trans(hs), w, input_precision=MPREC)
                 dw = gamma * s + w * (2.0 * beta[:, None] * a - bu - beta[:, None] + quad)
                 f = -gamma * w / delta_safe[:, None]   # -c: the rho term of dL/dz
-                dk -= 2.0 * tl.dot(tl.trans(hd * q32), w32, input_precision="ieee")
-                wh += tl.dot(tl.trans(hd), w32, input_precision="ieee")
+                dk -= 2.0 * tl.dot(tl.trans(hd * q32), w, input_precision=MPREC)
+                wh += tl.dot(tl.trans(hd), w, input_precision=MPREC)
             # column reductions, kept transposed ([D, BN]) so every product is a plain tl.dot
             dk += scale * tl.dot(tl.trans(q), dw.to(q.dtype), input_precision=DPREC)
             if BD > 0:
@@ -359,7 +360,8 @@ def lla_backward(do, q, k, v, lam, rho, delta, m2, argmax, omega, centre, *, sca
     kv_kernel[lambda meta: (ceil_div(S, meta["BLOCK_N"]), B * H)](
         q, k, v, do, rho, u, delta, m2, omega, centre, beta, dk, dv,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(),
-        T, S, HQ, H, HQ // H, D, DV, scale, scale * LOG2E, size_class(B * HQ * T), **common)
+        T, S, HQ, H, HQ // H, D, DV, scale, scale * LOG2E, size_class(B * HQ * T),
+        MPREC=moment_precision(q.dtype), **common)
     row_max_path(dq, dk, q, k, dm, argmax, scale)
     dlam = None
     if lam_grad:
