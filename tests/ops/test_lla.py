@@ -377,18 +377,15 @@ def test_fp16_inputs_keep_small_ridges_in_range(D, backward, monkeypatch):
             assert rel_err(g32, r) <= 5e-3, name
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="the fp32 kernel's adjoint CG on the uncentred Sigma needs more than the forward's 2 D "
-                          "iterations at a row with D + 1 keys: dq 3.9e-2 from float64 at 32, 2.0e-4 at 64")
 def test_fp32_gradients_near_a_rank_deficient_row(monkeypatch):
-    """dq and dk of the fp32 kernels at lam = 0.01, D 16, T 24 on one draw whose row 16 (17 keys in 16 dimensions,
-    the centred scatter's least eigenvalue 0.05) the backward's adjoint CG, run on the uncentred Sigma with the
-    forward's iteration count, leaves far from float64 (the row's dq 8% off; the torch backend's CG 2.4e-3 overall);
-    over 30 other draws dq was 1.1e-4 to 1.1e-3 from float64."""
+    """Regression: dq and dk of the fp32 kernels within 1e-3 of float64 at lam = 0.01, D 16, T 24, cg_iters = 2 D,
+    on a draw whose row 16 (17 keys in 16 dimensions, Sigma's condition number 4e3) needs about 36 adjoint CG
+    iterations in fp32 (float64: 21). Cut at the forward's 32, the adjoint left dq 3.9e-2 and dk 8.8e-3 from float64;
+    with the budget doubled past D (backward.adjoint_iterations) they are 2.3e-4 and 4.9e-5, as on other draws."""
     monkeypatch.setattr("regattn.ops.lla.api.WIDEN_FP16", True)
     reseed(3457357712)
     _, fp32, exact = fp16_small_ridge(16, backward=True)
-    assert rel_err(fp32[1], exact[1]) <= 5e-3 and rel_err(fp32[2], exact[2]) <= 5e-3
+    assert rel_err(fp32[1], exact[1]) <= 1e-3 and rel_err(fp32[2], exact[2]) <= 1e-3
 
 
 def test_decode_matches_last_rows():

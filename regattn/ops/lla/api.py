@@ -225,8 +225,10 @@ def lla(q, k, v, *, lam, scale=None, window=None, blocks=None, cg_iters=None, cg
             runs one CG per block, exact after ``D / g`` iterations in exact arithmetic). Gradients with
             ``cg_iters`` are implicit by default, on both backends: the CG result is treated as the exact
             ``Sigma^-1 mu`` and the adjoint system is solved by the same CG (``cg_iters``, ``cg_tol``), so
-            they are the same on both backends at every ``cg_iters`` and the derivative of the output
-            once CG has converged.
+            they are the same on both backends at every ``cg_iters`` below ``D`` and the derivative of the
+            output once CG has converged. From ``cg_iters = D`` on, the fused backward allows its adjoint
+            ``2 cg_iters`` iterations (fp32 rounding delays CG on an ill-conditioned ``Sigma``; rows stop at
+            ``cg_tol`` as before; ``ops.lla.backward.adjoint_iterations``).
         cg_gradient: ``"implicit"`` (the default, above) or ``"unrolled"``: autograd through the CG
             iterations run, the derivative of the truncated solve itself; torch backend only (``"auto"``
             takes it), storing every iteration's state for the backward. On MQAR (8 iterations) the implicit

@@ -319,6 +319,21 @@ def tuned_kernels(tiles: dict) -> dict:
 TUNED = tuned_kernels(BACKWARD_TILES)
 
 
+def adjoint_iterations(cg_iters: int, D: int) -> int:
+    """The adjoint CG's budget: the forward's ``cg_iters``, doubled once it reaches ``D``.
+
+    In exact arithmetic CG on the ``D x D`` system ends within ``D`` iterations, so such a budget asks for the
+    converged solve; in fp32 the lost conjugacy delays convergence on an ill-conditioned ``Sigma``. At a row
+    with ``D + 1`` keys (lam = 0.01, D 16, condition number 4e3) the adjoint needed 36 to 42 iterations where
+    float64 needs 21, and its 32 left dq 4e-2 from float64. ``Sigma`` keeps the eigenvalue ``omega
+    |kbar - q|^2`` that the forward's centred scatter drops, and ``y - beta mu`` lies mostly along it; the
+    centred adjoint would cancel there (``omega / delta`` = 1.6e3 at that row), and a restart discards the
+    Krylov space. The extra iterations run only on rows still above the tolerance (a tile skips the key
+    pass once all of its rows are done); below ``D`` both solves stay truncated alike, as on the torch
+    backend."""
+    return 2 * cg_iters if cg_iters >= D else cg_iters
+
+
 def row_max_path(dq, dk, q, k, dm, argmax, scale):
     """Add the row-maximum path: ``m_i = scale q_i.k_{j*(i)}`` receives ``dm_i`` (fp32, in place)."""
     B, T, HQ, D = q.shape
@@ -355,7 +370,8 @@ def lla_backward(do, q, k, v, lam, rho, delta, m2, argmax, omega, centre, *, sca
     q_kernel[lambda meta: (ceil_div(T, meta["BLOCK_M"]), B * HQ)](
         q, k, v, lam4, do, rho, delta, m2, omega, centre, dq, u, beta, dm,
         *q.stride(), *k.stride(), *v.stride(), *lam4.stride(), *do.stride(),
-        T, S, HQ, HQ // H, D, DV, scale, scale * LOG2E, cg_iters, cg_tol ** 2, size_class(B * HQ * T),
+        T, S, HQ, HQ // H, D, DV, scale, scale * LOG2E, adjoint_iterations(cg_iters, D), cg_tol ** 2,
+        size_class(B * HQ * T),
         MPREC=moment_precision(q.dtype), **common)
     kv_kernel[lambda meta: (ceil_div(S, meta["BLOCK_N"]), B * H)](
         q, k, v, do, rho, u, delta, m2, omega, centre, beta, dk, dv,
