@@ -83,16 +83,19 @@ def decay_bytes(B, T, H, R, D, elt) -> float:
     return float(elt * B * T * H * (2 * R + 2 * D))
 
 
-def lla_flops(B, T, S, HQ, D, Dv, *, causal=True, window=None, cg_iters=None) -> float:
+def lla_flops(B, T, S, HQ, D, Dv, *, causal=True, window=None, cg_iters=None, blocks=None) -> float:
     """Local Linear Attention (lla eq. 6-8), per visible pair and head:
 
     logits ``q.k`` (D MACs), the weighted key moment ``mu`` (D), the output pass with the
     logits again, ``z.rho`` and ``v`` (2D + Dv); the solve either by ``cg_iters`` conjugate-
-    gradient iterations, each streaming K for ``Sigma p = sum w z (z.p)`` (2D MACs), or exactly:
-    building ``Sigma`` (D^2 MACs a pair) plus a ``D^3 / 3`` factorisation per query.
+    gradient iterations, each streaming K for ``Sigma p = sum w z (z.p)`` (2D MACs, with or without
+    ``blocks``), or exactly: building ``Sigma`` (D^2 MACs a pair) plus a ``D^3 / 3`` factorisation per
+    query; BD-LLA's exact solve builds and factors only its ``blocks`` diagonal blocks of ``b = D / blocks``
+    (``D b`` MACs a pair, ``blocks b^3 / 3`` per query).
     """
     pairs = visible_pairs(T, S, causal=causal, window=window) * B * HQ
     base = 2.0 * pairs * (4 * D + Dv)
     if cg_iters is not None:
         return base + 2.0 * pairs * cg_iters * 2 * D
-    return base + 2.0 * pairs * D * D + (2.0 / 3.0) * D ** 3 * B * T * HQ
+    b = D // (blocks or 1)
+    return base + 2.0 * pairs * D * b + (2.0 / 3.0) * (blocks or 1) * b ** 3 * B * T * HQ

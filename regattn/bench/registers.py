@@ -4,6 +4,7 @@
 ``python -m regattn.bench.registers scan [--head-dims 64] [--kinds ieee tf32x3] [--candidates]``
 ``python -m regattn.bench.registers gatedfwa_gate [--candidates]``
 ``python -m regattn.bench.registers lla [--head-dims 128] [--kinds pairs diag cg cg-g16] [--candidates]``
+``python -m regattn.bench.registers lla_bwd [--head-dims 128] [--kinds pairs diag cg] [--candidates]``
 ``python -m regattn.bench.registers gatedfwa [--kinds fwd bwd_kv bwd_q] [--candidates]`` (``softmax``: ungated)
 
 prints, for each kernel configuration of an op at its goal shape, what ``cuobjdump --dump-resource-usage``
@@ -296,6 +297,39 @@ def lla_rows(head_dims=(128,), kinds=tuple(LLA_KINDS), candidates=False, *, B=4,
             yield dict(head_dim=D, kind=kind, table=table, **launch_settings(kwargs), **usage)
 
 
+# the solvers of the LLA backward's kernels (cg: full LLA, whose q kernel runs the adjoint CG)
+LLA_BACKWARD_KINDS = ("pairs", "diag", "cg")
+
+
+def lla_backward_rows(head_dims=(128,), kinds=LLA_BACKWARD_KINDS, candidates=False, *, B=4, T=8192, H=16):
+    """Two rows per (head dim, solver, tiles), the q and kv kernels (``diag/q``, ``diag/kv``) of the LLA
+    backward at the bench's shape, bf16, cg_iters=8: the autotune list's tiles
+    (``backward.BACKWARD_TILES``), then :data:`LLA_CANDIDATES` on one stage; with the hottest loop's
+    instruction mix (for cg's q kernel, the adjoint CG's key loop)."""
+    from unittest import mock
+
+    from regattn.ops.lla import backward, forward
+
+    for D, kind in itertools.product(head_dims, kinds):
+        solver, _ = forward.solver_for(LLA_KINDS[kind] and LLA_KINDS[kind] * D // 128, D)
+        bd = 0 if solver == forward.SOLVER_CG else solver
+        listed = [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=st)
+                  for m, n, w, st in backward.BACKWARD_TILES[bool(bd)]]
+        extra = [dict(c, num_stages=1) for c in LLA_CANDIDATES] if candidates else []
+        for config, table in [(c, True) for c in listed] + [(c, False) for c in extra]:
+            q = torch.empty(B, T, H, D, device="meta", dtype=torch.bfloat16)
+            vec = torch.empty(B, T, H, D, device="meta")
+            stat = torch.empty(B, H, T, device="meta")
+            with captured_launches() as launches, mock.patch.object(backward, "AUTOTUNE", False), \
+                    mock.patch.object(backward, "backward_blocks", lambda *a, c=config: dict(c)), \
+                    mock.patch.object(backward, "row_max_path", lambda *a: None):
+                backward.lla_backward(q, q, q, q, 0.5, vec, stat, stat, stat, stat, vec, scale=D ** -0.5,
+                                      window=None, cg_iters=8, cg_tol=1e-6, lam_grad=False, bd=bd)
+            for (kernel, args, kwargs), name in zip(launches, ("q", "kv")):
+                usage = launch_usage(kernel, args, kwargs, loop=True, nested=not bd and name == "q")
+                yield dict(head_dim=D, kind=f"{kind}/{name}", table=table, **launch_settings(kwargs), **usage)
+
+
 COLUMNS = ("head_dim", "kind", "BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "REG", "STACK", "LOCAL", "SHARED",
            "SERIAL")
 
@@ -392,6 +426,7 @@ OPS = {"parallax": (parallax_rows, KINDS, COLUMNS),
        "softmax": (functools.partial(attention_rows, gated=False), ATTENTION_KINDS, COLUMNS),
        "scan": (scan_rows, ("ieee", "tf32x3"), COLUMNS + ("loop", "FFMA", "FFMA%", "FFMA/w", "LDS", "MMA", "LDL", "STL")),
        "lla": (lla_rows, tuple(LLA_KINDS), COLUMNS + ("loop", "MMA", "LDL", "STL")),
+       "lla_bwd": (lla_backward_rows, LLA_BACKWARD_KINDS, COLUMNS + ("loop", "MMA", "LDL", "STL")),
        "nsa": (nsa_rows, (), COLUMNS),
        "gatedfwa_gate": (gate_rows, (), ("shape", "kernel", "BLOCK_T", "BLOCK_H", "num_warps") + USAGE)}
 
@@ -412,7 +447,7 @@ def main(argv=None) -> int:
     if args.kinds and not set(args.kinds) <= set(kinds if args.op != "scan" else SCAN_KINDS):
         parser.error(f"--kinds: not kernels of {args.op}: {args.kinds}")
     print(" ".join(f"{c:>12}" for c in columns), " table")
-    head_dims = args.head_dims or {"parallax": list(HEAD_DIMS), "lla": [128], "gatedfwa": [128],
+    head_dims = args.head_dims or {"parallax": list(HEAD_DIMS), "lla": [128], "lla_bwd": [128], "gatedfwa": [128],
                                    "softmax": [128], "nsa": [128]}.get(args.op, [64])
     for row in rows(head_dims, args.kinds or kinds, args.candidates):
         cells = [f"{row.get(c, '-'):>12}" for c in columns]

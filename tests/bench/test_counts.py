@@ -54,3 +54,7 @@ def test_lla_flops_grow_with_cg_iterations_and_exact_adds_the_solve():
     assert two - one == 2 * pairs * 2 * D
     exact = counts.lla_flops(B, T, T, H, D, D)
     assert exact == pytest.approx(2 * pairs * (4 * D + D) + 2 * pairs * D * D + (2 / 3) * D ** 3 * B * T * H)
+    pairs_of_2 = counts.lla_flops(B, T, T, H, D, D, blocks=D // 2)  # BD-LLA: 2 x 2 blocks, built and factored
+    solves = (2 / 3) * (D // 2) * 2 ** 3 * B * T * H
+    assert pairs_of_2 == pytest.approx(2 * pairs * (4 * D + D) + 2 * pairs * D * 2 + solves)
+    assert counts.lla_flops(B, T, T, H, D, D, blocks=D // 2, cg_iters=2) == two

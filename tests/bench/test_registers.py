@@ -149,3 +149,13 @@ def test_float_arguments_may_come_as_fp64():
     assert len(launches) == 7
     for kernel, args, kwargs in launches:
         registers.compile_launch(kernel, args, kwargs, floats="fp64")
+
+
+@compiles
+def test_lla_backward_rows_name_both_kernels_of_each_tile():
+    """The LLA backward's q and kv kernels as the op launches them with each tile of its autotune list."""
+    from regattn.ops.lla.backward import BACKWARD_TILES
+    rows = list(registers.lla_backward_rows(head_dims=(32,), kinds=("diag",), T=256, H=2))
+    assert [r["kind"] for r in rows] == ["diag/q", "diag/kv"] * len(BACKWARD_TILES[True])
+    assert [(r["BLOCK_M"], r["BLOCK_N"]) for r in rows[::2]] == [(m, n) for m, n, _, _ in BACKWARD_TILES[True]]
+    assert all(r["table"] and 0 < r["REG"] <= 255 and "error" not in r for r in rows), rows

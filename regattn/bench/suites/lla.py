@@ -90,7 +90,8 @@ def latency_cases(shape, setup):
         bwd = mode == "fwd+bwd"
         n_bytes = counts.attention_bytes(B, T, T, H, H, D, D, q.element_size(), backward=bwd)
         for solve in training_solves(D, shape.get("cg")) if bwd else latency_solves(D, shape.get("cg")):
-            flops = None if bwd else counts.lla_flops(B, T, T, H, D, D, window=w, cg_iters=solve.get("cg_iters"))
+            solved = dict(cg_iters=solve.get("cg_iters"), blocks=solve.get("blocks"))
+            flops = None if bwd else counts.lla_flops(B, T, T, H, D, D, window=w, **solved)
             leaves = (q, k, v) if bwd else ()
             yield mode, lla_case(q, k, v, setup, w, dict(flops=flops, bytes=n_bytes), leaves=leaves, **solve)
         yield from sdpa_cases(setup, mode, q, k, v, window=w, backends=("cudnn", "flash"), tag=" (attention)",
