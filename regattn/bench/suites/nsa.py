@@ -29,8 +29,8 @@ MODES = ("fwd", "fwd+bwd")
 BLOCKS = dict(block_cmp=32, stride_cmp=16, block_slc=64, topk=16)
 SELECTION = [dict(part="selection", B=1, HQ=64, H=4, T=T, D=128) for T in (8192, 32768)]
 GRIDS = {
-    "tiny": [dict(B=1, HQ=4, H=2, T=80, D=16, block_cmp=8, stride_cmp=4, block_slc=16, topk=2),
-             dict(part="selection", B=1, HQ=4, H=2, T=80, D=16, block_cmp=8, stride_cmp=4, block_slc=16, topk=2)],
+    "tiny": [dict(B=1, HQ=4, H=2, T=40, D=16, block_cmp=4, stride_cmp=2, block_slc=8, topk=2),
+             dict(part="selection", B=1, HQ=4, H=2, T=40, D=16, block_cmp=4, stride_cmp=2, block_slc=8, topk=2)],
     "goal": [dict(B=1, HQ=16, H=4, T=T, D=128) for T in (8192, 32768)] + SELECTION,
     "quick": [dict(B=1, HQ=16, H=4, T=8192, D=128), SELECTION[0]],
     "full": [dict(B=1, HQ=16, H=4, T=T, D=128) for T in (4096, 8192, 16384, 32768, 65536)] + SELECTION,
