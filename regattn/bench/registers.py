@@ -273,6 +273,11 @@ LLA_TILES = [(16, 32, 4), (32, 16, 8), (32, 32, 4), (32, 32, 8), (32, 64, 8), (6
 LLA_CANDIDATES = [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=2) for m, n, w in LLA_TILES]
 
 
+def lla_blocks(kind: str, D: int) -> int | None:
+    """``blocks`` of an :data:`LLA_KINDS` solver at head dim ``D`` (its count at 128, scaled with D)."""
+    return LLA_KINDS[kind] and LLA_KINDS[kind] * D // 128
+
+
 def lla_rows(head_dims=(128,), kinds=tuple(LLA_KINDS), candidates=False, *, B=4, T=8192, H=16):
     """One row per (head dim, solver, tiles) of the LLA forward kernel at the bench's shape, bf16, cg_iters=8:
     direct solves of 2 x 2 (``pairs``) and 1 x 1 blocks (``diag``), CG (``cg``, ``cg-pre`` preconditioned) and
@@ -283,7 +288,7 @@ def lla_rows(head_dims=(128,), kinds=tuple(LLA_KINDS), candidates=False, *, B=4,
     from regattn.ops.lla import forward
 
     for D, kind in itertools.product(head_dims, kinds):
-        blocks = LLA_KINDS[kind] and LLA_KINDS[kind] * D // 128
+        blocks = lla_blocks(kind, D)
         listed = forward.forward_tiles(torch.bfloat16, *forward.solver_for(blocks, D))
         configs = [(c, True) for c in listed] + [(c, False) for c in (LLA_CANDIDATES if candidates else [])]
         for config, table in configs:
@@ -311,8 +316,7 @@ def lla_backward_rows(head_dims=(128,), kinds=LLA_BACKWARD_KINDS, candidates=Fal
     from regattn.ops.lla import backward, forward
 
     for D, kind in itertools.product(head_dims, kinds):
-        solver, _ = forward.solver_for(LLA_KINDS[kind] and LLA_KINDS[kind] * D // 128, D)
-        bd = 0 if solver == forward.SOLVER_CG else solver
+        bd = forward.direct_solver(lla_blocks(kind, D), D)
         listed = [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=st)
                   for m, n, w, st in backward.BACKWARD_TILES[bool(bd)]]
         extra = [dict(c, num_stages=1) for c in LLA_CANDIDATES] if candidates else []

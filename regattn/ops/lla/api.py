@@ -11,7 +11,7 @@ from regattn.ops._common.checks import (
     check_tensor, check_window, host_checks_allowed, resolve_kernel_backend,
 )
 from regattn.ops.lla.backward import lla_backward
-from regattn.ops.lla.forward import SOLVER_CG, lla_forward, solver_for
+from regattn.ops.lla.forward import direct_solver, lla_forward
 from regattn.reference.lla import CG_GRADIENTS, lla_blocks_uncentred, lla_matrix_free
 
 HAS_TRITON = True
@@ -175,8 +175,7 @@ def lla_triton(q, k, v, lam, *, scale, window, blocks, cg_iters, cg_tol, cg_prec
                           cg_iters=cg_iters, cg_tol=cg_tol, cg_precondition=cg_precondition).to(torch.float16)
     D = q.shape[-1]
     lam_tensor, lam_value = (lam, None) if isinstance(lam, torch.Tensor) else (None, lam)
-    solver, _ = solver_for(blocks, D)
-    bd = 0 if solver == SOLVER_CG else solver
+    bd = direct_solver(blocks, D)
     blocks = None if blocks == 1 else blocks
     if cg_iters is None and bd == 0:
         # the exact solve in torch: the uncentred form (eq. 10-11) in float32, O(T D^2 / g) memory

@@ -153,6 +153,13 @@ def solver_for(blocks, D: int) -> tuple[int, int]:
     return SOLVER_CG, 1 if blocks is None else blocks
 
 
+def direct_solver(blocks, D: int) -> int:
+    """The fused kernels' ``bd``: ``SOLVER_DIAG`` (1) or ``SOLVER_PAIRS`` (2) for BD-LLA's direct solves, 0 for
+    CG (full LLA or BD-LLA by CG)."""
+    solver, _ = solver_for(blocks, D)
+    return 0 if solver == SOLVER_CG else solver
+
+
 def column_blocks(D: int, G: int) -> tuple[int, int]:
     """``(kernel blocks, BLOCK_D)`` for ``G`` feature blocks: ``G`` and each block's width rounded up to powers
     of two (see ``tiles.block_columns``), ``BLOCK_D >= 16``."""
