@@ -7,8 +7,17 @@ import torch
 
 from tests.helpers import reseed
 
-# Every run draws new inputs; the seed is printed so that a failing run can be replayed exactly.
+# Every run draws new inputs; the seed is printed so that a failing run can be replayed exactly. It goes into
+# the environment, so that the workers of a parallel run (pytest -n), started after this import, share it.
 SEED = int(os.environ.get("REGATTN_TEST_SEED") or random.SystemRandom().randrange(2**31))
+os.environ["REGATTN_TEST_SEED"] = str(SEED)
+
+
+def pytest_configure(config):
+    """In each worker of a parallel run, torch's threads share the cores with the other workers."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
 
 
 def pytest_report_header(config):
