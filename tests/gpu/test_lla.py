@@ -25,13 +25,14 @@ def inputs(B, T, HQ, H, D, device):
     return q, k, v, lam, randn(B, T, HQ, D, device=device)
 
 
-def check_converged(dtype, *, window=None, backward=True, blocks=None, B=1, T=1024, HQ=4, H=2, D=128,
+def check_converged(dtype, *, window=None, backward=True, blocks=None, shift=0.0, B=1, T=1024, HQ=4, H=2, D=128,
                     device="cuda"):
     """2 D CG iterations, or BD-LLA's direct solves with ``blocks``: the output (and the gradients of q, k, v
     and lam) against the exact solve in float64; fp32 within 10x the float32 exact solve's error (the solve
     amplifies rounding), fp16/bf16 within LOW_FACTOR x the error of the reference run on the same
-    low-precision inputs."""
+    low-precision inputs. ``shift`` moves every query and key by that much along every feature."""
     q, k, v, lam, do = inputs(B, T, HQ, H, D, device)
+    q, k = q + shift, k + shift
 
     def exact_form(q, k, v, lam):
         return lla_blocks_uncentred(q, k, v, lam=lam, scale=D ** -0.5, window=window, blocks=blocks or 1)
@@ -70,12 +71,15 @@ def test_converged(dtype, window, backward):
     check_converged(dtype, window=window, backward=backward)
 
 
-@pytest.mark.parametrize("blocks", [128, 64], ids=["1x1", "2x2"])
-def test_block_diagonal_direct_solves_bf16(blocks):
-    """BD-LLA's direct solves, forward and backward: the kernels' second moments and cross terms in
-    tf32x3 (``moment_precision``), where one tf32 product would lose the cancellations of keys far
-    from the query."""
-    check_converged(BF16, blocks=blocks)
+@pytest.mark.parametrize("blocks,shift", [(128, 0.0), (64, 0.0), (128, 4.0), (64, 4.0)],
+                         ids=["1x1", "2x2", "1x1-shifted", "2x2-shifted"])
+def test_block_diagonal_direct_solves_bf16(blocks, shift):
+    """BD-LLA's direct solves, forward and backward: the second moments in four products of bf16 parts with
+    the weights of mu~ (``moment_precision``), the backward's cross terms in tf32x3 (``cross_precision``), where
+    one tf32 or bf16 product would lose the cancellations of keys far from the query. Shifted, every key and
+    query sits 4 per feature off the origin, so ``Sigma_dd`` is about a seventeenth of the second moment it is
+    taken from."""
+    check_converged(BF16, blocks=blocks, shift=shift)
 
 
 @pytest.mark.parametrize("precondition", [True, False])

@@ -147,6 +147,31 @@ def test_preconditioner_product_keeps_fp32_accuracy(D, dtype):
     assert rel_err(z[:, :D], want) < 1e-5 and (z[:, D:] == 0).all()
 
 
+@triton.jit
+def _moments_kernel(W, K, Z2, ZX, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr):
+    w = tl.load(W + tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :])
+    k = tl.load(K + tl.arange(0, BN)[:, None] * BD + tl.arange(0, BD)[None, :])
+    tl.store(Z2 + tl.arange(0, BM)[:, None] * BD + tl.arange(0, BD)[None, :], tiles.square_moments(w, k, "parts"))
+    half = tl.arange(0, BM)[:, None] * (BD // 2) + tl.arange(0, BD // 2)[None, :]
+    tl.store(ZX + half, tiles.pair_moments(w, k, "parts"))
+
+
+def test_moments_in_parts_are_those_of_the_split_weights(BM=16, BN=32, BD=16):
+    """The direct solves' second moments for bf16 inputs (``moment_precision``: "parts"; fp16 here, standing in
+    for bf16, with keys whose squares split into two fp16 parts): ``sum_j w_ij k_jd^2`` and the pair moments
+    with the weights as ``split_dot`` splits them for ``mu~``, to fp32 accumulation, so that the differences
+    ``Sigma_dd`` takes of them cancel alike (fp16 weights alone leave about 1e-4)."""
+    w = torch.rand(BM, BN)
+    k = ((torch.rand(BN, BD) * 4 + 0.5) * torch.randint(0, 2, (BN, BD)).mul(2).sub(1)).half()
+    z2, zx = torch.empty(BM, BD), torch.empty(BM, BD // 2)
+    _moments_kernel[(1,)](w, k, z2, zx, BM=BM, BN=BN, BD=BD)
+    hi = w.half().float()
+    split = (hi + (w - hi).half().float()).double()
+    k64 = k.double()
+    assert rel_err(z2, split @ k64 ** 2) < 1e-6
+    assert rel_err(zx, split @ (k64[:, 0::2] * k64[:, 1::2])) < 1e-6
+
+
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("window, bad, unseen", [(None, 380, slice(256, 320)), (300, 3, slice(384, 400))])
 def test_preconditioner_keeps_a_non_finite_key_from_rows_that_cannot_see_it(backend, window, bad, unseen):

@@ -33,7 +33,7 @@ from regattn.ops._common.attention_tiles import (
     LOG2E, dot_precision, head_block, interpreting, size_class, tile_configs,
 )
 from regattn.ops._common.ints import ceil_div
-from regattn.ops.lla.forward import lam_tensor, moment_precision
+from regattn.ops.lla.forward import cross_precision, lam_tensor, moment_precision
 from regattn.ops.lla.tiles import (
     cg_solve, load_cols, load_rows, one_minus_a, pair_moments, pair_solve, query_head, query_key_tiles,
     relmm_tile, smallest_ridge, split_dot, square_moments, swap_pairs, tile_weights,
@@ -56,7 +56,7 @@ def pair_terms(w, gamma, a, om, bu, beta, delta_safe):
 def cross_quad(h, q32, qs32, kt, kst, PREC: tl.constexpr):
     """``sum_d z_ijd z_ije h_id`` on a tile with ``e`` the column of ``kst``/``qs32`` (``d`` itself or its
     partner ``d xor 1``), fp32 ``[BM, BN]``: ``h.(k k') - (h q).k' - (h q').k + sum h q q'``, whose terms cancel
-    where keys sit far from the query: ``PREC`` (``moment_precision``) keeps fp32 accuracy."""
+    where keys sit far from the query: ``PREC`` (``forward.cross_precision``) keeps fp32 accuracy."""
     k32 = kt.to(tl.float32)
     ks32 = kst.to(tl.float32)
     return (tl.dot(h, k32 * ks32, input_precision=PREC) - tl.dot(h * q32, ks32, input_precision=PREC)
@@ -69,7 +69,8 @@ def lla_bwd_q_kernel(Q, K, V, LAM, DO, RHO, DELTA, M2, OMEGA, CENTRE, DQ, U, BET
                      sdb, sdt, sdh, sdd,
                      T, S, HQ, GROUPS, D, DV, scale, qk_scale2, iters, tol2, SIZE_CLASS,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-                     WINDOW: tl.constexpr, BD: tl.constexpr, DPREC: tl.constexpr, MPREC: tl.constexpr):
+                     WINDOW: tl.constexpr, BD: tl.constexpr, DPREC: tl.constexpr, MPREC: tl.constexpr,
+                     XPREC: tl.constexpr):
     # float arguments come as fp64 when torch.compile launches the kernel: keep the arithmetic fp32
     scale, qk_scale2, tol2 = tl.cast(scale, tl.float32), tl.cast(qk_scale2, tl.float32), tl.cast(tol2, tl.float32)
     start_m, b, h, hk = query_head(HQ, GROUPS, BLOCK_M)
@@ -119,9 +120,9 @@ def lla_bwd_q_kernel(Q, K, V, LAM, DO, RHO, DELTA, M2, OMEGA, CENTRE, DQ, U, BET
         csum += tl.sum(c, 1)
         gs += tl.sum(gamma * s, 1)
         if BD > 0:
-            kk += square_moments(w, k.to(tl.float32), MPREC)
+            kk += square_moments(w, k, MPREC)
         if BD == 2:
-            kx += pair_moments(w, k.to(tl.float32), MPREC)
+            kx += pair_moments(w, k, MPREC)
     beta = gs / delta_safe
 
     # the second solve (eq. 37) and dmu (eq. 38)
@@ -160,9 +161,9 @@ def lla_bwd_q_kernel(Q, K, V, LAM, DO, RHO, DELTA, M2, OMEGA, CENTRE, DQ, U, BET
         bu = relmm_tile(u, q32, kt, DPREC)
         s, dw, f, g = pair_terms(w, gamma, a, om, bu, beta, delta_safe)
         if BD > 0:
-            quad = cross_quad(hd, q32, q32, kt, kt, MPREC)
+            quad = cross_quad(hd, q32, q32, kt, kt, XPREC)
             if BD == 2:
-                quad += cross_quad(h1, q32, qs32, kt, load_cols(Kb, offs_n, offs_d ^ 1, sks, skd, S, D), MPREC)
+                quad += cross_quad(h1, q32, qs32, kt, load_cols(Kb, offs_n, offs_d ^ 1, sks, skd, S, D), XPREC)
             dw = gamma * s + w * (2.0 * beta[:, None] * a - bu - beta[:, None] + quad)
         dq += tl.dot(dw.to(kt.dtype), tl.trans(kt), input_precision=DPREC)
         dwsum += tl.sum(dw, 1)
@@ -187,7 +188,7 @@ def lla_bwd_kv_kernel(Q, K, V, DO, RHO, U, DELTA, M2, OMEGA, CENTRE, BETA, DK, D
                       T, S, HQ, H, GROUPS, D, DV, scale, qk_scale2, SIZE_CLASS,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                       BLOCK_DV: tl.constexpr, WINDOW: tl.constexpr, BD: tl.constexpr, DPREC: tl.constexpr,
-                      MPREC: tl.constexpr):
+                      XPREC: tl.constexpr):
     # float arguments come as fp64 when torch.compile launches the kernel: keep the arithmetic fp32
     scale, qk_scale2 = tl.cast(scale, tl.float32), tl.cast(qk_scale2, tl.float32)
     start_n = tl.program_id(0) * BLOCK_N
@@ -240,7 +241,7 @@ def lla_bwd_kv_kernel(Q, K, V, DO, RHO, U, DELTA, M2, OMEGA, CENTRE, BETA, DK, D
             dmu = 2.0 * beta[:, None] * rho - u
             if BD > 0:
                 hd = rho * (u - beta[:, None] * rho)
-                quad = cross_quad(hd, q32, q32, kt, kt, MPREC)
+                quad = cross_quad(hd, q32, q32, kt, kt, XPREC)
                 if BD == 2:
                     vec_s = ((b * T + offs_m[:, None]) * HQ + h) * D + (offs_d ^ 1)[None, :]
                     rho_s = tl.load(RHO + vec_s, mask=vec_ok, other=0.0)
@@ -248,13 +249,13 @@ def lla_bwd_kv_kernel(Q, K, V, DO, RHO, U, DELTA, M2, OMEGA, CENTRE, BETA, DK, D
                     qs32 = load_rows(Q + b * sqb + h * sqh, offs_m, offs_d ^ 1, sqt, sqd, T, D).to(tl.float32)
                     h1 = rho * (u_s - beta[:, None] * rho_s)
                     hs = 0.5 * (h1 + rho_s * (u - beta[:, None] * rho))
-                    quad += cross_quad(h1, q32, qs32, kt, kst, MPREC)
-                    dk -= 2.0 * tl.dot(tl.trans(hs * qs32), w, input_precision=MPREC)
-                    whs += tl.dot(tl.trans(hs), w, input_precision=MPREC)
+                    quad += cross_quad(h1, q32, qs32, kt, kst, XPREC)
+                    dk -= 2.0 * tl.dot(tl.trans(hs * qs32), w, input_precision=XPREC)
+                    whs += tl.dot(tl.trans(hs), w, input_precision=XPREC)
                 dw = gamma * s + w * (2.0 * beta[:, None] * a - bu - beta[:, None] + quad)
                 f = -gamma * w / delta_safe[:, None]   # -c: the rho term of dL/dz
-                dk -= 2.0 * tl.dot(tl.trans(hd * q32), w, input_precision=MPREC)
-                wh += tl.dot(tl.trans(hd), w, input_precision=MPREC)
+                dk -= 2.0 * tl.dot(tl.trans(hd * q32), w, input_precision=XPREC)
+                wh += tl.dot(tl.trans(hd), w, input_precision=XPREC)
             # column reductions, kept transposed ([D, BN]) so every product is a plain tl.dot
             dk += scale * tl.dot(tl.trans(q), dw.to(q.dtype), input_precision=DPREC)
             if BD > 0:
@@ -372,12 +373,12 @@ def lla_backward(do, q, k, v, lam, rho, delta, m2, argmax, omega, centre, *, sca
         *q.stride(), *k.stride(), *v.stride(), *lam4.stride(), *do.stride(),
         T, S, HQ, HQ // H, D, DV, scale, scale * LOG2E, adjoint_iterations(cg_iters, D), cg_tol ** 2,
         size_class(B * HQ * T),
-        MPREC=moment_precision(q.dtype), **common)
+        MPREC=moment_precision(q.dtype), XPREC=cross_precision(q.dtype), **common)
     kv_kernel[lambda meta: (ceil_div(S, meta["BLOCK_N"]), B * H)](
         q, k, v, do, rho, u, delta, m2, omega, centre, beta, dk, dv,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(),
         T, S, HQ, H, HQ // H, D, DV, scale, scale * LOG2E, size_class(B * HQ * T),
-        MPREC=moment_precision(q.dtype), **common)
+        XPREC=cross_precision(q.dtype), **common)
     row_max_path(dq, dk, q, k, dm, argmax, scale)
     dlam = None
     if lam_grad:

@@ -72,9 +72,9 @@ def lla_fwd_kernel(Q, K, V, LAM, PRE, O, RHO, DELTA, M2, ARGMAX, OMEGA, CENTRE,
         # solves' Sigma_dd cancels 2 q mu~ against the second moments (bf16 weights alone leave ~1e-4 to 1e-2)
         mt = mt * alpha[:, None] + split_dot(w, k, DPREC)
         if SOLVER != 0:  # direct solves need the second moments
-            kk = kk * alpha[:, None] + square_moments(w, k.to(tl.float32), MPREC)
+            kk = kk * alpha[:, None] + square_moments(w, k, MPREC)
         if SOLVER == 2:  # 2 x 2 blocks: the cross moments of feature pairs
-            kx = kx * alpha[:, None] + pair_moments(w, k.to(tl.float32), MPREC)
+            kx = kx * alpha[:, None] + pair_moments(w, k, MPREC)
     m2 = tl.where(m2 == float("-inf"), 0.0, m2)
     q32 = q.to(tl.float32)
     mu = mt - omega[:, None] * q32
@@ -170,8 +170,16 @@ def column_blocks(D: int, G: int) -> tuple[int, int]:
 
 
 def moment_precision(dtype: torch.dtype) -> str:
-    """Products of the direct solves' second moments: exact for fp32 inputs, else three tf32 products on the
-    tensor cores (about fp32 accuracy: ``Sigma_dd`` is formed by cancellation from them)."""
+    """Products of the direct solves' second moments (``tiles.moment_products``): exact for fp32 inputs; for
+    bf16 four bf16 products of split parts, whose weights are ``mu~``'s to the bit (``Sigma_dd`` is formed by
+    cancellation from them); for fp16 three tf32 products (an fp16 square does not split into two fp16 parts
+    within fp16's range)."""
+    return {torch.float32: "ieee", torch.bfloat16: "parts"}.get(dtype, "tf32x3")
+
+
+def cross_precision(dtype: torch.dtype) -> str:
+    """The backward's cross-term products of fp32 factors (``backward.cross_quad``): exact for fp32 inputs,
+    else three tf32 products (about fp32 accuracy)."""
     return "ieee" if dtype == torch.float32 else "tf32x3"
 
 
@@ -187,7 +195,10 @@ def moment_precision(dtype: torch.dtype) -> str:
 # with CG over blocks of 16 69 ms with 64 x 32 on 4 warps (148). ptxas serialises the warpgroup products of
 # 64 x 64 on 4 warps and of 128 x 64 (``registers`` column SERIAL), for want of registers in pass 3 (two fp32
 # accumulators of 128 value columns); taking the columns 64 at a time there lifts it for one more pass over
-# K: cg=8 4% and cg=16 10% faster, BD-LLA 6-9% slower on the H100.
+# K: cg=8 4% and cg=16 10% faster, BD-LLA 6-9% slower on the H100. With the direct solves' moments in bf16
+# parts (``moment_precision``) 32 rows of 64 keys on 8 warps compile without spills for 1 x 1 and 2 x 2 blocks,
+# but on the H200 took 40.9 and 59.3 ms against 22.2 and 27.2 with 64 rows on 4 warps (840 and 1032 bytes of
+# stack; the ``tiles`` of benchmarks/results/h200/lla.json): the 64-row tiles stay.
 FORWARD_TILES = {
     (False, False): [(32, 32, 8, 2), (64, 64, 4, 2), (128, 64, 8, 2)],
     (False, True): [(32, 16, 8, 2), (64, 32, 4, 2), (128, 32, 8, 2)],

@@ -344,17 +344,38 @@ def centred_probe(y, mu, omega, G: tl.constexpr):
 
 
 @triton.jit
-def square_moments(w, k32, PREC: tl.constexpr):
-    """``sum_j w_ij k_jd^2`` on a tile, fp32 ``[BM, BD]`` (``k32`` fp32 ``[BN, BD]``): for the direct solves,
-    whose ``Sigma_dd`` subtracts ``2 q mu~`` and ``omega q^2`` from it, so ``PREC`` keeps fp32 accuracy."""
-    return tl.dot(w, k32 * k32, input_precision=PREC)
+def moment_products(w, x32, PREC: tl.constexpr, dtype: tl.constexpr):
+    """``w @ x32`` for fp32 weights ``w [BM, BN]`` and ``x32 [BN, C]`` holding a product of two input values
+    (``dtype``) an entry. ``PREC == "parts"`` (bf16 inputs): ``x32`` is exactly the sum of two bf16 parts and
+    ``w`` is split as :func:`split_dot` splits it for ``mu~``; the four half-precision products are then the
+    moments of the same weights as ``mu~``, so the differences the solves take of them cancel alike. Else one
+    ``tl.dot`` in ``PREC`` (``tf32x3`` for fp16, ``ieee`` for fp32)."""
+    if PREC == "parts":
+        w_hi, w_lo = split_halves(w, dtype)
+        x_hi, x_lo = split_halves(x32, dtype)
+        acc = tl.dot(w_lo, x_lo)
+        acc = tl.dot(w_lo, x_hi, acc)
+        acc = tl.dot(w_hi, x_lo, acc)
+        acc = tl.dot(w_hi, x_hi, acc)
+    else:
+        acc = tl.dot(w, x32, input_precision=PREC)
+    return acc
 
 
 @triton.jit
-def pair_moments(w, k32, PREC: tl.constexpr):
+def square_moments(w, k, PREC: tl.constexpr):
+    """``sum_j w_ij k_jd^2`` on a tile, fp32 ``[BM, BD]`` (``k [BN, BD]`` in the input dtype): for the direct
+    solves, whose ``Sigma_dd`` subtracts ``2 q mu~`` and ``omega q^2`` from it, so ``PREC``
+    (``forward.moment_precision``) keeps the accuracy of ``mu~``'s split weights."""
+    k32 = k.to(tl.float32)
+    return moment_products(w, k32 * k32, PREC, k.dtype)
+
+
+@triton.jit
+def pair_moments(w, k, PREC: tl.constexpr):
     """``sum_j w_ij k_j,2d k_j,2d+1`` on a tile, fp32 ``[BM, BD // 2]``: the cross moments of feature pairs."""
-    ke, ko = pair_halves(k32)
-    return tl.dot(w, ke * ko, input_precision=PREC)
+    ke, ko = pair_halves(k.to(tl.float32))
+    return moment_products(w, ke * ko, PREC, k.dtype)
 
 
 @triton.jit
