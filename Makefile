@@ -17,7 +17,7 @@ demo: $(VENV)/.ready
 	$(BIN)/regattn demo
 
 test: $(VENV)/.ready
-	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -m "not gpu" -p no:cacheprovider -n auto
+	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -m "not gpu" -p no:cacheprovider -n 2
 
 gpu-test: $(VENV)/.ready
 	$(BIN)/python -m pytest -q -m gpu -p no:cacheprovider

@@ -14,10 +14,11 @@ os.environ["REGATTN_TEST_SEED"] = str(SEED)
 
 
 def pytest_configure(config):
-    """In each worker of a parallel run, torch's threads share the cores with the other workers."""
+    """In each worker of a parallel run, torch's threads share the cores this process may run on."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers > 1:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        torch.set_num_threads(max(1, cores // workers))
 
 
 def pytest_report_header(config):
