@@ -71,6 +71,34 @@ def test_parallax_tile_variants_tiny(interpret):
         time_tile_variants([{"bwd": {}}], device="cpu")
 
 
+def test_parallax_decode_variants_tiny(interpret):
+    """time_decode_variants: ms, the ratio to SDPA of the same rounds and the error per (shape, variant) (in the
+    interpreter this checks the plumbing and the numbers, not the launches' speed)."""
+    from regattn.bench.suites.parallax import time_decode_variants
+    variants = [{}, {"num_splits": 2}, {"config": {"BLOCK_N": 32}}]
+    shape = dict(B=2, HQ=4, H=2, ctx=40, D=16)
+    rows = time_decode_variants(variants, shapes=[shape], dtype=torch.float32, device="cpu", rep_ms=1, rounds=2)
+    assert [row["variant"] for row in rows] == variants
+    json.dumps(rows)
+    for row in rows:
+        assert row["status"] == "ok" and {k: row[k] for k in shape} == shape, row
+        assert len(row["rounds"]["decode"]) == 2 and row["decode_ms"] == min(row["rounds"]["decode"]) > 0
+        assert row["ratio"] == row["decode_ms"] / row["sdpa_ms"] > 0
+        assert set(row["err"]) == {"o"} and row["err"]["o"] < 1e-5, row
+    with pytest.raises(ValueError, match="^variants: "):
+        time_decode_variants([{"splits": 2}], device="cpu")
+
+
+def test_parallax_decode_variants_take_the_kernels_settings():
+    """Every listed decode variant names launch settings the decode kernel takes, the launch in use first."""
+    from regattn.bench.suites.parallax import DECODE_VARIANTS
+    assert DECODE_VARIANTS[0] == {}
+    for variant in DECODE_VARIANTS[1:]:
+        assert variant and set(variant) <= {"config", "num_splits"}
+        assert set(variant.get("config", {})) <= {"BLOCK_N", "num_warps", "num_stages"}
+        assert variant.get("num_splits", 1) in (1, 2, 4, 8, 16, 32)
+
+
 def test_parallax_tile_variants_are_table_entries():
     """Every listed variant overrides fwd, dq or dk with launch settings a kernel takes."""
     from regattn.bench.suites.parallax import TILE_VARIANTS

@@ -211,3 +211,78 @@ def _table_variant(key: int, variant: dict):
         yield
     finally:
         tiles.TILES[key] = table
+
+
+# Launch variants of the decode kernel for time_decode_variants: the launch in use first ({}), then its key tile,
+# warps or stages changed (``config``, merged over the tile of whichever kernel the shape runs: split or not) or
+# its split count (``num_splits``). On the H200 (benchmarks/results/h200/parallax.json) B 64 read the cache at
+# 3.8 TB/s where cuDNN read 4.5, and B 8 took 1.23x to 1.30x cuDNN's time, where the H100 had 1.04x to 1.08x.
+DECODE_VARIANTS = [
+    {},
+    {"config": dict(num_stages=4)},
+    {"config": dict(num_stages=2)},
+    {"config": dict(BLOCK_N=64)},
+    {"config": dict(BLOCK_N=64, num_stages=4)},
+    {"config": dict(BLOCK_N=128)},
+    {"config": dict(num_warps=8)},
+    {"num_splits": 1},
+    {"num_splits": 2},
+    {"num_splits": 4},
+    {"num_splits": 8},
+    {"num_splits": 16},
+]
+
+
+def time_decode_variants(variants=None, *, shapes=None, dtype=torch.bfloat16, device="cuda", rep_ms=100,
+                         rounds: int = 3) -> list[dict]:
+    """Time the Parallax decode kernel (one new token) with each launch variant inside a CUDA graph, beside
+    SDPA-cuDNN's decode of the same cache, side by side in one process.
+
+    A variant is ``{"config": {...}, "num_splits": n}`` (either may be left out), as
+    :func:`regattn.ops.parallax.decode.parallax_decode_fwd` takes them; ``{}`` is the launch in use. Each
+    variant's output is checked against float64 on the shape's first key/value head.
+
+    Args:
+        variants: list of variants (default :data:`DECODE_VARIANTS`).
+        shapes: decode shapes ``B, HQ, H, ctx, D`` (default: the goal grid's).
+        rounds: every timing is repeated over this many rounds, SDPA first, then each variant (a drift of the
+            clocks reaches them all alike); a row keeps the least round's median.
+
+    Returns:
+        One dict per (shape, variant): the shape, ``variant``, ``status``, ``decode_ms``, ``rounds``,
+        ``err`` (relative error of ``o``) and ``ratio`` (its time over SDPA's in the same rounds, ``sdpa_ms``).
+
+    On a GPU::
+
+        python -c "from regattn.bench.suites.parallax import time_decode_variants
+        for row in time_decode_variants(): print(row)"
+    """
+    from regattn.ops.parallax.decode import parallax_decode_fwd
+
+    variants = DECODE_VARIANTS if variants is None else variants
+    for variant in variants:
+        unknown = set(variant) - {"config", "num_splits"}
+        if unknown:
+            raise ValueError(f"variants: expected 'config' or 'num_splits', got {sorted(unknown)}")
+    setup = Setup(dtype=dtype, device=device, backend="triton", rep_ms=rep_ms)
+    rows = []
+    for shape in shapes or DECODE:
+        B, HQ, H, S, D = shape["B"], shape["HQ"], shape["H"], shape["ctx"], shape["D"]
+        q, r = randn(setup, B, 1, HQ, D), randn(setup, B, 1, HQ, D, scale=0.1)
+        k, v = randn(setup, B, S, H, D), randn(setup, B, S, H, D)
+        truth = Check(lambda q, r, k, v: reference.parallax(q, r, k, v), dict(q=q, r=r, k=k, v=v), Slice(kv_heads=H))
+        graphs = frozenset({"decode"})
+        sdpa_call, _, _ = peers.sdpa(q, k, v, backend="cudnn" if setup.cuda else "math")
+        sdpa = Contender({"decode": (sdpa_call, [])}, graphs=graphs)
+
+        def launch(variant):
+            def call():
+                return parallax_decode_fwd(q, r, k, v, scale=D ** -0.5, **variant)
+            return Contender({"decode": (call, [])}, errors=lambda: truth.errors(call()), graphs=graphs)
+        sdpa_row, *timed_rows = time_in_rounds([sdpa] + [launch(v) for v in variants], cuda=setup.cuda,
+                                               rep_ms=rep_ms, rounds=rounds)
+        sdpa_ms = sdpa_row["decode_ms"]
+        for variant, row in zip(variants, timed_rows):
+            ratio = row["decode_ms"] / sdpa_ms if row["decode_ms"] and sdpa_ms else None
+            rows.append(dict(shape, variant=variant, sdpa_ms=sdpa_ms, ratio=ratio, **row))
+    return rows
