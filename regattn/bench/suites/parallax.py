@@ -215,15 +215,14 @@ def _table_variant(key: int, variant: dict):
 
 # Launch variants of the decode kernel for time_decode_variants: the launch in use first ({}), then its key tile,
 # warps or stages changed (``config``, merged over the tile of whichever kernel the shape runs: split or not) or
-# its split count (``num_splits``). On the H200 (benchmarks/results/h200/parallax.json) B 64 read the cache at
-# 3.8 TB/s where cuDNN read 4.5, and B 8 took 1.23x to 1.30x cuDNN's time, where the H100 had 1.04x to 1.08x.
+# its split count (``num_splits``). On the H200 B 8 and 64 took 1.2x to 1.3x cuDNN's time, where the H100 had 1.03x
+# to 1.08x (benchmarks/results/h200/parallax.json, tiles/parallax-decode-variants.json).
 DECODE_VARIANTS = [
     {},
     {"config": dict(num_stages=4)},
     {"config": dict(num_stages=2)},
     {"config": dict(BLOCK_N=64)},
     {"config": dict(BLOCK_N=64, num_stages=4)},
-    {"config": dict(BLOCK_N=128)},
     {"config": dict(num_warps=8)},
     {"num_splits": 1},
     {"num_splits": 2},

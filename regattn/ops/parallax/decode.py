@@ -214,7 +214,8 @@ def choose_splits(programs: int, key_tiles: int, sms: int) -> int:
     and at most 32. On an H100 (32 query heads over 8 key/value heads, D 128; benchmarks/results/h100/tiles/
     parallax-decode-merge.json) 32 splits of 64-key tiles were the fastest measured at B = 1 from 4k to 32k keys
     (16 of 128 keys 1-13% slower, 64 splits slower still), and the rule keeps B = 8 at 4 and B = 64 at 1, the
-    counts measured fastest there (parallax-decode.json)."""
+    counts measured fastest there (parallax-decode.json); on the H200 too (benchmarks/results/h200/tiles/
+    parallax-decode-variants.json: 1, 2, 4, 8 and 16 splits at B 1, 8 and 64)."""
     limit = min(2 * sms // max(programs, 1), key_tiles // 2, 32)
     n = 1
     while n * 2 <= limit:

@@ -42,10 +42,12 @@ TILES: dict[int, dict[str, dict]] = {
     # H100, bf16, B=4 H=16 T=8192 D=128 causal: 64 x 64 with 4 warps was the fastest backward measured for
     # both passes (benchmarks/results/h100/tiles/parallax-d128.json); dk: 128 keys streaming 32 query rows on 8 warps
     # and 3 stages is the screen's tile of most keys that spills no register on sm_90 (64 x 64 spills 2 KB).
-    # Decode: an unsplit key loop (B = 64) streams 128-key tiles (64 ran 1.3x slower); split, 64 keys (177
-    # registers, 54 KiB of shared memory) let the short contexts split 32 ways, the fastest at B = 1 from 4k to
-    # 32k keys (benchmarks/results/h100/tiles/parallax-decode-merge.json)
-    128: _row(fwd=(128, 64, 8, 3), dq=(64, 64, 4, 2), dk=(32, 128, 8, 3), decode=(128, 4, 3), decode_split=(64, 4, 3),
+    # Decode: an unsplit key loop (B = 64) streams 128-key tiles (64 ran 1.3x slower). Split, 64 keys were the
+    # fastest on the H100 at B = 1 from 4k to 32k keys, 128 within 1% (benchmarks/results/h100/tiles/
+    # parallax-decode-merge.json, parallax-decode-tiles.json); on the H200 128 keys (no spill, 104 KiB of shared
+    # memory) ran 1-7% faster at B = 1 and 8 from 4k to 32k keys (benchmarks/results/h200/tiles/
+    # parallax-decode-variants.json), so the split kernel streams 128-key tiles too
+    128: _row(fwd=(128, 64, 8, 3), dq=(64, 64, 4, 2), dk=(32, 128, 8, 3), decode=(128, 4, 3), decode_split=(128, 4, 3),
               decode_chunk=(64, 4, 2)),
     # H100, bf16, B=4 H=16 T=8192 D=256: the forward's 32 x 32 tile spills nothing and ran 21.5 ms, the
     # former 64 x 32 (1120 bytes of stack) 55.7 ms (benchmarks/results/h100/tiles/parallax-d256.json)
