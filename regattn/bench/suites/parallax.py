@@ -84,11 +84,19 @@ def fla_decode(q, r, k, v):
     return (lambda: fn(q, r, k, v)), []
 
 
-def decode_cases(shape, setup):
+def decode_inputs(shape, setup):
+    """``(q, r, k, v, truth)``: one new token of each query head over a cache of ``ctx`` keys, and the float64
+    check of its output (the first key/value head's queries of the first batch row)."""
     B, HQ, H, S, D = shape["B"], shape["HQ"], shape["H"], shape["ctx"], shape["D"]
     q, r = randn(setup, B, 1, HQ, D), randn(setup, B, 1, HQ, D, scale=0.1)
     k, v = randn(setup, B, S, H, D), randn(setup, B, S, H, D)
     truth = Check(lambda q, r, k, v: reference.parallax(q, r, k, v), dict(q=q, r=r, k=k, v=v), Slice(kv_heads=H))
+    return q, r, k, v, truth
+
+
+def decode_cases(shape, setup):
+    B, HQ, H, S, D = shape["B"], shape["HQ"], shape["H"], shape["ctx"], shape["D"]
+    q, r, k, v, truth = decode_inputs(shape, setup)
     n = dict(flops=counts.parallax_flops(B, 1, S, HQ, D, D),
              bytes=counts.attention_bytes(B, 1, S, HQ, H, D, D, q.element_size(), extra_per_query=D))
     for graph in (False, True):
@@ -239,7 +247,7 @@ def time_decode_variants(variants=None, *, shapes=None, dtype=torch.bfloat16, de
 
     A variant is ``{"config": {...}, "num_splits": n}`` (either may be left out), as
     :func:`regattn.ops.parallax.decode.parallax_decode_fwd` takes them; ``{}`` is the launch in use. Each
-    variant's output is checked against float64 on the shape's first key/value head.
+    variant's output is checked against float64 as the suite's decode rows are (:func:`decode_inputs`).
 
     Args:
         variants: list of variants (default :data:`DECODE_VARIANTS`).
@@ -266,17 +274,14 @@ def time_decode_variants(variants=None, *, shapes=None, dtype=torch.bfloat16, de
     setup = Setup(dtype=dtype, device=device, backend="triton", rep_ms=rep_ms)
     rows = []
     for shape in shapes or DECODE:
-        B, HQ, H, S, D = shape["B"], shape["HQ"], shape["H"], shape["ctx"], shape["D"]
-        q, r = randn(setup, B, 1, HQ, D), randn(setup, B, 1, HQ, D, scale=0.1)
-        k, v = randn(setup, B, S, H, D), randn(setup, B, S, H, D)
-        truth = Check(lambda q, r, k, v: reference.parallax(q, r, k, v), dict(q=q, r=r, k=k, v=v), Slice(kv_heads=H))
+        q, r, k, v, truth = decode_inputs(shape, setup)
         graphs = frozenset({"decode"})
         sdpa_call, _, _ = peers.sdpa(q, k, v, backend="cudnn" if setup.cuda else "math")
         sdpa = Contender({"decode": (sdpa_call, [])}, graphs=graphs)
 
         def launch(variant):
             def call():
-                return parallax_decode_fwd(q, r, k, v, scale=D ** -0.5, **variant)
+                return parallax_decode_fwd(q, r, k, v, scale=q.shape[-1] ** -0.5, **variant)
             return Contender({"decode": (call, [])}, errors=lambda: truth.errors(call()), graphs=graphs)
         sdpa_row, *timed_rows = time_in_rounds([sdpa] + [launch(v) for v in variants], cuda=setup.cuda,
                                                rep_ms=rep_ms, rounds=rounds)
