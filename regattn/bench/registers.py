@@ -1,7 +1,7 @@
 """Register use of the Triton kernels, compiled for a GPU on any machine (no GPU needed).
 
 ``python -m regattn.bench.registers parallax [--head-dims 128 256] [--kinds fwd dk] [--candidates]``
-``python -m regattn.bench.registers scan [--head-dims 64] [--kinds ieee tf32x3] [--candidates]``
+``python -m regattn.bench.registers scan [--head-dims 64] [--kinds ieee tf32x3 tf32 fp16] [--candidates]``
 ``python -m regattn.bench.registers gatedfwa_gate [--candidates]``
 ``python -m regattn.bench.registers lla [--head-dims 128] [--kinds pairs diag cg cg-g16] [--candidates]``
 ``python -m regattn.bench.registers lla_bwd [--head-dims 128] [--kinds pairs diag cg] [--candidates]``
@@ -15,11 +15,11 @@ warpgroup products for want of registers: each then waits for the one before). A
 ``STACK > 0`` spills.
 ``--candidates`` screens the tile candidates of :data:`CANDIDATES` as well as the table's entry.
 
-``scan`` screens the forward kernel of the ELSA scan (one row per autotune config of each fp32 precision,
-``*`` marking them; ``--candidates`` adds :data:`SCAN_CANDIDATES`) at its goal shape B=1 H=16 T=16384
-non-causal, and reads the SASS of the hottest innermost loop: its instruction count, how many are
-``FFMA`` (and the FFMA share: the fp32 FMA pipe's density), ``HMMA`` (tensor core), and ``LDL``/``STL``
-(spill traffic inside the loop).
+``scan`` screens the forward kernel of the ELSA scan (one row per autotune config of each fp32 precision, or
+with ``--kinds fp16`` of fp16 inputs, ``*`` marking them; ``--candidates`` adds :data:`SCAN_CANDIDATES`) at its
+goal shape B=1 H=16 T=16384 non-causal, and reads the SASS of the hottest innermost loop: its instruction
+count, how many are ``FFMA`` (and the FFMA share: the fp32 FMA pipe's density), ``MUFU`` (exp2), ``HMMA``
+(tensor core), and ``LDL``/``STL`` (spill traffic inside the loop).
 
 ``gatedfwa`` screens the softmax kernels with the gate (``GATED=True``) at GatedFWA's goal shape B=1 H=16
 T=32768 window 512, bf16; ``softmax`` the same kernels without the gate at that shape (the ungated sliding
@@ -55,7 +55,7 @@ from triton.runtime.jit import JITFunction, create_function_from_signature
 SM90 = GPUTarget("cuda", 90, 32)
 SM90_SHARED = 232448  # bytes of shared memory a block may use on an H100 (227 KiB)
 KINDS = ("fwd", "dq", "dk", "decode", "decode_split")
-SCAN_KINDS = ("ieee", "tf32x3", "tf32")  # the fp32 precisions of the scan's forward kernel
+SCAN_KINDS = ("ieee", "tf32x3", "tf32", "fp16")  # the scan's forward kernel: fp32 precisions, fp16 inputs
 HEAD_DIMS = (32, 64, 128, 256)
 # Tile candidates screened with --candidates: (rows of a program, streamed tile, num_warps) x num_stages. A
 # program of fwd and dq holds BLOCK_M query rows and streams BLOCK_N keys; one of dk holds BLOCK_N keys and
@@ -140,10 +140,10 @@ def inner_loop(sass: str, nested: bool = False) -> dict:
     """Instruction mix of the hottest loop of a kernel's SASS: of the loops (a backward ``BRA`` to its
     head) that hold no other loop, the one of most instructions (with ``nested``, of those inside another loop
     where there are any: the key loop of an iterative solver, run once per iteration). ``loop``: its instruction
-    count; ``FFMA``, ``MMA`` (``HMMA`` and ``HGMMA``: tensor core), ``LDS``, ``LDL``/``STL`` (local memory:
-    spills): how many of each; ``FFMA%``: the FFMA share; ``FFMA/w``: FFMAs per 4-byte word read from
-    shared memory (an SM reads 32 words a cycle and retires 128 FFMAs: below 4 the loop waits on shared
-    memory, not on the FMA pipe)."""
+    count; ``FFMA``, ``MUFU`` (the special-function unit: exp2, 16 a cycle per SM against 128 FFMAs), ``MMA``
+    (``HMMA`` and ``HGMMA``: tensor core), ``LDS``, ``LDL``/``STL`` (local memory: spills): how many of each;
+    ``FFMA%``: the FFMA share; ``FFMA/w``: FFMAs per 4-byte word read from shared memory (an SM reads 32 words a
+    cycle and retires 128 FFMAs: below 4 the loop waits on shared memory, not on the FMA pipe)."""
     code = [(int(a, 16), op, args) for a, op, args in SASS_LINE.findall(sass)]
     loops = [(int(args.split()[-1], 16), addr) for addr, op, args in code
              if op == "BRA" and args and int(args.split()[-1], 16) < addr]
@@ -154,7 +154,7 @@ def inner_loop(sass: str, nested: bool = False) -> dict:
         return {}
     body = max(([op for addr, op, _ in code if a <= addr <= b] for a, b in innermost), key=len)
     base = [op.split(".")[0] for op in body]
-    mix = {op: base.count(op) for op in ("FFMA", "LDS", "LDL", "STL")}
+    mix = {op: base.count(op) for op in ("FFMA", "MUFU", "LDS", "LDL", "STL")}
     mix["MMA"] = base.count("HMMA") + base.count("HGMMA")
     words = sum({"64": 2, "128": 4}.get(op.split(".")[-1], 1) for op in body if op.startswith("LDS"))
     return dict(loop=len(body), **mix, **{"FFMA%": round(100 * mix["FFMA"] / len(body)),
@@ -233,16 +233,22 @@ SCAN_CANDIDATES = [(m, n, w, s) for (m, n, w), s in itertools.product(
      (64, 32, 2), (64, 64, 2), (128, 32, 4), (128, 64, 4), (64, 128, 4), (256, 64, 8)], (2, 3))]
 
 
-def scan_launch(precision: str, config, *, B=1, T=16384, H=16, D=64):
-    """The captured launch of the scan's forward kernel (fp32, non-causal, no lse: the benchmark's call)
-    with ``config`` (a ``triton.Config``) as its only tile choice."""
+def scan_dtype(kind: str) -> tuple[torch.dtype, str]:
+    """``(input dtype, precision)`` of a scan kind: an fp32 precision of :data:`SCAN_KINDS`, or ``fp16``."""
+    return (torch.float16, "ieee") if kind == "fp16" else (torch.float32, kind)
+
+
+def scan_launch(kind: str, config, *, B=1, T=16384, H=16, D=64):
+    """The captured launch of the scan's forward kernel (non-causal, no lse: the benchmark's call; ``kind``: see
+    :func:`scan_dtype`) with ``config`` (a ``triton.Config``) as its only tile choice."""
     from regattn.ops.scan import kernels
 
-    family = kernels._family(torch.float32, precision)
+    dtype, precision = scan_dtype(kind)
+    family = kernels._family(dtype, precision)
     saved = kernels.FWD_CONFIGS, kernels.AUTOTUNE
     kernels.FWD_CONFIGS, kernels.AUTOTUNE = {family: [config]}, False
     try:
-        q = torch.empty(B, T, H, D, device="meta")
+        q = torch.empty(B, T, H, D, device="meta", dtype=dtype)
         with captured_launches() as launches:
             kernels.forward(q, q, q, causal=False, window=None, scale=D ** -0.5, precision=precision,
                             cu_seqlens=None, num_splits=1, need_lse=False)
@@ -252,18 +258,18 @@ def scan_launch(precision: str, config, *, B=1, T=16384, H=16, D=64):
 
 
 def scan_rows(head_dims=(64,), kinds=("ieee", "tf32x3"), candidates=False):
-    """One row per (head dim, precision, forward configuration): the autotune list's, then the candidates."""
+    """One row per (head dim, kind, forward configuration): the autotune list's, then the candidates."""
     from regattn.ops._common.attention_tiles import tile_configs
     from regattn.ops.scan import kernels
 
-    for D, precision in itertools.product(head_dims, kinds):
-        configs = [(c, True) for c in kernels.FWD_CONFIGS[kernels._family(torch.float32, precision)]]
+    for D, kind in itertools.product(head_dims, kinds):
+        configs = [(c, True) for c in kernels.FWD_CONFIGS[kernels._family(*scan_dtype(kind))]]
         if candidates:
             configs += [(tile_configs([c])[0], False) for c in SCAN_CANDIDATES]
         for config, listed in configs:
-            kernel, args, kwargs = scan_launch(precision, config, D=D)
+            kernel, args, kwargs = scan_launch(kind, config, D=D)
             usage = launch_usage(kernel, args, kwargs, loop=True)
-            yield dict(head_dim=D, kind=precision, table=listed, **launch_settings(kwargs), **usage)
+            yield dict(head_dim=D, kind=kind, table=listed, **launch_settings(kwargs), **usage)
 
 
 # kind -> blocks at D = 128 (scaled with D); cg-pre: cg with the preconditioner
@@ -428,7 +434,8 @@ USAGE = ("REG", "STACK", "LOCAL", "SHARED")
 OPS = {"parallax": (parallax_rows, KINDS, COLUMNS),
        "gatedfwa": (functools.partial(attention_rows, gated=True), ATTENTION_KINDS, COLUMNS),
        "softmax": (functools.partial(attention_rows, gated=False), ATTENTION_KINDS, COLUMNS),
-       "scan": (scan_rows, ("ieee", "tf32x3"), COLUMNS + ("loop", "FFMA", "FFMA%", "FFMA/w", "LDS", "MMA", "LDL", "STL")),
+       "scan": (scan_rows, ("ieee", "tf32x3"),
+                COLUMNS + ("loop", "FFMA", "FFMA%", "FFMA/w", "MUFU", "LDS", "MMA", "LDL", "STL")),
        "lla": (lla_rows, tuple(LLA_KINDS), COLUMNS + ("loop", "MMA", "LDL", "STL")),
        "lla_bwd": (lla_backward_rows, LLA_BACKWARD_KINDS, COLUMNS + ("loop", "MMA", "LDL", "STL")),
        "nsa": (nsa_rows, (), COLUMNS),

@@ -71,7 +71,7 @@ SASS = """
         /*0030*/              @!P0 BRA 0x10 ;
         /*0040*/                   LDS R4, [R2] ;
         /*0050*/                   FFMA R8, R4, R5, R8 ;
-        /*0060*/                   FFMA R9, R4, R5, R9 ;
+        /*0060*/                   MUFU.EX2 R9, R9 ;
         /*0070*/                   STL [R1], R9 ;
         /*0080*/               @P1 BRA 0x40 ;
         /*0090*/                   BRA 0x10 ;
@@ -82,7 +82,7 @@ SASS = """
 def test_inner_loop_is_the_longest_loop_holding_no_other():
     # loops [0x10, 0x30] and [0x40, 0x80] hold none; [0x10, 0x90] holds both; 0xa0 branches to itself
     mix = registers.inner_loop(SASS)
-    assert mix == {"loop": 5, "FFMA": 2, "LDS": 1, "LDL": 0, "STL": 1, "MMA": 0, "FFMA%": 40, "FFMA/w": 2.0}
+    assert mix == {"loop": 5, "FFMA": 1, "MUFU": 1, "LDS": 1, "LDL": 0, "STL": 1, "MMA": 0, "FFMA%": 20, "FFMA/w": 1.0}
     assert registers.inner_loop("        /*0000*/                   EXIT ;") == {}
 
 
@@ -107,13 +107,14 @@ def test_inner_loop_nested_prefers_a_loop_inside_another():
 
 
 @compiles
-@pytest.mark.parametrize("precision", ["ieee", "tf32x3"])
-def test_scan_forward_loop_uses_the_fma_pipe_only_in_strict_fp32(precision):
+@pytest.mark.parametrize("kind", ["ieee", "tf32x3", "fp16"])
+def test_scan_forward_loop_uses_the_fma_pipe_only_in_strict_fp32(kind):
     config = triton.Config({"BLOCK_M": 32, "BLOCK_N": 32}, num_warps=4, num_stages=2)
-    kernel, args, kwargs = registers.scan_launch(precision, config, T=256, H=2)
+    kernel, args, kwargs = registers.scan_launch(kind, config, T=256, H=2)
     assert registers.launch_settings(kwargs) == dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=2)
     mix = registers.inner_loop(registers.cuobjdump(registers.compile_launch(kernel, args, kwargs), "-sass"))
-    if precision == "ieee":  # fp32 arithmetic throughout: every product of the dots is an FFMA
+    assert mix["MUFU"] >= 32 * 32 // 128  # an exp2 a score at least
+    if kind == "ieee":  # fp32 arithmetic throughout: every product of the dots is an FFMA
         assert mix["MMA"] == 0 and mix["FFMA"] >= 2 * 32 * 32 * 64 // 128
     else:
         assert mix["MMA"] > 0
