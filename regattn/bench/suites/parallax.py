@@ -272,10 +272,10 @@ def time_decode_variants(variants=None, *, shapes=None, dtype=torch.bfloat16, de
         if unknown:
             raise ValueError(f"variants: expected 'config' or 'num_splits', got {sorted(unknown)}")
     setup = Setup(dtype=dtype, device=device, backend="triton", rep_ms=rep_ms)
+    graphs = frozenset({"decode"})
     rows = []
     for shape in shapes or DECODE:
         q, r, k, v, truth = decode_inputs(shape, setup)
-        graphs = frozenset({"decode"})
         sdpa_call, _, _ = peers.sdpa(q, k, v, backend="cudnn" if setup.cuda else "math")
         sdpa = Contender({"decode": (sdpa_call, [])}, graphs=graphs)
 

@@ -350,7 +350,7 @@ def moment_products(w, x32, PREC: tl.constexpr, dtype: tl.constexpr):
     ``w`` is split as :func:`split_dot` splits it for ``mu~``; the four half-precision products are then the
     moments of the same weights as ``mu~``, so the differences the solves take of them cancel alike. Else one
     ``tl.dot`` in ``PREC`` (``tf32x3`` for fp16, ``ieee`` for fp32)."""
-    if PREC == "parts":
+    if PREC == "parts":  # split_dot(w, x_hi) + split_dot(w, x_lo), chained into one accumulator
         w_hi, w_lo = split_halves(w, dtype)
         x_hi, x_lo = split_halves(x32, dtype)
         acc = tl.dot(w_lo, x_lo)
