@@ -34,6 +34,9 @@ from regattn.train.optim import capturable
 
 COMPILE_MODES = ("none", "default", "reduce-overhead")
 WARMUP_STEPS = 3          # eager steps before the capture: kernels tuned, optimizer states made
+# models compiled in one process: each model (mixer and shapes) is an entry of forward_loss's compiled code, and
+# past Dynamo's default limit of 8 a sweep's ninth model would train uncompiled, with a warning
+COMPILED_MODELS = 512
 
 
 def autocast(device: torch.device, amp: bool):
@@ -61,6 +64,14 @@ def forward_loss(model, kind: str, amp: bool, inputs, select, targets, valid):
         return batch_loss(model, kind, inputs, select, targets, valid)
 
 
+def compiled(loss, mode: str):
+    """``torch.compile`` of ``loss`` in ``mode``, Dynamo's limits raised to :data:`COMPILED_MODELS` models."""
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, COMPILED_MODELS)
+    config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 4 * COMPILED_MODELS)
+    return torch.compile(loss, mode=None if mode == "default" else mode, dynamic=False)
+
+
 class TrainStep:
     """``step(batch)`` runs one optimizer step on :class:`Examples` ``batch``; ``read()`` returns the means of
     the loss, metric (accuracy, or MSE) and gradient norm over the finite steps since the last read, the
@@ -79,8 +90,7 @@ class TrainStep:
             raise ValueError("cuda_graph: captures the whole step itself; expected compile 'none' or 'default', "
                              "got 'reduce-overhead'")
         self.capture = cuda_graph and self.params[0].is_cuda
-        self.loss = loss if compile == "none" else torch.compile(
-            loss, mode=None if compile == "default" else compile, dynamic=False)
+        self.loss = loss if compile == "none" else compiled(loss, compile)
         device = self.params[0].device
         self.totals = torch.zeros(3, device=device)     # loss, metric, grad norm summed over the finite steps
         self.skipped = torch.zeros((), device=device)

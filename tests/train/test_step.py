@@ -1,3 +1,4 @@
+import functools
 import math
 
 import pytest
@@ -7,6 +8,7 @@ from regattn.models.stack import build_model
 from regattn.tasks import mqar
 from regattn.train.batches import static_examples
 from regattn.train.optim import build_optimizer
+from regattn.train import step as step_module
 from regattn.train.step import TrainStep
 
 
@@ -60,3 +62,24 @@ def test_read_gives_window_means_and_resets():
     assert 0 <= stats["metric"] <= 1 and stats["grad_norm"] > 0
     empty = step.read()
     assert empty["steps"] == 0 and math.isnan(empty["loss"])
+
+
+def scaled_sum(weight, x):
+    return (weight * x).sum()
+
+
+def test_a_process_compiles_more_models_than_dynamos_default_limit(monkeypatch):
+    """Each model a process trains is an entry of one function's compiled code (a sweep trains dozens); past
+    Dynamo's default limit of 8 entries the rest would run uncompiled."""
+    from torch._dynamo.utils import counters
+    real = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real(fn, **{**kw, "backend": "eager"}))
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)
+    monkeypatch.setattr(torch._dynamo.config, "accumulated_recompile_limit", 256)
+    torch._dynamo.reset()
+    counters.clear()
+    for n in range(1, 13):                     # twelve models of different shapes
+        loss = step_module.compiled(functools.partial(scaled_sum, torch.ones(n)), "default")
+        assert loss(torch.full((n,), 2.0)).item() == 2.0 * n
+    assert counters["frames"]["ok"] == 12 and torch._dynamo.config.recompile_limit >= 12
+    torch._dynamo.reset()
