@@ -14,7 +14,9 @@ the model widths of gatedfwa Figure 8). A preset (:data:`PRESETS`) writes a pape
 override it (a ``--vary`` of the same key replaces the preset's).
 
 ``--jobs N`` runs N runs at a time, each in its own process (spawned; the small task models leave room
-for several on one GPU). A run that raises is recorded with its ``error`` (and no score) and is run
+for several on one GPU); ``--streams N`` runs N at a time in this process, taking turns step by step, each on its
+own CUDA stream (:mod:`regattn.train.interleave`): the runs of one model shape then share its compilation and
+its kernels' tuning, and no process starts. A run that raises is recorded with its ``error`` (and no score) and is run
 again by ``--resume``; an interrupt (SIGINT) ends the runs in flight at once, and ``--resume`` runs them again:
 from the start, or with ``--checkpoint-every N`` from the last of their checkpoints (every N steps, in
 ``OUT/checkpoints/``, each removed once its run is recorded).
@@ -24,6 +26,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import dataclasses
+import functools
 import itertools
 import json
 import multiprocessing
@@ -39,7 +42,8 @@ from regattn.train import checks
 from regattn.train.cli import (add_common, base_config, check_common, parse_list, parse_value, rate, record,
                                refused_mixers, write_json)
 from regattn.train.plots import plot_curves, plot_sweep, x_order
-from regattn.train.trainer import TrainConfig, score, train
+from regattn.train.interleave import interleave
+from regattn.train.trainer import TrainConfig, finish, resolve_device, score, training
 from regattn.usage import UsageError
 
 SUITES = ("mad", "mad_benchmark", "mad_hard")
@@ -156,13 +160,14 @@ def checkpoint_name(task: str, key: tuple) -> str:
 
 def run_sweep(base: TrainConfig, *, mixers: list[str], lrs: list[float], seeds: list[int],
               points: list[tuple[str, dict, object]], done: list[dict] | None = None, on_run=None,
-              jobs: int = 1, checkpoints: str | None = None) -> list[dict]:
+              jobs: int = 1, streams: int = 1, checkpoints: str | None = None) -> list[dict]:
     """Every run of the grid; each record carries ``mixer, x, setting, lr, seed``, in the grid's order.
 
     done: records of an earlier, interrupted sweep; their runs are kept, not repeated (a failed one, with an
     ``error``, is run again). on_run: called with the list of records after each run (to save partial
     results). jobs: runs at a time, each in its own process; with 1, in this process, the task data built
-    once per point and seed. checkpoints: a folder where each run checkpoints (every ``base.checkpoint_every``
+    once per point and seed, ``streams`` runs at a time taking turns (:mod:`regattn.train.interleave`).
+    checkpoints: a folder where each run checkpoints (every ``base.checkpoint_every``
     steps) and resumes from; a run's file is removed once ``on_run`` has its record.
     """
     runs = [r for r in done or [] if not r.get("error")]
@@ -181,7 +186,7 @@ def run_sweep(base: TrainConfig, *, mixers: list[str], lrs: list[float], seeds: 
                                                  checkpoint=path, **model)
                     pending.append((config, dict(mixer=mixer, x=x, setting=setting, lr=lr, seed=seed)))
     order = {key: i for i, key in enumerate(grid)}
-    for run in execute([config for config, _ in pending], jobs):
+    for run in execute([config for config, _ in pending], jobs, streams):
         run.update(pending[run.pop("index")][1])
         runs.append(run)
         runs.sort(key=lambda r: order.get(run_key(r["mixer"], r["x"], r["lr"], r["seed"]), len(order)))
@@ -193,11 +198,14 @@ def run_sweep(base: TrainConfig, *, mixers: list[str], lrs: list[float], seeds: 
     return runs
 
 
-def execute(configs: list[TrainConfig], jobs: int):
-    """The record of each run (:func:`run_config`, with its ``index`` in ``configs``) as it finishes."""
+def execute(configs: list[TrainConfig], jobs: int, streams: int = 1):
+    """The record of each run (:func:`run_config`, with its ``index`` in ``configs``) as it finishes: ``jobs``
+    processes, or with ``jobs`` 1 in this process, ``streams`` runs taking turns (:mod:`regattn.train.interleave`)."""
     if jobs == 1:
-        for i, config in enumerate(configs):
-            yield dict(run_config(config), index=i)
+        starts = ((i, functools.partial(run_steps, config)) for i, config in enumerate(configs))
+        device = resolve_device(configs[0].device) if configs else None
+        for i, run in interleave(starts, streams, device):
+            yield dict(run, index=i)
         return
     context = multiprocessing.get_context("spawn")           # CUDA does not survive a fork
     pool = concurrent.futures.ProcessPoolExecutor(jobs, mp_context=context, initializer=share_cores, initargs=(jobs,))
@@ -244,9 +252,14 @@ def task_data(config: TrainConfig):
 
 def run_config(config: TrainConfig) -> dict:
     """One run's record (:func:`regattn.train.cli.record`); a run that raises gives ``{config, error}``."""
+    return finish(run_steps(config))
+
+
+def run_steps(config: TrainConfig):
+    """:func:`run_config` as a generator of the run's steps (:func:`regattn.train.trainer.training`)."""
     started = time.time()
     try:
-        return record(train(config, data=task_data(config)))
+        return record((yield from training(config, data=task_data(config))))
     except Exception as e:                                   # noqa: BLE001 (recorded, and retried on --resume)
         return failed(config, e, time.time() - started)
 
@@ -331,6 +344,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep the runs already in the output JSON (written after every run) and do the rest")
     p.add_argument("--preset", choices=sorted(PRESETS), help="a paper's protocol (see PRESETS); give no TASK")
     p.add_argument("--jobs", type=int, default=1, help="runs at a time, each in its own process (default 1)")
+    p.add_argument("--streams", type=int, default=1,
+                   help="with --jobs 1: runs at a time in this process, taking turns step by step, each on its own "
+                        "CUDA stream (default 1)")
     p.add_argument("--checkpoint-every", type=int, default=0, metavar="N",
                    help="each run checkpoints every N steps into OUT/checkpoints, and --resume continues an "
                         "interrupted run from there (default 0: it starts again)")
@@ -387,6 +403,10 @@ def main(argv=None) -> int:
         checks.positive("--lrs", lr)
     check_common(args, sorted({task for task, _, _ in points}), mixers)
     checks.at_least("--jobs", args.jobs, 1)
+    checks.at_least("--streams", args.streams, 1)
+    if args.jobs > 1 and args.streams > 1:
+        raise UsageError(f"--streams: runs take turns in one process; expected --jobs 1 with it, "
+                         f"got --jobs {args.jobs}")
     checks.at_least("--checkpoint-every", args.checkpoint_every, 0)
     check_points(points)
     skipped = refused_mixers(args, mixers)
@@ -413,7 +433,7 @@ def main(argv=None) -> int:
 
     started = time.time()
     runs = run_sweep(base, mixers=mixers, lrs=lrs, seeds=seeds, points=points, done=done,
-                     on_run=save, jobs=args.jobs,
+                     on_run=save, jobs=args.jobs, streams=args.streams,
                      checkpoints=os.path.join(args.out, "checkpoints") if args.checkpoint_every else None)
     wall = time.time() - started
     payload = save(runs)
@@ -424,7 +444,7 @@ def main(argv=None) -> int:
     fresh = [r for r in done_runs if id(r) not in earlier]
     steps = sum(r["steps"] - r.get("resumed_from", 0) for r in fresh)
     print(f"{len(fresh)} runs, {steps} steps in {wall:.0f} s: {steps / max(wall, 1e-9):.0f} steps/s over all runs "
-          f"({args.jobs} at a time){f'; {failed} failed (run again with --resume)' if failed else ''}")
+          f"({args.jobs * args.streams} at a time){f'; {failed} failed (run again with --resume)' if failed else ''}")
     if not done_runs:
         return 1
     plot_results(stem, payload)

@@ -157,7 +157,24 @@ def config_from_checkpoint(state: dict) -> TrainConfig:
 
 
 def train(config: TrainConfig, *, data: TaskData | None = None, stop_at: int | None = None) -> dict:
-    """Run (or resume) training; returns the result: config, final and best evaluation, history, and
+    """Run (or resume) training: :func:`training` to its end; its result."""
+    return finish(training(config, data=data, stop_at=stop_at))
+
+
+def finish(steps):
+    """The return value of generator ``steps``, run to its end."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as end:
+            return end.value
+
+
+def training(config: TrainConfig, *, data: TaskData | None = None, stop_at: int | None = None):
+    """A run (or its resumption) as a generator: each ``next()`` issues one optimizer step (the first also builds
+    the model; log points, evaluations and checkpoints come with the step they follow), so that several runs can
+    take turns in one process (:mod:`regattn.train.interleave`). Its return value (``StopIteration.value``) is
+    the result: config, final and best evaluation, history, and
     ``steps_per_second`` (optimizer steps per second from the first log point to the end, evaluations
     left out: the first steps, which compile, are not counted; None with a single log point), and
     ``captured`` (whether the steps replayed a CUDA graph), ``resumed_from`` (the checkpoint's step, 0 for a fresh
@@ -193,7 +210,8 @@ def train(config: TrainConfig, *, data: TaskData | None = None, stop_at: int | N
                            cuda_graph=config.cuda_graph)
     log = TrainLog(history, "mse" if data.kind == "regression" else "accuracy",
                    Progress(total, start=step, enabled=config.progress, label=f"{config.task}/{config.mixer}"))
-    started, clock = time.time(), Throughput(sync=torch.cuda.synchronize if device.type == "cuda" else None)
+    sync = (lambda: torch.cuda.current_stream(device).synchronize()) if device.type == "cuda" else None
+    started, clock = time.time(), Throughput(sync=sync)
     diverged = False
     model.train()
     while step < end:
@@ -221,6 +239,7 @@ def train(config: TrainConfig, *, data: TaskData | None = None, stop_at: int | N
                 if checkpoint_now:
                     save_checkpoint(config.checkpoint, config=config, model=model, optimizer=opt, step=step,
                                     history=history)
+        yield
     log.close()
     result = summarize(config, data, model, history, step, time.time() - started)
     result.update(diverged=diverged, steps_per_second=clock.rate(), captured=train_step.graph is not None,

@@ -156,17 +156,20 @@ def test_compile_graph_and_log_every_flags_reach_the_config():
     assert defaults.compile == "none" and defaults.log_every == 100 and not defaults.cuda_graph
 
 
-def test_sweep_jobs_run_in_processes_like_one_at_a_time(tmp_path, capsys):
-    # a tiny version of a preset: the six MAD tasks, two processes
+def test_sweep_jobs_and_streams_run_like_one_at_a_time(tmp_path, capsys):
+    # a tiny version of a preset: the six MAD tasks, in two processes, and three at a time in this one
     tiny = ["--preset", "parallax-mad", "--mixers", "softmax", "--lrs", "1e-2", "--epochs", "1",
             "--batch-size", "8", "--set", "num_train=16", "--set", "num_test=8", "--dim", "16", "--quiet"]
     assert sweep.main(tiny + ["--out", str(tmp_path / "one")]) == 0
     assert sweep.main(tiny + ["--out", str(tmp_path / "two"), "--jobs", "2"]) == 0
-    assert "6 runs" in capsys.readouterr().out
-    one, two = (json.loads((tmp_path / d / "sweep-mad.json").read_text())["runs"] for d in ("one", "two"))
+    assert sweep.main(tiny + ["--out", str(tmp_path / "three"), "--streams", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "6 runs" in out and "(3 at a time)" in out
+    one, two, three = (json.loads((tmp_path / d / "sweep-mad.json").read_text())["runs"]
+                       for d in ("one", "two", "three"))
     key = (lambda r: (r["x"], r["lr"]))
-    assert [key(r) for r in two] == [key(r) for r in one] and len(two) == 6           # the grid's order
-    for a, b in zip(one, two):
+    assert [key(r) for r in two] == [key(r) for r in three] == [key(r) for r in one] and len(two) == 6  # grid order
+    for a, b in zip(one + one, two + three):
         assert not b.get("error") and b["steps"] == a["steps"] == 2
         assert abs(a["best"]["accuracy"] - b["best"]["accuracy"]) < 1e-3
         assert abs(a["history"]["train"][-1]["loss"] - b["history"]["train"][-1]["loss"]) < 1e-3
@@ -175,20 +178,20 @@ def test_sweep_jobs_run_in_processes_like_one_at_a_time(tmp_path, capsys):
 def test_failed_run_is_recorded_and_retried_on_resume(tmp_path, monkeypatch):
     out = tmp_path / "f"
     args = ["mqar", "--mixers", "softmax", "--lrs", "1e-3,1e-2", "--out", str(out)] + TINY
-    train = sweep.train
+    training = sweep.training
 
     def fails_at_high_lr(config, **kw):
         if config.lr == 1e-2:
             raise RuntimeError("out of memory")
-        return train(config, **kw)
+        return (yield from training(config, **kw))
 
-    monkeypatch.setattr(sweep, "train", fails_at_high_lr)
+    monkeypatch.setattr(sweep, "training", fails_at_high_lr)
     assert sweep.main(args) == 0
     payload = json.loads((out / "sweep-mqar.json").read_text())
     failed = [r for r in payload["runs"] if r.get("error")]
     assert len(failed) == 1 and failed[0]["lr"] == 1e-2 and "RuntimeError: out of memory" in failed[0]["error"]
     assert payload["summary"]["softmax"]["default"]["per_lr"] == {"0.001": payload["runs"][0]["best"]["accuracy"]}
-    monkeypatch.setattr(sweep, "train", train)
+    monkeypatch.setattr(sweep, "training", training)
     assert sweep.main(args + ["--resume"]) == 0
     runs = json.loads((out / "sweep-mqar.json").read_text())["runs"]
     assert [r["lr"] for r in runs] == [1e-3, 1e-2] and not any(r.get("error") for r in runs)
@@ -287,13 +290,13 @@ def test_sweep_resumes_an_interrupted_run_from_its_checkpoint(tmp_path, monkeypa
     assert sweep.main(args + ["--out", str(tmp_path / "whole")]) == 0
 
     def stopped(config, data=None):
-        sweep_train(config, data=data, stop_at=3)
+        yield from sweep_training(config, data=data, stop_at=3)
         raise RuntimeError("stopped")
-    sweep_train, out = sweep.train, tmp_path / "resumed"
-    monkeypatch.setattr(sweep, "train", stopped)
+    sweep_training, out = sweep.training, tmp_path / "resumed"
+    monkeypatch.setattr(sweep, "training", stopped)
     assert sweep.main(args + ["--out", str(out), "--checkpoint-every", "2"]) == 1
     assert [p.name for p in (out / "checkpoints").iterdir()] == ["mqar-default-softmax-lr0.001-seed0.pt"]
-    monkeypatch.setattr(sweep, "train", sweep_train)
+    monkeypatch.setattr(sweep, "training", sweep_training)
     assert sweep.main(args + ["--out", str(out), "--checkpoint-every", "2", "--resume"]) == 0
     assert list((out / "checkpoints").iterdir()) == []
     whole, resumed = (json.loads((d / "sweep-mqar.json").read_text())["runs"][0] for d in (tmp_path / "whole", out))

@@ -37,6 +37,8 @@ BAD = [
     (TRAIN + ["--cuda-graph", "--compile", "reduce-overhead"], "--cuda-graph"),
     (SWEEP + ["--cuda-graph", "--wda-gamma", "1"], "--wda-gamma"),
     (SWEEP + ["--jobs", "two"], "--jobs"),
+    (SWEEP + ["--streams", "0"], "--streams"),
+    (SWEEP + ["--jobs", "2", "--streams", "2"], "--streams"),
     (LM + ["--steps", "0"], "--steps"),
     (LM + ["--batch-size", "0"], "--batch-size"),
     (LM + ["--lr", "-0.02"], "--lr"),
