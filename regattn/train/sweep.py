@@ -13,12 +13,12 @@ grid; a key ``cfg.NAME`` varies a training setting instead of a task setting (``
 the model widths of gatedfwa Figure 8). A preset (:data:`PRESETS`) writes a paper's protocol as arguments; arguments after it
 override it (a ``--vary`` of the same key replaces the preset's).
 
-``--jobs N`` runs N runs at a time, each in its own process (spawned; the small task models leave room
-for several on one GPU); ``--streams N`` runs N at a time in this process, taking turns step by step, each on its
+``--jobs N`` runs N runs at a time, each in its own process (spawned; the small task models leave room for
+several on one GPU); ``--streams N`` runs N at a time in this process, taking turns step by step, each on its
 own CUDA stream (:mod:`regattn.train.interleave`): the runs of one model shape then share its compilation and
-its kernels' tuning, and no process starts. A run that raises is recorded with its ``error`` (and no score) and is run
-again by ``--resume``; an interrupt (SIGINT) ends the runs in flight at once, and ``--resume`` runs them again:
-from the start, or with ``--checkpoint-every N`` from the last of their checkpoints (every N steps, in
+its kernels' tuning, and no process starts. A run that raises is recorded with its ``error`` (and no score) and
+is run again by ``--resume``; an interrupt (SIGINT) ends the runs in flight at once, and ``--resume`` runs them
+again: from the start, or with ``--checkpoint-every N`` from the last of their checkpoints (every N steps, in
 ``OUT/checkpoints/``, each removed once its run is recorded).
 """
 from __future__ import annotations
@@ -167,8 +167,8 @@ def run_sweep(base: TrainConfig, *, mixers: list[str], lrs: list[float], seeds: 
     ``error``, is run again). on_run: called with the list of records after each run (to save partial
     results). jobs: runs at a time, each in its own process; with 1, in this process, the task data built
     once per point and seed, ``streams`` runs at a time taking turns (:mod:`regattn.train.interleave`).
-    checkpoints: a folder where each run checkpoints (every ``base.checkpoint_every``
-    steps) and resumes from; a run's file is removed once ``on_run`` has its record.
+    checkpoints: a folder where each run checkpoints (every ``base.checkpoint_every`` steps) and resumes from;
+    a run's file is removed once ``on_run`` has its record.
     """
     runs = [r for r in done or [] if not r.get("error")]
     finished = {run_key(r["mixer"], r["x"], r["lr"], r["seed"]) for r in runs}
