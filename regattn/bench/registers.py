@@ -16,8 +16,7 @@ warpgroup products for want of registers: each then waits for the one before). A
 ``--candidates`` screens the tile candidates of :data:`CANDIDATES` as well as the table's entry.
 
 ``scan`` screens the forward kernel of the ELSA scan (one row per autotune config of each fp32 precision, or
-with ``--kinds fp16`` of fp16 inputs, ``*`` marking them; ``--candidates`` adds :data:`SCAN_CANDIDATES` and, with
-``AHEAD`` 1, ``regattn.ops.scan.kernels.AHEAD_TILES``) at its
+with ``--kinds fp16`` of fp16 inputs, ``*`` marking them; ``--candidates`` adds :data:`SCAN_CANDIDATES`) at its
 goal shape B=1 H=16 T=16384 non-causal, and reads the SASS of the hottest innermost loop: its instruction
 count, how many are ``FFMA`` (and the FFMA share: the fp32 FMA pipe's density), ``MUFU`` (exp2), ``HMMA``
 (tensor core), and ``LDL``/``STL`` (spill traffic inside the loop).
@@ -267,12 +266,10 @@ def scan_rows(head_dims=(64,), kinds=("ieee", "tf32x3"), candidates=False):
         configs = [(c, True) for c in kernels.FWD_CONFIGS[kernels._family(*scan_dtype(kind))]]
         if candidates:
             configs += [(tile_configs([c])[0], False) for c in SCAN_CANDIDATES]
-            configs += [(c, False) for c in tile_configs(kernels.AHEAD_TILES, AHEAD=True)]
         for config, listed in configs:
             kernel, args, kwargs = scan_launch(kind, config, D=D)
             usage = launch_usage(kernel, args, kwargs, loop=True)
-            yield dict(head_dim=D, kind=kind, table=listed, AHEAD=config.kwargs.get("AHEAD", False),
-                       **launch_settings(kwargs), **usage)
+            yield dict(head_dim=D, kind=kind, table=listed, **launch_settings(kwargs), **usage)
 
 
 # kind -> blocks at D = 128 (scaled with D); cg-pre: cg with the preconditioner
@@ -438,7 +435,7 @@ OPS = {"parallax": (parallax_rows, KINDS, COLUMNS),
        "gatedfwa": (functools.partial(attention_rows, gated=True), ATTENTION_KINDS, COLUMNS),
        "softmax": (functools.partial(attention_rows, gated=False), ATTENTION_KINDS, COLUMNS),
        "scan": (scan_rows, ("ieee", "tf32x3"),
-                COLUMNS + ("AHEAD", "loop", "FFMA", "FFMA%", "FFMA/w", "MUFU", "LDS", "MMA", "LDL", "STL")),
+                COLUMNS + ("loop", "FFMA", "FFMA%", "FFMA/w", "MUFU", "LDS", "MMA", "LDL", "STL")),
        "lla": (lla_rows, tuple(LLA_KINDS), COLUMNS + ("loop", "MMA", "LDL", "STL")),
        "lla_bwd": (lla_backward_rows, LLA_BACKWARD_KINDS, COLUMNS + ("loop", "MMA", "LDL", "STL")),
        "nsa": (nsa_rows, (), COLUMNS),

@@ -5,7 +5,6 @@ import pytest
 import torch
 
 import regattn
-from regattn.ops._common.attention_tiles import tile_configs
 from regattn.ops.scan import kernels
 from regattn.ops.scan.verify import UNIT_ROUNDOFF, growth_check, measure
 from regattn.reference.softmax import softmax_attention
@@ -90,15 +89,6 @@ VARLEN = dict(causal=True, window=700, cu_seqlens=[0, 1, 1000, 1000, 3001, 4096]
 ])
 def test_forward_backward(dtype, precision, shape, kw):
     check_scan(dtype, precision, *shape, **kw)
-
-
-@pytest.mark.parametrize("tile", kernels.AHEAD_TILES, ids=lambda t: "x".join(map(str, t)))
-@pytest.mark.parametrize("dtype,kw", [(FP16, {}), (BF16, dict(causal=True)), (FP16, dict(causal=True, window=700))],
-                         ids=["fp16", "bf16-causal", "fp16-causal-window"])
-def test_forward_with_scores_ahead(monkeypatch, tile, dtype, kw):
-    """The forward's AHEAD tiles (candidates for its fp16/bf16 list) against float64, by flash-attn's rule."""
-    monkeypatch.setitem(kernels.FWD_CONFIGS, "half", tile_configs([tile], AHEAD=True))
-    check_scan(dtype, "ieee", 1, 4096, 4, 2, 64, **kw)
 
 
 @pytest.mark.parametrize("dtype,precision", [(FP32, "ieee"), (FP32, "tf32x3"), (FP32, "tf32"), (FP16, "ieee"),

@@ -221,19 +221,3 @@ def test_unchecked_offsets_past_t_are_clamped(interpret):
     bad, good = torch.tensor([0, 7, 45], dtype=torch.int32), torch.tensor([0, 7, 20], dtype=torch.int32)
     o = regattn.scan_attention(q, k, v, causal=True, cu_seqlens=bad, max_seqlen=20, backend="triton")
     assert torch.equal(o, regattn.scan_attention(q, k, v, causal=True, cu_seqlens=good, backend="triton"))
-
-
-@pytest.mark.parametrize("causal,window,splits", [(False, None, 1), (False, None, 2), (True, None, 1), (True, 40, 1)])
-@pytest.mark.parametrize("dtype,precision", [(torch.float16, "ieee"), (torch.float32, "tf32x3")])
-def test_scores_ahead_fold_as_the_plain_loop(interpret, monkeypatch, dtype, precision, causal, window, splits):
-    """The forward with the next tile's scores formed before this tile's softmax (``AHEAD``, on whole visible
-    tiles) adds the same terms in the same order as the plain loop: the same output, bit for bit."""
-    from regattn.ops.scan import kernels
-    q, k, v = (x.detach() for x in _inputs(1, 80, 80, 2, 1, 16, 16, dtype=dtype))
-    kwargs = dict(causal=causal, window=window, num_splits=splits, precision=precision, backend="triton")
-    plain = regattn.scan_attention(q, k, v, **kwargs)
-    monkeypatch.setattr(kernels, "INTERPRET_AHEAD", True)
-    ahead = regattn.scan_attention(q, k, v, **kwargs)
-    assert torch.equal(ahead, plain)
-    want = softmax_attention(*_double(q, k, v), causal=causal, window=window)
-    assert rel_err(ahead, want) < (2e-3 if dtype == torch.float16 else FP32_TOL)

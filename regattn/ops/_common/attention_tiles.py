@@ -205,10 +205,9 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def tile_configs(tiles, **meta) -> list:
-    """Autotune configs from ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` tiles, each with the constexprs
-    ``meta``."""
-    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n, **meta}, num_warps=w, num_stages=s) for m, n, w, s in tiles]
+def tile_configs(tiles) -> list:
+    """Autotune configs from ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` tiles."""
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in tiles]
 
 
 # From 2^19 rows on (B 1, 16 heads, T 16384) a launch fills an H100 with many waves of every tile: the tile

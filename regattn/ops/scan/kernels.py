@@ -171,7 +171,7 @@ def _fold_span(q, q_base, sqt, k_base, v_base, skt, svt, lo, hi, full_lo, full_h
                qk_scale, D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
                EVEN_N: tl.constexpr, PREC: tl.constexpr, ROUND_TF32: tl.constexpr, DOT_K: tl.constexpr,
-               POS_SCALE: tl.constexpr, AHEAD: tl.constexpr):
+               POS_SCALE: tl.constexpr):
     """Left fold of the key tiles ``[lo, hi)`` (``lo`` on a tile edge) from the identity, in three runs of
     :func:`_fold_tiles`: the tiles before the full keys ``[full_lo, full_hi)`` of a causal or windowed fold,
     masked; the tiles inside them, with no mask; the tiles after them, masked. The tiles and the order of
@@ -181,18 +181,18 @@ def _fold_span(q, q_base, sqt, k_base, v_base, skt, svt, lo, hi, full_lo, full_h
         _, a, b = tile_loop_bounds(lo, hi, full_lo, full_hi, BLOCK_N)  # lo is on a tile edge
         m_i, l_i, acc = _fold_tiles(m_i, l_i, acc, q, q_base, sqt, k_base, v_base, skt, svt, lo, a, offs_m,
                                     offs_n0, offs_d, offs_dv, Tb, Sb, qk_scale, D, DV, BLOCK_M, BLOCK_N, BLOCK_D,
-                                    BLOCK_DV, CAUSAL, WINDOW, EVEN_N, True, PREC, ROUND_TF32, DOT_K, POS_SCALE, AHEAD)
+                                    BLOCK_DV, CAUSAL, WINDOW, EVEN_N, True, PREC, ROUND_TF32, DOT_K, POS_SCALE)
         m_i, l_i, acc = _fold_tiles(m_i, l_i, acc, q, q_base, sqt, k_base, v_base, skt, svt, a, b, offs_m,
                                     offs_n0, offs_d, offs_dv, Tb, Sb, qk_scale, D, DV, BLOCK_M, BLOCK_N, BLOCK_D,
-                                    BLOCK_DV, CAUSAL, WINDOW, EVEN_N, False, PREC, ROUND_TF32, DOT_K, POS_SCALE, AHEAD)
+                                    BLOCK_DV, CAUSAL, WINDOW, EVEN_N, False, PREC, ROUND_TF32, DOT_K, POS_SCALE)
         m_i, l_i, acc = _fold_tiles(m_i, l_i, acc, q, q_base, sqt, k_base, v_base, skt, svt, b, hi, offs_m,
                                     offs_n0, offs_d, offs_dv, Tb, Sb, qk_scale, D, DV, BLOCK_M, BLOCK_N, BLOCK_D,
-                                    BLOCK_DV, CAUSAL, WINDOW, EVEN_N, True, PREC, ROUND_TF32, DOT_K, POS_SCALE, AHEAD)
+                                    BLOCK_DV, CAUSAL, WINDOW, EVEN_N, True, PREC, ROUND_TF32, DOT_K, POS_SCALE)
     else:
         m_i, l_i, acc = _fold_tiles(m_i, l_i, acc, q, q_base, sqt, k_base, v_base, skt, svt, lo, hi, offs_m,
                                     offs_n0, offs_d, offs_dv, Tb, Sb, qk_scale, D, DV, BLOCK_M, BLOCK_N, BLOCK_D,
                                     BLOCK_DV, CAUSAL, WINDOW, EVEN_N, not EVEN_N, PREC, ROUND_TF32, DOT_K,
-                                    POS_SCALE, AHEAD)
+                                    POS_SCALE)
     return m_i, l_i, acc
 
 
@@ -201,79 +201,40 @@ def _fold_tiles(m_i, l_i, acc, q, q_base, sqt, k_base, v_base, skt, svt, lo, hi,
                 Tb, Sb, qk_scale, D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
                 EVEN_N: tl.constexpr, MASKED: tl.constexpr, PREC: tl.constexpr, ROUND_TF32: tl.constexpr,
-                DOT_K: tl.constexpr, POS_SCALE: tl.constexpr, AHEAD: tl.constexpr):
+                DOT_K: tl.constexpr, POS_SCALE: tl.constexpr):
     """Fold the key tiles ``[lo, hi)`` into the state ``(m_i, l_i, acc)``: each tile's state (its max, the
     sum of ``p`` and ``p @ v``: tree reductions across the tile) merges into the running state by
     un-sum-renorm (the online-softmax step). ``MASKED``: the scores of hidden pairs are set to -inf, and in
     a causal or windowed fold (where every masked tile is partly hidden) ``p @ v`` multiplies through
     :func:`contained_dot`. ``DOT_K > 0``: ``q k^T`` is formed ``DOT_K`` columns of ``q`` and ``k`` at a
     time, read from memory (the FMA dot then holds a slice of its operands in registers, not all of ``D``;
-    its additions run in the same order). ``AHEAD`` (tiles of whole visible keys, ``hi - lo`` a multiple of
-    ``BLOCK_N``, a tensor-core ``q k^T``): the next tile's scores are issued before this tile's softmax, so that
-    the tensor cores form them while the softmax runs (compiled for sm_90, the next tile's products sit among
-    this tile's exp2s, where the plain loop waits for its scores first); the same additions in the same order.
-    Returns ``(m, l, acc)``."""
-    if AHEAD and not MASKED and DOT_K == 0:
-        if lo < hi:
-            s = _tile_scores(q, q_base, sqt, k_base, skt, offs_m, lo + offs_n0, offs_d, Tb, Sb, D, BLOCK_M,
-                             BLOCK_N, BLOCK_D, EVEN_N, PREC, ROUND_TF32, DOT_K)
-            for n0 in range(lo, hi - BLOCK_N, BLOCK_N):
-                s_next = _tile_scores(q, q_base, sqt, k_base, skt, offs_m, n0 + BLOCK_N + offs_n0, offs_d, Tb, Sb,
-                                      D, BLOCK_M, BLOCK_N, BLOCK_D, EVEN_N, PREC, ROUND_TF32, DOT_K)
-                m_i, l_i, acc = _fold_scores(m_i, l_i, acc, s, v_base, svt, offs_m, n0 + offs_n0, offs_dv, Tb, Sb,
-                                             qk_scale, DV, CAUSAL, WINDOW, EVEN_N, MASKED, PREC, ROUND_TF32,
-                                             POS_SCALE)
-                s = s_next
-            m_i, l_i, acc = _fold_scores(m_i, l_i, acc, s, v_base, svt, offs_m, hi - BLOCK_N + offs_n0, offs_dv, Tb,
-                                         Sb, qk_scale, DV, CAUSAL, WINDOW, EVEN_N, MASKED, PREC, ROUND_TF32,
-                                         POS_SCALE)
-    else:
-        for n0 in range(lo, hi, BLOCK_N):
-            s = _tile_scores(q, q_base, sqt, k_base, skt, offs_m, n0 + offs_n0, offs_d, Tb, Sb, D, BLOCK_M,
-                             BLOCK_N, BLOCK_D, EVEN_N, PREC, ROUND_TF32, DOT_K)
-            m_i, l_i, acc = _fold_scores(m_i, l_i, acc, s, v_base, svt, offs_m, n0 + offs_n0, offs_dv, Tb, Sb,
-                                         qk_scale, DV, CAUSAL, WINDOW, EVEN_N, MASKED, PREC, ROUND_TF32, POS_SCALE)
-    return m_i, l_i, acc
-
-
-@triton.jit
-def _tile_scores(q, q_base, sqt, k_base, skt, offs_m, offs_n, offs_d, Tb, Sb, D: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_N: tl.constexpr,
-                 PREC: tl.constexpr, ROUND_TF32: tl.constexpr, DOT_K: tl.constexpr):
-    """``q k^T`` of the key tile ``offs_n``; ``DOT_K > 0``: in chunks of ``DOT_K`` columns, each accumulated into
-    the last (see :func:`_fold_tiles`)."""
-    if DOT_K > 0:
-        s = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for d0 in tl.static_range(0, BLOCK_D, DOT_K):
-            cols = d0 + tl.arange(0, DOT_K)
-            q_c = _tf32(_load_rows(q_base, offs_m, sqt, cols, Tb, D, False), ROUND_TF32)
-            k_c = _tf32(_load_rows(k_base, offs_n, skt, cols, Sb, D, EVEN_N), ROUND_TF32)
-            s = tl.dot(q_c, tl.trans(k_c), s, input_precision=PREC)
-    else:
-        k = _tf32(_load_rows(k_base, offs_n, skt, offs_d, Sb, D, EVEN_N), ROUND_TF32)
-        s = tl.dot(q, tl.trans(k), input_precision=PREC)
-    return s
-
-
-@triton.jit
-def _fold_scores(m_i, l_i, acc, s, v_base, svt, offs_m, offs_n, offs_dv, Tb, Sb, qk_scale, DV: tl.constexpr,
-                 CAUSAL: tl.constexpr, WINDOW: tl.constexpr, EVEN_N: tl.constexpr, MASKED: tl.constexpr,
-                 PREC: tl.constexpr, ROUND_TF32: tl.constexpr, POS_SCALE: tl.constexpr):
-    """Fold the scores ``s`` of the key tile ``offs_n`` into the state (see :func:`_fold_tiles`)."""
-    s_scale = qk_scale  # a positive scale rides in exp2's fused multiply-add (one multiply an entry less)
-    if not POS_SCALE:
-        s = s * qk_scale
-        s_scale = 1.0
-    if MASKED:
-        seen = _visible(offs_m, offs_n, Tb, Sb, CAUSAL, WINDOW)
-        s = tl.where(seen, s, float("-inf"))
-    m_i, l_i, p, alpha = online_softmax_step(m_i, l_i, s, s_scale)
-    v = _tf32(_load_rows(v_base, offs_n, svt, offs_dv, Sb, DV, EVEN_N), ROUND_TF32)
-    p = _tf32(p.to(v.dtype), ROUND_TF32)
-    if MASKED and (CAUSAL or WINDOW > 0):
-        acc = contained_dot(acc * alpha[:, None], p, v, seen, PREC)
-    else:
-        acc = tl.dot(p, v, acc * alpha[:, None], input_precision=PREC)
+    its additions run in the same order). Returns ``(m, l, acc)``."""
+    for n0 in range(lo, hi, BLOCK_N):
+        offs_n = n0 + offs_n0
+        if DOT_K > 0:  # q k^T in chunks of DOT_K columns, each accumulated into the last
+            s = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for d0 in tl.static_range(0, BLOCK_D, DOT_K):
+                cols = d0 + tl.arange(0, DOT_K)
+                q_c = _tf32(_load_rows(q_base, offs_m, sqt, cols, Tb, D, False), ROUND_TF32)
+                k_c = _tf32(_load_rows(k_base, offs_n, skt, cols, Sb, D, EVEN_N), ROUND_TF32)
+                s = tl.dot(q_c, tl.trans(k_c), s, input_precision=PREC)
+        else:
+            k = _tf32(_load_rows(k_base, offs_n, skt, offs_d, Sb, D, EVEN_N), ROUND_TF32)
+            s = tl.dot(q, tl.trans(k), input_precision=PREC)
+        s_scale = qk_scale  # a positive scale rides in exp2's fused multiply-add (one multiply an entry less)
+        if not POS_SCALE:
+            s = s * qk_scale
+            s_scale = 1.0
+        if MASKED:
+            seen = _visible(offs_m, offs_n, Tb, Sb, CAUSAL, WINDOW)
+            s = tl.where(seen, s, float("-inf"))
+        m_i, l_i, p, alpha = online_softmax_step(m_i, l_i, s, s_scale)
+        v = _tf32(_load_rows(v_base, offs_n, svt, offs_dv, Sb, DV, EVEN_N), ROUND_TF32)
+        p = _tf32(p.to(v.dtype), ROUND_TF32)
+        if MASKED and (CAUSAL or WINDOW > 0):
+            acc = contained_dot(acc * alpha[:, None], p, v, seen, PREC)
+        else:
+            acc = tl.dot(p, v, acc * alpha[:, None], input_precision=PREC)
     return m_i, l_i, acc
 
 
@@ -313,13 +274,12 @@ def _fwd_kernel(Q, K, V, O, LSE, WS_M, WS_L, WS_ACC, CU,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
                 VARLEN: tl.constexpr, NSPLIT: tl.constexpr, STORE_LSE: tl.constexpr, EVEN_N: tl.constexpr,
                 PREC: tl.constexpr, ROUND_TF32: tl.constexpr, CHUNK: tl.constexpr, DOT_K: tl.constexpr,
-                POS_SCALE: tl.constexpr, AHEAD: tl.constexpr = False):
+                POS_SCALE: tl.constexpr):
     """One program: ``BLOCK_M`` queries of one head against key slice ``program_id(2)`` of ``NSPLIT``.
 
     ``CHUNK > 0``: fold in two levels of ``CHUNK`` tiles;
-    ``DOT_K > 0``: ``q k^T`` in column chunks; ``AHEAD``: the next tile's scores before this tile's softmax where
-    whole tiles are visible (see :func:`_fold_tiles`); ``POS_SCALE``: ``qk_scale > 0``, which then multiplies
-    the scores inside exp2's argument (a zero or negative one scales them first).
+    ``DOT_K > 0``: ``q k^T`` in column chunks (see :func:`_fold_tiles`); ``POS_SCALE``: ``qk_scale > 0``, which
+    then multiplies the scores inside exp2's argument (a zero or negative one scales them first).
     """
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -349,7 +309,7 @@ def _fwd_kernel(Q, K, V, O, LSE, WS_M, WS_L, WS_ACC, CU,
     if CHUNK == 0:
         m_i, l_i, acc = _fold_span(q, q_base, sqt, k_base, v_base, skt, svt, lo, hi, full_lo, full_hi, offs_m, offs_n0, offs_d,
                                    offs_dv, Tb, Sb, qk_scale, D, DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, CAUSAL,
-                                   WINDOW, EVEN_N, PREC, ROUND_TF32, DOT_K, POS_SCALE, AHEAD)
+                                   WINDOW, EVEN_N, PREC, ROUND_TF32, DOT_K, POS_SCALE)
     else:
         # Two levels: CHUNK tiles fold into a chunk state, and the chunk states into the total, so that
         # no accumulator sees more than max(CHUNK * BLOCK_N, n / (CHUNK * BLOCK_N)) sequential additions.
@@ -363,7 +323,7 @@ def _fwd_kernel(Q, K, V, O, LSE, WS_M, WS_L, WS_ACC, CU,
             m_c, l_c, acc_c = _fold_span(q, q_base, sqt, k_base, v_base, skt, svt, c0, tl.minimum(hi, c0 + CHUNK * BLOCK_N),
                                          full_lo, full_hi, offs_m, offs_n0, offs_d, offs_dv, Tb, Sb, qk_scale, D,
                                          DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, CAUSAL, WINDOW, EVEN_N, PREC,
-                                         ROUND_TF32, DOT_K, POS_SCALE, AHEAD)
+                                         ROUND_TF32, DOT_K, POS_SCALE)
             tl.debug_barrier()
             m_i, l_i, w = _combine(m_i, l_i, tl.load(w_ptrs, mask=w_mask, other=0.0), m_c, l_c, acc_c)
             tl.store(w_ptrs, w, mask=w_mask)
@@ -594,10 +554,8 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, CU,
 # benchmarks/results/sm90-registers/scan.txt: ``python -m regattn.bench.registers scan --candidates``), then
 # tiles that spill but won on the H100: without them the forward at B1 H16 T16384 D64 took 88.7 ms (ieee,
 # 55.1 ms with them) and 9.86 ms (tf32, 7.86 ms with them) in regattn bench scan.
-# Candidates for the fp16/bf16 forward's list, once timed on a GPU: tiles with AHEAD (the next tile's scores
-# before this tile's softmax, see _fold_tiles) that compile without spills for sm_90 (128 x 64 on 4 warps spills
-# with it, as every tf32x3 tile does): benchmarks/results/sm90-registers/scan.txt
-AHEAD_TILES = [(128, 128, 8, 3), (128, 64, 8, 3), (64, 64, 4, 3)]
+# fp16/bf16: issuing the next key tile's q k^T before this tile's softmax (so that the tensor cores form it while
+# the exp2s run) lost to the plain loop: benchmarks/results/h200/tiles/README.md ("ELSA's fp16 forward").
 FWD_CONFIGS = {
     "half": tile_configs([(128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3), (64, 64, 4, 3)]),
     "tensor": tile_configs([(128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 2), (32, 64, 4, 2), (32, 64, 8, 3),
@@ -650,7 +608,6 @@ _DKDV_TUNED = {family: triton.autotune(cfgs, key=_KEY, prune_configs_by=_pruner(
 _DQ_TUNED = {family: triton.autotune(cfgs, key=_KEY, prune_configs_by=_pruner("N"))(_bwd_dq_kernel)
              for family, cfgs in BWD_CONFIGS.items()}
 INTERPRET_BLOCK = 16
-INTERPRET_AHEAD = False  # the interpreter's forward kernel: AHEAD (on a GPU: a config's, False unless it says)
 AUTOTUNE = True  # False: every launch takes the first config of its list (no tuning runs)
 
 
@@ -748,7 +705,7 @@ def forward(q, k, v, *, causal, window, scale, precision, cu_seqlens, num_splits
             rows, S, HQ, HQ // H, scale * LOG2E, ws_stride, size_class(B * HQ * T),
             D=D, DV=DV, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, CAUSAL=causal, WINDOW=window or 0,
             VARLEN=varlen, NSPLIT=num_splits, STORE_LSE=need_lse, PREC=prec, POS_SCALE=scale > 0, streamed="N",
-            **_numerics(q.dtype, precision), **({"AHEAD": INTERPRET_AHEAD} if interpreting() else {}))
+            **_numerics(q.dtype, precision))
     if num_splits > 1:
         block = max(1, min(64, 8192 // (num_splits * BLOCK_DV)))
         _merge_kernel[(ceil_div(max_rows, block), nseq * HQ)](
