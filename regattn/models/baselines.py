@@ -14,8 +14,9 @@ when a baseline is built; without it, naming one raises ImportError naming the e
 ``D`` is ``head_dim`` when given (DecoderLM's ``head_dim``), ``P`` likewise for mamba2. Other
 keyword options go to FLA's constructor and override these (``state_size``, ``expand_v``,
 ``use_short_conv``, ...). FLA's Mamba2 runs its PyTorch chunked scan unless ``mamba_ssm`` is
-installed; its chunk is 64 here (FLA's default 256 makes the scan's per-chunk products four times
-larger in memory; the result does not depend on it).
+installed (PyPI has it as source only: ``pip install mamba-ssm --no-build-isolation`` builds its CUDA
+extension), and then ``mamba_ssm``'s Triton kernels (:func:`mamba2_call`); its chunk is 64 here (FLA's default
+256 makes the scan's per-chunk products four times larger in memory; the result does not depend on it).
 
 FLA's kernels are Triton kernels for the GPU: on the CPU the layers can be built but not run. FLA
 also refuses some layers on some machines: its gated backward (``gdn``) raises RuntimeError on Hopper
@@ -39,14 +40,15 @@ PROBE_LENGTH = 128          # longer than 64: GLA's chunked kernels, not its rec
 
 
 class Baseline(nn.Module):
-    """An FLA layer (``self.layer``) as a mixer: its output without FLA's ``(attentions, cache)``."""
+    """An FLA layer (``self.layer``) as a mixer: its output without FLA's ``(attentions, cache)``; ``call``:
+    keyword arguments of each call."""
 
-    def __init__(self, name: str, layer: nn.Module):
+    def __init__(self, name: str, layer: nn.Module, **call):
         super().__init__()
-        self.name, self.layer = name, layer
+        self.name, self.layer, self.call = name, layer, call
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.layer(x)[0]
+        return self.layer(x, **self.call)[0]
 
 
 def fla_layers(name: str):
@@ -74,7 +76,7 @@ def build_baseline(name: str, dim: int, heads: int, *, head_dim: int | None = No
     if name == "mamba2":
         P = head_width(dim, heads, head_dim, expand=2)
         sizes = dict(hidden_size=dim, num_heads=heads, head_dim=P, expand=heads * P / dim, chunk_size=64)
-        return Baseline(name, fla.Mamba2(**{**sizes, **options}))
+        return Baseline(name, fla.Mamba2(**{**sizes, **options}), **mamba2_call())
     D = head_width(dim, heads, head_dim)
     if name == "gdn":
         sizes = dict(hidden_size=dim, num_heads=heads, head_dim=D, expand_v=1.0)
@@ -83,6 +85,15 @@ def build_baseline(name: str, dim: int, heads: int, *, head_dim: int | None = No
     sizes = dict(hidden_size=dim, num_heads=heads, expand_k=ratio, expand_v=ratio)
     layer = fla.GatedLinearAttention if name == "gla" else fla.DeltaNet
     return Baseline(name, layer(**{**sizes, **options}))
+
+
+def mamba2_call() -> dict:
+    """The arguments of each call of FLA's Mamba2: ``use_cache=True`` where ``mamba_ssm`` is installed but
+    ``causal_conv1d`` is not. In training FLA's Mamba2 then takes its unfused path (FLA's Triton convolution and
+    ``mamba_ssm``'s Triton chunked scan, each with its backward) in place of ``mamba_ssm``'s fused kernel, which
+    calls ``causal_conv1d``'s CUDA functions and fails without them; with no cache passed in, none is kept."""
+    module = importlib.import_module("fla.layers.mamba2")
+    return {"use_cache": True} if module.is_fast_path_available and module.causal_conv1d_fn is None else {}
 
 
 def refusal(name: str, dim: int, heads: int, device, **options) -> str | None:

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from regattn.models import DecoderLM, LMConfig
-from regattn.models.baselines import BASELINES, refusal
+from regattn.models.baselines import BASELINES, build_baseline, refusal
 from regattn.models.stack import build_model
 from regattn.tasks import IGNORE, mad_task
 from regattn.train.trainer import TrainConfig, train
@@ -127,3 +127,19 @@ def test_decoder_lm_trains_and_generates(name):
     assert torch.isfinite(loss) and all(torch.isfinite(p.grad).all() for p in model.parameters())
     prompt = tokens[:, :70]
     assert torch.equal(model.generate(prompt, 4), model.generate(prompt, 4, use_cache=False))
+
+
+def test_mamba2_as_built_matches_flas_pytorch_path():
+    """The mamba2 mixer (mamba_ssm's Triton kernels where installed, see ``mamba2_call``) against FLA's own
+    PyTorch form of the same layer, forward and backward under bf16 autocast, at the MAD model's state size."""
+    skip_if_refused("mamba2")
+    mixer = build_baseline("mamba2", 128, 2, state_size=4, chunk_size=16).cuda()
+    x = torch.randn(8, 128, 128, device="cuda")
+    do = torch.randn(8, 128, 128, device="cuda")
+
+    def run(forward):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            return outputs(lambda x: forward(x).float(), leaves([x]), do)
+    got = run(mixer)
+    exact = run(lambda x: mixer.layer.torch_forward(x)[0])
+    assert_within(["o", "dx"], got, exact, fixed=3e-2)

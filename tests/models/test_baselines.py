@@ -1,5 +1,6 @@
 """The flash-linear-attention baselines on the CPU: the error without the extra, the sweep's skip, and
 (where FLA is importable) the layers built at the model's sizes. Their kernels run in tests/gpu/test_baselines.py."""
+import importlib
 import json
 import re
 import sys
@@ -99,3 +100,13 @@ def test_sweep_on_the_cpu_skips_the_baselines(tmp_path):
     assert sweep.main(["mqar", "--mixers", "softmax,mamba2", "--out", str(out)] + TINY) == 0
     payload = json.loads((out / "sweep-mqar.json").read_text())
     assert list(payload["skipped"]) == ["mamba2"] and payload["mixers"] == ["softmax"]
+
+
+@pytest.mark.parametrize("fast, conv, call", [(True, False, {"use_cache": True}), (True, True, {}), (False, False, {})],
+                         ids=["mamba_ssm", "mamba_ssm-causal_conv1d", "neither"])
+def test_mamba2_trains_unfused_where_causal_conv1d_is_missing(monkeypatch, fast, conv, call):
+    pytest.importorskip("fla.layers")
+    module = importlib.import_module("fla.layers.mamba2")
+    monkeypatch.setattr(module, "is_fast_path_available", fast)
+    monkeypatch.setattr(module, "causal_conv1d_fn", (lambda *a, **k: None) if conv else None)
+    assert build_mixer("mamba2", 64, 2, seq_len=8).call == call
