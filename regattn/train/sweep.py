@@ -19,7 +19,9 @@ own CUDA stream (:mod:`regattn.train.interleave`): the runs of one model shape t
 its kernels' tuning, and no process starts. A run that raises is recorded with its ``error`` (and no score) and
 is run again by ``--resume``; an interrupt (SIGINT) ends the runs in flight at once, and ``--resume`` runs them
 again: from the start, or with ``--checkpoint-every N`` from the last of their checkpoints (every N steps, in
-``OUT/checkpoints/``, each removed once its run is recorded).
+``OUT/checkpoints/``, each removed once its run is recorded). ``--stop-after S`` starts no run after S seconds: the
+runs in flight then end, and ``--resume`` does the rest (a sweep longer than a machine's time limit, in parts
+that lose no run).
 """
 from __future__ import annotations
 
@@ -160,7 +162,8 @@ def checkpoint_name(task: str, key: tuple) -> str:
 
 def run_sweep(base: TrainConfig, *, mixers: list[str], lrs: list[float], seeds: list[int],
               points: list[tuple[str, dict, object]], done: list[dict] | None = None, on_run=None,
-              jobs: int = 1, streams: int = 1, checkpoints: str | None = None) -> list[dict]:
+              jobs: int = 1, streams: int = 1, checkpoints: str | None = None,
+              stop_after: float | None = None) -> list[dict]:
     """Every run of the grid; each record carries ``mixer, x, setting, lr, seed``, in the grid's order.
 
     done: records of an earlier, interrupted sweep; their runs are kept, not repeated (a failed one, with an
@@ -168,7 +171,8 @@ def run_sweep(base: TrainConfig, *, mixers: list[str], lrs: list[float], seeds: 
     results). jobs: runs at a time, each in its own process; with 1, in this process, the task data built
     once per point and seed, ``streams`` runs at a time taking turns (:mod:`regattn.train.interleave`).
     checkpoints: a folder where each run checkpoints (every ``base.checkpoint_every`` steps) and resumes from;
-    a run's file is removed once ``on_run`` has its record.
+    a run's file is removed once ``on_run`` has its record. stop_after: seconds after which no run starts (the
+    runs in flight end; the records hold the runs that ran).
     """
     runs = [r for r in done or [] if not r.get("error")]
     finished = {run_key(r["mixer"], r["x"], r["lr"], r["seed"]) for r in runs}
@@ -186,7 +190,11 @@ def run_sweep(base: TrainConfig, *, mixers: list[str], lrs: list[float], seeds: 
                                                  checkpoint=path, **model)
                     pending.append((config, dict(mixer=mixer, x=x, setting=setting, lr=lr, seed=seed)))
     order = {key: i for i, key in enumerate(grid)}
-    for run in execute([config for config, _ in pending], jobs, streams):
+    deadline = None if stop_after is None else time.time() + stop_after
+    ran = 0
+    for run in execute([config for config, _ in pending], jobs, streams,
+                       keep_starting=None if deadline is None else lambda: time.time() < deadline):
+        ran += 1
         run.update(pending[run.pop("index")][1])
         runs.append(run)
         runs.sort(key=lambda r: order.get(run_key(r["mixer"], r["x"], r["lr"], r["seed"]), len(order)))
@@ -195,29 +203,41 @@ def run_sweep(base: TrainConfig, *, mixers: list[str], lrs: list[float], seeds: 
             on_run(runs)
         if checkpoints and not run.get("error") and os.path.exists(run["config"]["checkpoint"]):
             os.remove(run["config"]["checkpoint"])
+    if ran < len(pending):
+        print(f"--stop-after: {len(pending) - ran} of {len(pending)} runs not started (--resume runs them)")
     return runs
 
 
-def execute(configs: list[TrainConfig], jobs: int, streams: int = 1):
+def execute(configs: list[TrainConfig], jobs: int, streams: int = 1, keep_starting=None):
     """The record of each run (:func:`run_config`, with its ``index`` in ``configs``) as it finishes: ``jobs``
-    processes, or with ``jobs`` 1 in this process, ``streams`` runs taking turns (:mod:`regattn.train.interleave`)."""
+    processes, or with ``jobs`` 1 in this process, ``streams`` runs taking turns (:mod:`regattn.train.interleave`).
+    keep_starting: asked before each run starts; once it says False no more start (None: every run starts)."""
+    starts = enumerate(configs)
+    if keep_starting is not None:
+        starts = itertools.takewhile(lambda _: keep_starting(), starts)
     if jobs == 1:
-        starts = ((i, functools.partial(run_steps, config)) for i, config in enumerate(configs))
         device = resolve_device(configs[0].device) if configs else None
-        for i, run in interleave(starts, streams, device):
+        steps = ((i, functools.partial(run_steps, config)) for i, config in starts)
+        for i, run in interleave(steps, streams, device):
             yield dict(run, index=i)
         return
     context = multiprocessing.get_context("spawn")           # CUDA does not survive a fork
     pool = concurrent.futures.ProcessPoolExecutor(jobs, mp_context=context, initializer=share_cores, initargs=(jobs,))
+    running = {}
     try:
-        futures = {pool.submit(run_config, config): i for i, config in enumerate(configs)}
-        for future in concurrent.futures.as_completed(futures):
-            i = futures[future]
-            try:
-                run = future.result()
-            except Exception as e:                           # noqa: BLE001 (a worker that died: recorded as failed)
-                run = failed(configs[i], e, 0.0)
-            yield dict(run, index=i)
+        while True:
+            while len(running) < jobs and (start := next(starts, None)) is not None:
+                running[pool.submit(run_config, start[1])] = start[0]
+            if not running:
+                break
+            finished, _ = concurrent.futures.wait(running, return_when=concurrent.futures.FIRST_COMPLETED)
+            for future in finished:
+                i = running.pop(future)
+                try:
+                    run = future.result()
+                except Exception as e:                       # noqa: BLE001 (a worker that died: recorded as failed)
+                    run = failed(configs[i], e, 0.0)
+                yield dict(run, index=i)
     except BaseException:                                    # interrupted: stop the runs in flight, not wait for them
         stop_workers(pool)
         raise
@@ -350,6 +370,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint-every", type=int, default=0, metavar="N",
                    help="each run checkpoints every N steps into OUT/checkpoints, and --resume continues an "
                         "interrupted run from there (default 0: it starts again)")
+    p.add_argument("--stop-after", type=float, default=None, metavar="SECONDS",
+                   help="start no run after this many seconds; the runs in flight end, and --resume does the rest")
     return p
 
 
@@ -408,6 +430,8 @@ def main(argv=None) -> int:
         raise UsageError(f"--streams: runs take turns in one process; expected --jobs 1 with it, "
                          f"got --jobs {args.jobs}")
     checks.at_least("--checkpoint-every", args.checkpoint_every, 0)
+    if args.stop_after is not None:
+        checks.positive("--stop-after", args.stop_after)
     check_points(points)
     skipped = refused_mixers(args, mixers)
     for mixer, reason in skipped.items():
@@ -433,7 +457,7 @@ def main(argv=None) -> int:
 
     started = time.time()
     runs = run_sweep(base, mixers=mixers, lrs=lrs, seeds=seeds, points=points, done=done,
-                     on_run=save, jobs=args.jobs, streams=args.streams,
+                     on_run=save, jobs=args.jobs, streams=args.streams, stop_after=args.stop_after,
                      checkpoints=os.path.join(args.out, "checkpoints") if args.checkpoint_every else None)
     wall = time.time() - started
     payload = save(runs)

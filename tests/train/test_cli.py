@@ -1,3 +1,4 @@
+import dataclasses
 import json
 
 import matplotlib.axes
@@ -173,6 +174,26 @@ def test_sweep_jobs_and_streams_run_like_one_at_a_time(tmp_path, capsys):
         assert not b.get("error") and b["steps"] == a["steps"] == 2
         assert abs(a["best"]["accuracy"] - b["best"]["accuracy"]) < 1e-3
         assert abs(a["history"]["train"][-1]["loss"] - b["history"]["train"][-1]["loss"]) < 1e-3
+
+
+@pytest.mark.parametrize("jobs, streams", [(1, 2), (2, 1)], ids=["streams", "processes"])
+def test_a_sweep_told_to_stop_starts_no_more_runs(jobs, streams):
+    """The runs in flight end; none starts after ``keep_starting`` says False (asked once a start)."""
+    base = cli.base_config(sweep.build_parser().parse_args(["mqar", "--mixers", "softmax"] + TINY))
+    configs = [dataclasses.replace(base, lr=lr) for lr in (1e-3, 2e-3, 3e-3, 4e-3)]
+    answers = iter([True, True, False])
+    runs = list(sweep.execute(configs, jobs, streams, keep_starting=lambda: next(answers)))
+    assert sorted(r["index"] for r in runs) == [0, 1] and not any(r.get("error") for r in runs)
+
+
+def test_stop_after_leaves_the_rest_to_resume(tmp_path, capsys):
+    out = tmp_path / "s"
+    args = ["mqar", "--mixers", "softmax", "--lrs", "1e-3,1e-2", "--out", str(out)] + TINY
+    assert sweep.main(args + ["--stop-after", "1e-9"]) == 1                # no run starts; none done
+    assert "2 of 2 runs not started (--resume runs them)" in capsys.readouterr().out
+    assert sweep.main(args + ["--resume", "--stop-after", "600"]) == 0
+    runs = json.loads((out / "sweep-mqar.json").read_text())["runs"]
+    assert [r["lr"] for r in runs] == [1e-3, 1e-2] and "not started" not in capsys.readouterr().out
 
 
 def test_failed_run_is_recorded_and_retried_on_resume(tmp_path, monkeypatch):

@@ -39,6 +39,8 @@ BAD = [
     (SWEEP + ["--jobs", "two"], "--jobs"),
     (SWEEP + ["--streams", "0"], "--streams"),
     (SWEEP + ["--jobs", "2", "--streams", "2"], "--streams"),
+    (SWEEP + ["--stop-after", "0"], "--stop-after"),
+    (SWEEP + ["--stop-after", "inf"], "--stop-after"),
     (LM + ["--steps", "0"], "--steps"),
     (LM + ["--batch-size", "0"], "--batch-size"),
     (LM + ["--lr", "-0.02"], "--lr"),
