@@ -69,10 +69,15 @@ class _ContainedMatmul(torch.autograd.Function):
     """The product and its gradient, each over the seen pairs only: ``dw = g x^T`` and ``dx = w^T g``
     are contained like the forward, so a non-finite gradient row ``g_i`` reaches only the keys row ``i`` sees."""
 
+    generate_vmap_rule = True
+
     @staticmethod
-    def forward(ctx, w, x, seen):
-        ctx.save_for_backward(w, x, seen)
+    def forward(w, x, seen):
         return _masked_product(w, x, seen)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*inputs)
 
     @staticmethod
     def backward(ctx, g):

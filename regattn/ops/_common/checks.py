@@ -20,10 +20,11 @@ KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 def host_checks_allowed() -> bool:
     """Whether a check may read tensor values on the host (a device sync, a graph break).
 
-    Only in eager code: not while torch.compile traces, not while a CUDA graph is captured.
-    Compiled and captured code skips such checks; the eager call of the same inputs runs them.
+    Only in eager code: not while torch.compile traces, not while a CUDA graph is captured, not under a
+    ``torch.func`` transform (``vmap``: a batched tensor has no values to read). Such code skips the checks; the
+    eager call of the same inputs runs them.
     """
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or torch._C._functorch.maybe_current_level() is not None:
         return False
     return not (torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing())
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from regattn.ops._common.vmap import fold_rule
 from regattn.ops.decay.causal_dot_product import cdp_forward
 from regattn.ops.decay.fleet import fleet_forward
 from regattn.ops.decay.lightning2 import lightning2_forward
@@ -32,14 +33,17 @@ class _DecayKernelFunction(torch.autograd.Function):
     kernel = None
 
     @classmethod
-    def forward(cls, ctx, b, c, v, log2g):
-        b, c, v = (_rows_contiguous(x) for x in (b, c, v))
-        ctx.save_for_backward(b, c, v, log2g)
-        return cls.kernel(b, c, v, log2g, reverse=False)
+    def forward(cls, b, c, v, log2g):
+        return cls.kernel(*(_rows_contiguous(x) for x in (b, c, v)), log2g, reverse=False)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*inputs)
 
     @classmethod
     def backward(cls, ctx, do):
         b, c, v, log2g = ctx.saved_tensors
+        b, c, v = (_rows_contiguous(x) for x in (b, c, v))
         do = _rows_contiguous(do)
         db = dc = dv = None
         if ctx.needs_input_grad[0]:
@@ -49,6 +53,10 @@ class _DecayKernelFunction(torch.autograd.Function):
         if ctx.needs_input_grad[2]:
             dv = cls.kernel(c, b, do, log2g, reverse=True)
         return db, dc, dv, None
+
+    @classmethod
+    def vmap(cls, info, in_dims, *args):
+        return fold_rule(cls.apply, batched=(0, 1, 2), outputs=(0,))(info, in_dims, *args)
 
 
 class Lightning2Function(_DecayKernelFunction):
@@ -81,15 +89,19 @@ class Lightning2StateFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, b, c, v, s0, log2g, cu_seqlens):
+    def forward(b, c, v, s0, log2g, cu_seqlens):
         b, c, v = (_rows_contiguous(x) for x in (b, c, v))
-        ctx.save_for_backward(b, c, v, s0, log2g, cu_seqlens)
-        ctx.set_materialize_grads(False)
         return lightning2_forward(b, c, v, log2g, initial_state=s0, output_final_state=True, cu_seqlens=cu_seqlens)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*inputs)
+        ctx.set_materialize_grads(False)
 
     @staticmethod
     def backward(ctx, do, d_final):
         b, c, v, s0, log2g, cu = ctx.saved_tensors
+        b, c, v = (_rows_contiguous(x) for x in (b, c, v))
         do = torch.zeros_like(v) if do is None else _rows_contiguous(do)
         db = dc = dv = ds0 = None
         if ctx.needs_input_grad[0]:
@@ -101,7 +113,10 @@ class Lightning2StateFunction(torch.autograd.Function):
             g = None if d_final is None else d_final.contiguous()
             dv, ds0 = lightning2_forward(c, b, do, log2g, reverse=True, initial_state=g, init_pow=0, final_pow=1,
                                          output_final_state=True, cu_seqlens=cu)
-        return db, dc, dv, ds0, None, None
+        return db, dc, dv, ds0 if ctx.needs_input_grad[3] else None, None, None
+
+    vmap = staticmethod(fold_rule(lambda *args: Lightning2StateFunction.apply(*args), batched=(0, 1, 2, 3),
+                                  outputs=(0, 0), whole=(5,)))
 
 
 _LOG2 = TensorMemo()

@@ -23,6 +23,7 @@ import triton.language as tl
 
 from regattn.ops._common.attention_tiles import interpreting
 from regattn.ops._common.ints import ceil_div, next_pow2
+from regattn.ops._common.vmap import fold_rule
 
 @triton.jit
 def _softplus(z):
@@ -221,16 +222,21 @@ def gate_backward(du, h, beta, eps, blocks=None):
 
 class GateScanFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, beta, eps):
-        ctx.save_for_backward(h, beta)
-        ctx.eps = eps
+    def forward(h, beta, eps):
         return gate_forward(h, beta, eps)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        h, beta, ctx.eps = inputs
+        ctx.save_for_backward(h, beta)
 
     @staticmethod
     def backward(ctx, du):
         h, beta = ctx.saved_tensors
         dh, dbeta = gate_backward(du, h, beta, ctx.eps)
         return dh, dbeta, None
+
+    vmap = staticmethod(fold_rule(lambda *args: GateScanFunction.apply(*args), batched=(0, 1), outputs=(0,)))
 
 
 def gate_scan(h, beta, *, eps):

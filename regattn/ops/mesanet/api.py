@@ -79,22 +79,27 @@ def _exclusive_sum(x):
 
 
 class _InverseFactor(torch.autograd.Function):
-    """``X = L^-1`` where ``A = L L^T`` (``A`` symmetric positive definite): one Cholesky factorisation and one
-    triangular solve against the identity. The chunks' products with ``X`` are batched matrix products, faster
+    """``(L, X)``, ``X = L^-1`` where ``A = L L^T`` (``A`` symmetric positive definite; ``L`` carries no
+    gradient): one Cholesky factorisation and one triangular solve against the identity. The chunks' products with ``X`` are batched matrix products, faster
     on the GPU than solves against their rows. The backward solves nothing either: with ``dX = -X dL X`` and the
     Cholesky factor's gradient ``L^-T Phi(L^T gL) L^-1`` (symmetrised; ``Phi``: the lower triangle, its diagonal
     halved), every solve is a product with ``X``. Autograd's backward of the factorisation and the solve ran three
     batched triangular solves (cuBLAS's trsm: 1.1 ms of a 4.0 ms training step of the MAD model on an H200)."""
 
-    @staticmethod
-    def forward(ctx, A, eye):
-        L = torch.linalg.cholesky_ex(A)[0]                  # positive definite: no error check (a host read)
-        X = torch.linalg.solve_triangular(L, eye, upper=False)
-        ctx.save_for_backward(L, X)
-        return X
+    generate_vmap_rule = True
 
     @staticmethod
-    def backward(ctx, gX):
+    def forward(A, eye):
+        L = torch.linalg.cholesky_ex(A)[0]                  # positive definite: no error check (a host read)
+        return L, torch.linalg.solve_triangular(L, eye, upper=False)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*output)
+        ctx.mark_non_differentiable(output[0])
+
+    @staticmethod
+    def backward(ctx, _gL, gX):
         L, X = ctx.saved_tensors
         gL = -(X.mT @ gX @ X.mT).tril()
         P = (L.mT @ gL).tril()
@@ -110,9 +115,9 @@ def _chunked(Q, U, V, lam):
     eye_c = torch.eye(C, dtype=U.dtype, device=U.device)
     G = lam * eye_d + _exclusive_sum(U.mT @ U)                 # H at each chunk's start
     S = _exclusive_sum(V.mT @ U)                               # [.., Dv, D]
-    Ig = _InverseFactor.apply(G, eye_d)                        # G^-1 = Ig^T Ig
+    Ig = _InverseFactor.apply(G, eye_d)[1]                     # G^-1 = Ig^T Ig
     QA, UA = ((torch.cat([Q, U], -2) @ Ig.mT) @ Ig).split(C, -2)
-    Im = _InverseFactor.apply(eye_c + UA @ U.mT, eye_c)
+    Im = _InverseFactor.apply(eye_c + UA @ U.mT, eye_c)[1]
     Y = (QA @ U.mT @ Im.mT).tril() @ Im                        # row r: the leading (r+1) block of M^-1
     X = QA - Y @ UA                                            # H_i^-1 q_i, each row
     return X @ S.mT + (X @ U.mT).tril() @ V

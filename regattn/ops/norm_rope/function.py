@@ -8,6 +8,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from regattn.ops._common.vmap import fold_rule
 from regattn.ops.norm_rope.kernels import norm_rope_bwd, norm_rope_fwd
 
 
@@ -49,6 +50,7 @@ def _backward(ctx, dy, _drstd):
 
 
 norm_rope_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+torch.library.register_vmap(norm_rope_fwd_op, fold_rule(norm_rope_fwd_op, batched=(0,), outputs=(0, 0)))
 
 
 def norm_rope_triton(x, weight, cos, sin, eps: float):

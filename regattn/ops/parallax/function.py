@@ -12,6 +12,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from regattn.ops._common.vmap import fold_rule
 from regattn.ops.parallax.backward import parallax_bwd
 from regattn.ops.parallax.forward import parallax_fwd
 
@@ -64,6 +65,8 @@ def _backward(ctx, do, _dvbar, _dstats):
 
 
 parallax_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+torch.library.register_vmap(parallax_fwd_op, fold_rule(parallax_fwd_op, batched=(0, 1, 2, 3), outputs=(0, 0, 1),
+                                                       whole=(7,)))
 
 
 def parallax_triton(q, r, k, v, *, causal: bool, window, scale: float, cu_seqlens=None, max_seqlen: int = 0):

@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from regattn.ops._common.vmap import fold_rule
 from regattn.ops.softmax.kernels import attention_backward, attention_forward
 
 
@@ -63,6 +64,8 @@ def _backward(ctx, do, _dlse):
 
 
 attention_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+torch.library.register_vmap(attention_fwd_op, fold_rule(attention_fwd_op, batched=(0, 1, 2, 3), outputs=(0, 0),
+                                                        whole=(7,)))
 
 
 def flash_attention(q, k, v, u=None, *, causal=True, window=None, scale, cu_seqlens=None, max_seqlen=None):

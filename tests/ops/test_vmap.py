@@ -1,0 +1,105 @@
+"""The ops under ``torch.func.vmap`` (copies of a model stacked on a leading dim, regattn.train.members): each
+copy's output and gradients equal the op's on that copy alone, for the Triton kernels (their rules fold the
+copies into the batch, or run once per copy when a weight or packed sequences say so) and the torch paths."""
+import pytest
+import torch
+from torch.func import vmap
+
+import regattn
+from regattn.layers.norm import RMSNormFunction
+from regattn.layers.rope import RotaryEmbedding, norm_rope
+from tests.helpers import randn, rel_err
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+COPIES = 3
+
+
+def _copies_match(fn, *shapes, batched=None, dtype=torch.float32, bound=1e-5):
+    """``vmap(fn)`` over ``COPIES`` stacked inputs of ``shapes`` (those whose index is in ``batched``, default all;
+    the others shared) against ``fn`` on each copy: outputs and every input's gradient (a shared input's summed
+    over the copies)."""
+    batched = set(range(len(shapes))) if batched is None else set(batched)
+    xs = [randn(*((COPIES,) if i in batched else ()), *shape, dtype=dtype, device=DEV, requires_grad=True)
+          for i, shape in enumerate(shapes)]
+    out = vmap(fn, in_dims=tuple(0 if i in batched else None for i in range(len(xs))))(*xs)
+    grad = randn(*out.shape, dtype=dtype, device=DEV)
+    got = torch.autograd.grad(out, xs, grad)
+    ref = torch.stack([fn(*(x[m] if i in batched else x for i, x in enumerate(xs))) for m in range(COPIES)])
+    want = torch.autograd.grad(ref, xs, grad)
+    assert rel_err(out, ref) < bound
+    for g, w in zip(got, want):
+        assert rel_err(g, w) < bound
+
+B, T, H, D = 2, 37, 2, 16
+
+
+@pytest.mark.parametrize("window", [None, 9])
+def test_softmax_attention(interpret, window):
+    _copies_match(lambda q, k, v: regattn.softmax_attention(q, k, v, window=window, backend="triton"),
+                  (B, T, H, D), (B, T, H, D), (B, T, H, D))
+
+
+def test_gatedfwa_and_its_gate_scan(interpret):
+    def gated(q, k, v, h, beta):
+        u = regattn.gatedfwa_gate(h, torch.nn.functional.softplus(beta), backend="triton")
+        return regattn.gatedfwa(q, k, v, u, window=7, backend="triton")
+    _copies_match(gated, (B, T, H, D), (B, T, H, D), (B, T, H, D), (B, T, H), (B, T, H))
+
+
+def test_parallax(interpret):
+    _copies_match(lambda q, r, k, v: regattn.parallax(q, r, k, v, backend="triton"),
+                  (B, T, H, D), (B, T, H, D), (B, T, H, D), (B, T, H, D))
+
+
+@pytest.mark.parametrize("method", ["lightning2", "fleet", "causal_dot_product"])
+def test_decay_methods(interpret, method):
+    gamma = torch.tensor([0.9, 0.99], device=DEV)
+    _copies_match(lambda b, c, v: regattn.decay_linear_attention(b, c, v, gamma, method=method, backend="triton"),
+                  (B, T, H, D), (B, T, H, D), (B, T, H, D))
+
+
+def test_decay_over_packed_sequences_runs_once_per_copy(interpret):
+    gamma = torch.tensor([0.9, 0.99], device=DEV)
+    cu = torch.tensor([0, 11, 30, T], device=DEV, dtype=torch.int32)
+    _copies_match(lambda b, c, v: regattn.decay_linear_attention(b, c, v, gamma, cu_seqlens=cu, backend="triton"),
+                  (1, T, H, D), (1, T, H, D), (1, T, H, D))
+
+
+@pytest.mark.parametrize("shared_weight", [True, False])
+def test_norm_rope(interpret, shared_weight):
+    """The norm's weight shared (folded into the batch) or each copy's own (one launch per copy)."""
+    norm = torch.nn.RMSNorm(D, eps=1e-6).to(DEV)
+    angles = RotaryEmbedding(D).angles(T, 0, torch.device(DEV))
+
+    def fn(x, weight):
+        return norm_rope(x, _with_weight(norm, weight), angles, backend="triton")
+    _copies_match(fn, (B, T, H, D), (D,), batched=(0,) if shared_weight else (0, 1))
+
+
+def _with_weight(norm: torch.nn.RMSNorm, weight: torch.Tensor) -> torch.nn.RMSNorm:
+    """``norm`` with ``weight`` in place of its own (a tensor of the caller's graph)."""
+    clone = torch.nn.RMSNorm(norm.normalized_shape, eps=norm.eps, device=weight.device)
+    del clone.weight
+    clone.weight = weight
+    return clone
+
+
+def test_mesanet_and_the_torch_reference_paths():
+    _copies_match(lambda q, k, v: regattn.mesanet(q, k, v, chunk=16), (B, T, H, D), (B, T, H, D), (B, T, H, D),
+                  bound=1e-4)
+    _copies_match(lambda q, k, v: regattn.softmax_attention(q, k, v, backend="torch"),
+                  (B, T, H, D), (B, T, H, D), (B, T, H, D), dtype=torch.float64, bound=1e-12)
+
+
+@pytest.mark.parametrize("shared_weight", [True, False])
+def test_rms_norm_of_copies(shared_weight):
+    """The norm of a model of copies: one fused norm for all, then each copy's weight; unbatched it is torch's."""
+    def fn(x, weight):
+        return RMSNormFunction.apply(x, weight, 1e-6)
+    _copies_match(fn, (B, T, D), (D,), batched=(0,) if shared_weight else (0, 1))
+    x, w = randn(B, T, D, requires_grad=True), randn(D, requires_grad=True)
+    grad = randn(B, T, D)
+    ours = [fn(x, w), *torch.autograd.grad(fn(x, w), (x, w), grad)]
+    torch_s = torch.nn.functional.rms_norm(x, (D,), w, 1e-6)
+    for a, b in zip(ours, [torch_s, *torch.autograd.grad(torch_s, (x, w), grad)]):
+        assert rel_err(a, b) < 1e-12
