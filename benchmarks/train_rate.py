@@ -2,16 +2,14 @@
 12800 examples), the 2-layer d=128 model, batch 128, Muon, WSD without warm-up.
 
     PYTHONPATH=. python benchmarks/train_rate.py --mixer softmax --epochs 5 [--compile default] [--cuda-graph] \
-        [--runs N] [--copies 5e-3,1e-3,5e-4] [--profile K]
+        [--runs N] [--profile K]
 
 Prints one JSON line: ``run_steps_per_second``, the run's steps over the trainer's own ``seconds`` (its loop:
 the first steps, any compilation and the final evaluation included; every version of the trainer reports
 it, so it compares versions), and ``steps_per_second`` where the trainer measures it (from the first log
 point to the end, evaluations left out). ``--runs N`` trains N runs (seeds 0 to N-1) at once in this process,
 taking turns step by step on their own CUDA streams (:mod:`regattn.train.interleave`), and reports the sums
-over the runs, and the wall time from the first run's start to the last one's end. ``--copies`` makes each run
-the runs of these peak rates trained together as copies of one model (:mod:`regattn.train.members`); the sums
-then count every copy's steps. ``--profile K`` instead
+over the runs, and the wall time from the first run's start to the last one's end. ``--profile K`` instead
 profiles the N runs in flight (after 50 steps each, over 40 more; CUDA) and prints the kernels a step, their
 summed time a step, the share of the window in which some kernel ran, the window a step, and the K kernels that
 took the most time.
@@ -37,8 +35,6 @@ def main() -> None:
     p.add_argument("--cuda-graph", action="store_true", help="replay each step as one CUDA graph (trainers that have it)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--runs", type=int, default=1, help="runs trained at once, taking turns on their own streams")
-    p.add_argument("--copies", default=None, metavar="LR,LR,...",
-                   help="each run: these peak rates trained together, as copies of one model")
     p.add_argument("--profile", type=int, default=None, metavar="K", help="profile the runs in flight; show K kernels")
     args = p.parse_args()
     extra = {} if args.compile is None else {"compile": args.compile}
@@ -53,39 +49,32 @@ def main() -> None:
                          batch_size=128, device=args.device, progress=False, **extra)
     if args.runs < 1:
         p.error(f"--runs: expected a value >= 1, got {args.runs}")
-    lrs = None if args.copies is None else [float(lr) for lr in args.copies.split(",")]
-    run = functools.partial(run_of, config, lrs)
     if args.profile is not None:
-        profile(run, config, args.runs, args.profile)
+        profile(config, args.runs, args.profile)
         return
-    starts = [(seed, functools.partial(run, seed)) for seed in range(args.runs)]
+    starts = [(seed, functools.partial(training, dataclasses.replace(config, seed=seed))) for seed in range(args.runs)]
     began = time.perf_counter()
     results = []
     for seed, outcome in interleave(starts, args.runs, torch.device(args.device)):
         if isinstance(outcome, BaseException):
             raise outcome
-        results.extend([outcome] if lrs is None else outcome)
+        results.append(outcome)
     wall = time.perf_counter() - began
     rates = [r.get("steps_per_second") for r in results]
     steps = sum(r["steps"] for r in results)
     device = torch.cuda.get_device_name() if config.device.startswith("cuda") else config.device
     print(json.dumps(dict(mixer=args.mixer, compile=args.compile or "none", cuda_graph=args.cuda_graph, runs=args.runs,
-                          copies=None if lrs is None else len(lrs), steps=steps, seconds=round(max(r["seconds"] for r in results), 2),
+                          steps=steps, seconds=round(max(r["seconds"] for r in results), 2),
                           wall_seconds=round(wall, 2), wall_steps_per_second=round(steps / wall, 1),
                           run_steps_per_second=round(sum(r["steps"] / r["seconds"] for r in results), 1),
                           steps_per_second=None if None in rates else round(sum(rates), 1),
                           test_accuracy=[round(r["final"]["accuracy"], 4) for r in results], device=device)))
 
 
-def run_of(config: TrainConfig, lrs: list[float] | None, seed: int):
-    """The run of ``config`` with ``seed`` as a generator of its steps: the rates ``lrs`` as copies (None: one run)."""
-    return training(dataclasses.replace(config, seed=seed), lrs=lrs)
-
-
-def profile(run, config: TrainConfig, runs: int, shown: int, warm: int = 50, rounds: int = 40) -> None:
-    """Profile ``runs`` runs of ``config`` (``run(seed)``) in flight, each on its own stream, over ``rounds`` steps
-    each after ``warm``."""
-    slots = [Slot(seed, run(seed), torch.cuda.Stream()) for seed in range(runs)]
+def profile(config: TrainConfig, runs: int, shown: int, warm: int = 50, rounds: int = 40) -> None:
+    """Profile ``runs`` runs of ``config`` in flight, each on its own stream, over ``rounds`` steps each after
+    ``warm``."""
+    slots = [Slot(seed, training(dataclasses.replace(config, seed=seed)), torch.cuda.Stream()) for seed in range(runs)]
     for _ in range(warm):
         for slot in slots:
             slot.advance()

@@ -17,7 +17,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from regattn.layers.norm import RMSNorm
 from regattn.models.mixers import build_mixer
 
 
@@ -39,8 +38,8 @@ class Block(nn.Module):
 
     def __init__(self, mixer: nn.Module, dim: int, mlp_hidden: int | None):
         super().__init__()
-        self.mixer_norm, self.mixer = RMSNorm(dim), mixer
-        self.mlp_norm = RMSNorm(dim) if mlp_hidden else None
+        self.mixer_norm, self.mixer = nn.RMSNorm(dim), mixer
+        self.mlp_norm = nn.RMSNorm(dim) if mlp_hidden else None
         self.mlp = SwiGLU(dim, mlp_hidden) if mlp_hidden else None
 
     def forward(self, h):
@@ -83,12 +82,12 @@ class MixerStack(nn.Module):
         self.blocks = nn.ModuleList(
             Block(build_mixer(mixer, dim, heads, seq_len=seq_len, **(mixer_options or {})), dim, hidden)
             for _ in range(layers))
-        self.norm = RMSNorm(dim)
+        self.norm = nn.RMSNorm(dim)
         self.head = nn.Linear(dim, dim_out if regression else vocab_size, bias=regression)
         if kind == "autoencode":
             self.register_buffer("positions", sinusoidal(seq_len, dim), persistent=False)
-            self.decoder = nn.Sequential(RMSNorm(dim), nn.Linear(dim, dim), nn.GELU(),
-                                         RMSNorm(dim), nn.Linear(dim, dim), nn.GELU())
+            self.decoder = nn.Sequential(nn.RMSNorm(dim), nn.Linear(dim, dim), nn.GELU(),
+                                         nn.RMSNorm(dim), nn.Linear(dim, dim), nn.GELU())
         if not regression:
             nn.init.normal_(self.embed.weight, std=0.02)
 

@@ -96,7 +96,7 @@ class Optimizers:
             opt.load_state_dict(state)
 
 
-def make_groups(spec: list[tuple[list, float, float]]) -> list[dict]:
+def _groups(spec: list[tuple[list, float, float]]) -> list[dict]:
     """Param groups from ``(params, lr, weight_decay)``, skipping empty ones, with base values kept."""
     return [dict(params=ps, lr=lr, weight_decay=wd, base_lr=lr, base_wd=wd) for ps, lr, wd in spec if ps]
 
@@ -113,16 +113,16 @@ def build_optimizer(model: nn.Module, name: str = "adamw", *, lr: float = 1e-3, 
     roles = parameter_roles(model)
     adamw = dict(fused=True) if fused else {}
     if name == "adamw":
-        groups = make_groups([(roles["hidden"] + roles["gate"] + roles["embed"], lr, weight_decay),
+        groups = _groups([(roles["hidden"] + roles["gate"] + roles["embed"], lr, weight_decay),
                           (roles["scalar"], lr, 0.0)])
         return Optimizers([torch.optim.AdamW(groups, lr=lr, betas=betas, eps=1e-8, **adamw)])
     opts = []
     if roles["hidden"]:
-        hidden = make_groups([(roles["hidden"], lr, weight_decay)])
+        hidden = _groups([(roles["hidden"], lr, weight_decay)])
         opts.append(BatchedMuon(hidden, lr=lr, weight_decay=weight_decay, momentum=momentum) if fused else
                     torch.optim.Muon(hidden, lr=lr, weight_decay=weight_decay, momentum=momentum, ns_steps=5,
                                      adjust_lr_fn="original"))
-    rest = make_groups([(roles["embed"], lr * EMBED_LR, weight_decay),
+    rest = _groups([(roles["embed"], lr * EMBED_LR, weight_decay),
                     (roles["gate"] + roles["scalar"], lr * SCALAR_LR, 0.0)])
     if rest:
         opts.append(torch.optim.AdamW(rest, lr=lr, betas=(0.8, 0.95), eps=1e-7, **adamw))
@@ -156,17 +156,15 @@ class BatchedMuon(torch.optim.Optimizer):
     :meth:`Optimizers.step`) that is non-zero leaves the parameters and the momenta as they were.
     Parameters sharded by FSDP2 (DTensors) keep their momenta sharded: each rank updates its own rows, and
     only the Newton-Schulz input is gathered whole (one all-gather a matrix a step), orthogonalised on every
-    rank, and cut back to the rank's rows. Copies of a model stacked ``[n, rows, cols]``
-    (:mod:`regattn.train.members`) are n matrices each, with ``lr`` and ``found_inf`` tensors ``[n]``: a rate and
-    a skip flag per copy.
+    rank, and cut back to the rank's rows.
     """
 
-    def __init__(self, params, *, lr: float | torch.Tensor = 1e-3, weight_decay: float = 0.1, momentum: float = 0.95,
+    def __init__(self, params, *, lr: float = 1e-3, weight_decay: float = 0.1, momentum: float = 0.95,
                  ns_steps: int = 5, eps: float = 1e-7):
         super().__init__(params, dict(lr=lr, weight_decay=weight_decay, momentum=momentum, ns_steps=ns_steps, eps=eps))
         for group in self.param_groups:
             for p in group["params"]:
-                if p.ndim < 2:
+                if p.ndim != 2:
                     raise ValueError(f"params: BatchedMuon takes matrices, got a parameter of shape {tuple(p.shape)}")
         self.found_inf = None
 
@@ -186,7 +184,7 @@ class BatchedMuon(torch.optim.Optimizer):
         return loss
 
     def _update(self, params: list[torch.Tensor], group: dict) -> None:
-        lr, momentum = copies(group["lr"]), group["momentum"]
+        lr, momentum = group["lr"], group["momentum"]
         bufs = []
         for p in params:
             state = self.state[p]
@@ -195,24 +193,17 @@ class BatchedMuon(torch.optim.Optimizer):
             bufs.append(state["momentum_buffer"])
         grad, old_buf, old = (torch.stack([local(t) for t in ts]) for ts in ([p.grad for p in params], bufs, params))
         buf = old_buf.lerp(grad, 1 - momentum)
-        nesterov = whole_matrices(grad.lerp(buf, momentum), params)
-        whole = newton_schulz(nesterov.flatten(0, -3), group["ns_steps"], group["eps"]).view_as(nesterov)
+        whole = newton_schulz(whole_matrices(grad.lerp(buf, momentum), params), group["ns_steps"], group["eps"])
         update = local_rows(whole, params)
-        rows, cols = params[0].shape[-2:]
+        rows, cols = params[0].shape
         new = old.mul(1 - lr * group["weight_decay"])
         step = -lr * max(1.0, rows / cols) ** 0.5
         new = new.addcmul_(update, step) if isinstance(step, torch.Tensor) else new.add_(update, alpha=step)
         if self.found_inf is not None:
-            skip = copies(self.found_inf) != 0
+            skip = self.found_inf != 0
             new, buf = torch.where(skip, old, new), torch.where(skip, old_buf, buf)
         torch._foreach_copy_([local(p) for p in params], list(new.unbind(0)))
         torch._foreach_copy_([local(b) for b in bufs], list(buf.unbind(0)))
-
-
-def copies(value):
-    """A learning rate or skip flag per copy of stacked matrices (a tensor ``[n]``; 0-dim or a number for all)
-    shaped to multiply ``[..., n, rows, cols]``."""
-    return value.view(*value.shape, 1, 1) if isinstance(value, torch.Tensor) else value
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -242,9 +233,7 @@ def apply_schedule(optimizer: Optimizers, lr_scale: float, wd_scale: float = 1.0
     read) and ``weight_decay = base_wd * wd_scale``."""
     for group in optimizer.param_groups:
         lr = group["base_lr"] * lr_scale
-        if isinstance(group["base_lr"], torch.Tensor):     # a rate per copy (regattn.train.members)
-            torch.mul(group["base_lr"], lr_scale, out=group["lr"])
-        elif isinstance(group["lr"], torch.Tensor):
+        if isinstance(group["lr"], torch.Tensor):
             group["lr"].fill_(lr)
         else:
             group["lr"] = lr

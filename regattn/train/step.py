@@ -30,7 +30,6 @@ import torch.nn.functional as F
 
 from regattn.tasks import IGNORE
 from regattn.train.batches import Examples
-from regattn.train.members import Members, clip_copies
 from regattn.train.optim import capturable
 
 COMPILE_MODES = ("none", "default", "reduce-overhead")
@@ -45,8 +44,7 @@ def autocast(device: torch.device, amp: bool):
 
 
 def batch_loss(model, kind: str, inputs, select, targets, valid) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(mean loss, metric sum, count)`` over the valid selected positions of a batch; of a model of copies
-    (:class:`regattn.train.members.Members`) the loss and metric of each copy, ``[n]``.
+    """``(mean loss, metric sum, count)`` over the valid selected positions of a batch.
 
     Token tasks: cross-entropy, and the number of correct argmax predictions. Regression: MSE (mean over
     positions and output dims), and the sum of the per-position squared errors.
@@ -54,12 +52,11 @@ def batch_loss(model, kind: str, inputs, select, targets, valid) -> tuple[torch.
     out = model(inputs, select=select).float()
     n = valid.sum()
     if kind == "regression":
-        err = torch.where(valid, ((out - targets.float()) ** 2).mean(-1), 0.0).sum((-2, -1))
+        err = torch.where(valid, ((out - targets.float()) ** 2).mean(-1), 0.0).sum()
         return err / n.clamp_min(1), err.detach(), n
-    losses = F.cross_entropy(out.flatten(0, -2), targets.expand(out.shape[:-1]).flatten(), ignore_index=IGNORE,
-                             reduction="none")
-    correct = ((out.argmax(-1) == targets) & valid).sum((-2, -1))
-    return losses.view(out.shape[:-1]).sum((-2, -1)) / n.clamp_min(1), correct, n
+    loss = F.cross_entropy(out.flatten(0, -2), targets.flatten(), ignore_index=IGNORE, reduction="sum")
+    correct = ((out.argmax(-1) == targets) & valid).sum()
+    return loss / n.clamp_min(1), correct, n
 
 
 def forward_loss(model, kind: str, amp: bool, inputs, select, targets, valid):
@@ -78,11 +75,7 @@ def compiled(loss, mode: str):
 class TrainStep:
     """``step(batch)`` runs one optimizer step on :class:`Examples` ``batch``; ``read()`` returns the means of
     the loss, metric (accuracy, or MSE) and gradient norm over the finite steps since the last read, the
-    number of those steps, and of the skipped ones (non-finite loss or gradient norm: no update).
-
-    A model of copies (:class:`regattn.train.members.Members`): each copy's gradient is clipped by its own norm,
-    each copy's update is skipped on its own (and always once ``stop(i)`` has stopped copy ``i``), and ``read()``
-    returns a list, one entry per copy."""
+    number of those steps, and of the skipped ones (non-finite loss or gradient norm: no update)."""
 
     def __init__(self, model, kind: str, optimizer, *, clip: float, amp: bool = True, compile: str = "none",
                  cuda_graph: bool = False):
@@ -99,11 +92,8 @@ class TrainStep:
         self.capture = cuda_graph and self.params[0].is_cuda
         self.loss = loss if compile == "none" else compiled(loss, compile)
         device = self.params[0].device
-        self.copies = model.n if isinstance(model, Members) else None
-        lead = () if self.copies is None else (self.copies,)
-        self.totals = torch.zeros(*lead, 3, device=device)    # loss, metric, grad norm summed over the finite steps
-        self.skipped = torch.zeros(lead, device=device)
-        self.stopped = torch.zeros(lead, dtype=torch.bool, device=device)    # copies whose updates have ended
+        self.totals = torch.zeros(3, device=device)     # loss, metric, grad norm summed over the finite steps
+        self.skipped = torch.zeros((), device=device)
         self.steps = 0
         self.graph, self.inputs = None, None            # the captured step and the batch it reads
         self.warmed = 0                                 # eager steps run before the capture
@@ -129,23 +119,13 @@ class TrainStep:
             torch.compiler.cudagraph_mark_step_begin()
         loss, metric, n = self.loss(batch.inputs, batch.select, batch.targets, batch.valid)
         self.optimizer.zero_grad(set_to_none=True)
-        loss.sum().backward()
-        if self.copies is None:
-            norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_norm, foreach=True)
-        else:
-            norm = clip_copies(self.params, self.max_norm)
-        bad = ~(torch.isfinite(loss) & torch.isfinite(norm)) | self.stopped
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_norm, foreach=True)
+        bad = ~(torch.isfinite(loss) & torch.isfinite(norm))
         self.optimizer.step(found_inf=bad.float())
-        values = torch.stack([loss.detach(), metric / n.clamp_min(1), norm], -1).float()
-        self.totals += torch.where(bad[..., None], 0.0, values)
+        values = torch.stack([loss.detach(), metric / n.clamp_min(1), norm]).float()
+        self.totals += torch.where(bad, 0.0, values)
         self.skipped += bad
-
-    def stop(self, index: int) -> None:
-        """Skip every later update of copy ``index`` (a copy whose run has diverged; of a single model, its own)."""
-        if self.copies is None:
-            self.stopped.fill_(True)
-        else:
-            self.stopped[index] = True
 
     @staticmethod
     def on_side_stream(fn, *args) -> None:
@@ -179,21 +159,13 @@ class TrainStep:
         self.graph = graph
         graph.replay()
 
-    def read(self) -> dict | list[dict]:
-        """The sums since the last read as means (one host read), and zero them; a list, one per copy, for a
-        model of copies."""
-        sums = torch.cat([self.totals, self.skipped[..., None]], -1).tolist()
-        steps = self.steps
+    def read(self) -> dict:
+        """The sums since the last read as means (one host read), and zero them."""
+        loss, metric, norm, skipped = torch.cat([self.totals, self.skipped[None]]).tolist()
+        steps, skipped = self.steps, int(skipped)
         self.totals.zero_()
         self.skipped.zero_()
         self.steps = 0
-        return means(sums, steps) if self.copies is None else [means(row, steps) for row in sums]
-
-
-def means(sums: list[float], steps: int) -> dict:
-    """:meth:`TrainStep.read`'s entry from the sums ``[loss, metric, grad norm, skipped]`` over ``steps``."""
-    loss, metric, norm, skipped = sums
-    skipped = int(skipped)
-    finite = steps - skipped
-    mean = (lambda total: total / finite if finite else math.nan)
-    return dict(loss=mean(loss), metric=mean(metric), grad_norm=mean(norm), steps=steps, skipped=skipped)
+        finite = steps - skipped
+        mean = (lambda total: total / finite if finite else math.nan)
+        return dict(loss=mean(loss), metric=mean(metric), grad_norm=mean(norm), steps=steps, skipped=skipped)

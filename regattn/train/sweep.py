@@ -45,7 +45,6 @@ from regattn.train.cli import (add_common, base_config, check_common, parse_list
                                refused_mixers, write_json)
 from regattn.train.plots import plot_curves, plot_sweep, x_order
 from regattn.train.interleave import interleave
-from regattn.train.members import MEMBER_MIXERS
 from regattn.train.trainer import TrainConfig, finish, resolve_device, score, training
 from regattn.usage import UsageError
 
@@ -156,37 +155,15 @@ def run_key(mixer: str, x, lr: float, seed: int) -> tuple:
 
 
 def checkpoint_name(task: str, key: tuple) -> str:
-    """The file name of a run's checkpoint: its task and :func:`run_key` (a list of rates: the runs trained as
-    copies of one model), in characters safe in any path."""
+    """The file name of a run's checkpoint: its task and :func:`run_key`, in characters safe in any path."""
     mixer, x, lr, seed = key
-    rates = "+".join(f"{v:g}" for v in (lr if isinstance(lr, list) else [lr]))
-    return re.sub(r"[^A-Za-z0-9_.=+-]+", "_", f"{task}-{x}-{mixer}-lr{rates}-seed{seed}") + ".pt"
-
-
-def copy_groups(pending: list[tuple[TrainConfig, dict]], checkpoints: str | None) -> list[list[int]]:
-    """The pending runs as groups of indices: the runs of one point, seed and mixer of
-    :data:`regattn.train.members.MEMBER_MIXERS` that differ only in the rate, trained as copies of one model (their
-    checkpoint one file), and every other run alone."""
-    groups: dict = {}
-    for i, (config, info) in enumerate(pending):
-        alone = config.mixer not in MEMBER_MIXERS
-        key = i if alone else json.dumps(dataclasses.asdict(dataclasses.replace(config, lr=0.0, checkpoint=None)),
-                                         sort_keys=True, default=str)
-        groups.setdefault(key, []).append(i)
-    for group in groups.values():
-        first_config, info = pending[group[0]]
-        if len(group) > 1 and checkpoints:
-            key = (info["mixer"], info["x"], [pending[i][0].lr for i in group], info["seed"])
-            path = os.path.join(checkpoints, checkpoint_name(first_config.task, key))
-            for i in group:
-                pending[i] = (dataclasses.replace(pending[i][0], checkpoint=path), pending[i][1])
-    return list(groups.values())
+    return re.sub(r"[^A-Za-z0-9_.=-]+", "_", f"{task}-{x}-{mixer}-lr{lr:g}-seed{seed}") + ".pt"
 
 
 def run_sweep(base: TrainConfig, *, mixers: list[str], lrs: list[float], seeds: list[int],
               points: list[tuple[str, dict, object]], done: list[dict] | None = None, on_run=None,
               jobs: int = 1, streams: int = 1, checkpoints: str | None = None,
-              stop_after: float | None = None, copies: bool = False) -> list[dict]:
+              stop_after: float | None = None) -> list[dict]:
     """Every run of the grid; each record carries ``mixer, x, setting, lr, seed``, in the grid's order.
 
     done: records of an earlier, interrupted sweep; their runs are kept, not repeated (a failed one, with an
@@ -195,8 +172,7 @@ def run_sweep(base: TrainConfig, *, mixers: list[str], lrs: list[float], seeds: 
     once per point and seed, ``streams`` runs at a time taking turns (:mod:`regattn.train.interleave`).
     checkpoints: a folder where each run checkpoints (every ``base.checkpoint_every`` steps) and resumes from;
     a run's file is removed once ``on_run`` has its record. stop_after: seconds after which no run starts (the
-    runs in flight end; the records hold the runs that ran). copies: the runs that differ only in the rate train
-    together as copies of one model where the mixer allows (:func:`copy_groups`).
+    runs in flight end; the records hold the runs that ran).
     """
     runs = [r for r in done or [] if not r.get("error")]
     finished = {run_key(r["mixer"], r["x"], r["lr"], r["seed"]) for r in runs}
@@ -216,11 +192,10 @@ def run_sweep(base: TrainConfig, *, mixers: list[str], lrs: list[float], seeds: 
     order = {key: i for i, key in enumerate(grid)}
     deadline = None if stop_after is None else time.time() + stop_after
     ran = 0
-    groups = copy_groups(pending, checkpoints) if copies else [[i] for i in range(len(pending))]
-    work = [pending[g[0]][0] if len(g) == 1 else [pending[i][0] for i in g] for g in groups]
-    for run in execute(work, jobs, streams, keep_starting=None if deadline is None else lambda: time.time() < deadline):
+    for run in execute([config for config, _ in pending], jobs, streams,
+                       keep_starting=None if deadline is None else lambda: time.time() < deadline):
         ran += 1
-        run.update(pending[groups[run.pop("index")][run.pop("copy", 0)]][1])
+        run.update(pending[run.pop("index")][1])
         runs.append(run)
         runs.sort(key=lambda r: order.get(run_key(r["mixer"], r["x"], r["lr"], r["seed"]), len(order)))
         print_run(run)
@@ -233,20 +208,18 @@ def run_sweep(base: TrainConfig, *, mixers: list[str], lrs: list[float], seeds: 
     return runs
 
 
-def execute(configs: list[TrainConfig | list[TrainConfig]], jobs: int, streams: int = 1, keep_starting=None):
-    """The record of each run (:func:`run_config`, with its ``index`` in ``configs``; a list of configs is a group
-    of copies, whose records each carry their ``copy``, the position in the list) as it finishes: ``jobs``
+def execute(configs: list[TrainConfig], jobs: int, streams: int = 1, keep_starting=None):
+    """The record of each run (:func:`run_config`, with its ``index`` in ``configs``) as it finishes: ``jobs``
     processes, or with ``jobs`` 1 in this process, ``streams`` runs taking turns (:mod:`regattn.train.interleave`).
     keep_starting: asked before each run starts; once it says False no more start (None: every run starts)."""
     starts = enumerate(configs)
     if keep_starting is not None:
         starts = itertools.takewhile(lambda _: keep_starting(), starts)
     if jobs == 1:
-        first = configs[0] if configs and not isinstance(configs[0], list) else configs[0][0] if configs else None
-        device = resolve_device(first.device) if first is not None else None
+        device = resolve_device(configs[0].device) if configs else None
         steps = ((i, functools.partial(run_steps, config)) for i, config in starts)
         for i, run in interleave(steps, streams, device):
-            yield from indexed(run, i)
+            yield dict(run, index=i)
         return
     context = multiprocessing.get_context("spawn")           # CUDA does not survive a fork
     pool = concurrent.futures.ProcessPoolExecutor(jobs, mp_context=context, initializer=share_cores, initargs=(jobs,))
@@ -263,22 +236,12 @@ def execute(configs: list[TrainConfig | list[TrainConfig]], jobs: int, streams: 
                 try:
                     run = future.result()
                 except Exception as e:                       # noqa: BLE001 (a worker that died: recorded as failed)
-                    group = configs[i] if isinstance(configs[i], list) else None
-                    run = failed(configs[i], e, 0.0) if group is None else [failed(c, e, 0.0) for c in group]
-                yield from indexed(run, i)
+                    run = failed(configs[i], e, 0.0)
+                yield dict(run, index=i)
     except BaseException:                                    # interrupted: stop the runs in flight, not wait for them
         stop_workers(pool)
         raise
     pool.shutdown()
-
-
-def indexed(run: dict | list[dict], index: int):
-    """The record(s) of job ``index``: a run's with its ``index``; a group's each with its ``copy`` too."""
-    if isinstance(run, dict):
-        yield dict(run, index=index)
-        return
-    for position, one in enumerate(run):
-        yield dict(one, index=index, copy=position)
 
 
 def stop_workers(pool: concurrent.futures.ProcessPoolExecutor) -> None:
@@ -307,25 +270,18 @@ def task_data(config: TrainConfig):
     return _DATA[key]
 
 
-def run_config(config: TrainConfig | list[TrainConfig]) -> dict | list[dict]:
-    """One run's record (:func:`regattn.train.cli.record`); a run that raises gives ``{config, error}``. A list of
-    configs that differ only in the rate: their runs trained as copies of one model, a record each."""
+def run_config(config: TrainConfig) -> dict:
+    """One run's record (:func:`regattn.train.cli.record`); a run that raises gives ``{config, error}``."""
     return finish(run_steps(config))
 
 
-def run_steps(config: TrainConfig | list[TrainConfig]):
+def run_steps(config: TrainConfig):
     """:func:`run_config` as a generator of the run's steps (:func:`regattn.train.trainer.training`)."""
     started = time.time()
-    group = config if isinstance(config, list) else None
     try:
-        if group is None:
-            return record((yield from training(config, data=task_data(config))))
-        results = yield from training(group[0], data=task_data(group[0]), lrs=[c.lr for c in group])
-        return [record(r) for r in results]
+        return record((yield from training(config, data=task_data(config))))
     except Exception as e:                                   # noqa: BLE001 (recorded, and retried on --resume)
-        if group is None:
-            return failed(config, e, time.time() - started)
-        return [failed(c, e, time.time() - started) for c in group]
+        return failed(config, e, time.time() - started)
 
 
 def failed(config: TrainConfig, error: BaseException, seconds: float) -> dict:
@@ -414,9 +370,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint-every", type=int, default=0, metavar="N",
                    help="each run checkpoints every N steps into OUT/checkpoints, and --resume continues an "
                         "interrupted run from there (default 0: it starts again)")
-    p.add_argument("--copies", action="store_true",
-                   help="train the rates of a point and mixer together, as copies of one model: one launch of each "
-                        f"kernel for all (mixers {', '.join(MEMBER_MIXERS)}; the others one run per rate)")
     p.add_argument("--stop-after", type=float, default=None, metavar="SECONDS",
                    help="start no run after this many seconds; the runs in flight end, and --resume does the rest")
     return p
@@ -504,7 +457,7 @@ def main(argv=None) -> int:
 
     started = time.time()
     runs = run_sweep(base, mixers=mixers, lrs=lrs, seeds=seeds, points=points, done=done,
-                     on_run=save, jobs=args.jobs, streams=args.streams, stop_after=args.stop_after, copies=args.copies,
+                     on_run=save, jobs=args.jobs, streams=args.streams, stop_after=args.stop_after,
                      checkpoints=os.path.join(args.out, "checkpoints") if args.checkpoint_every else None)
     wall = time.time() - started
     payload = save(runs)

@@ -15,9 +15,7 @@ norm is not finite is skipped on the device and counted, and ``compile`` compile
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
-import functools
 import math
 import os
 import time
@@ -29,7 +27,6 @@ from regattn.models.stack import build_model
 from regattn.tasks import Split, TaskData, make_task
 from regattn.train.batches import EpochBatches, static_examples
 from regattn.train.checkpoints import load_data
-from regattn.train.members import MEMBER_MIXERS, Members, build_member_optimizer
 from regattn.train.optim import apply_schedule, build_optimizer
 from regattn.train.progress import Progress, Throughput
 from regattn.train.schedules import lr_factor, wd_factor
@@ -125,13 +122,8 @@ def split_bytes(split: Split) -> int:
     return sum(x.numel() * x.element_size() for x in (split.inputs, split.targets, split.mask) if x is not None)
 
 
-def build(config: TrainConfig, data: TaskData | None = None, lrs: list[float] | None = None):
-    """``(data, model, optimizer)`` for ``config``, seeded; ``data`` may be given to reuse a built task. With
-    ``lrs``, the model is :class:`regattn.train.members.Members`, a copy per peak rate, and the optimizer each
-    copy's at its rate."""
-    if lrs is not None and config.mixer not in MEMBER_MIXERS:
-        raise ValueError(f"lrs: copies of a model train together with the mixers {list(MEMBER_MIXERS)}, "
-                         f"got {config.mixer!r}")
+def build(config: TrainConfig, data: TaskData | None = None):
+    """``(data, model, optimizer)`` for ``config``, seeded; ``data`` may be given to reuse a built task."""
     device = resolve_device(config.device)
     if data is None:
         data = make_task(config.task, seed=config.seed, **config.task_options)
@@ -140,24 +132,18 @@ def build(config: TrainConfig, data: TaskData | None = None, lrs: list[float] | 
     torch.manual_seed(config.seed)
     model = build_model(data, config.mixer, dim=config.dim, layers=config.layers, heads=config.heads,
                         mlp=config.mlp, mixer_options=dict(config.mixer_options)).to(device)
-    if lrs is not None:
-        model = Members(model, len(lrs))
-        return data, model, build_member_optimizer(model, config.optimizer, lrs=lrs, weight_decay=config.weight_decay,
-                                                   betas=tuple(config.betas))
     opt = build_optimizer(model, config.optimizer, lr=config.lr, weight_decay=config.weight_decay,
                           betas=tuple(config.betas), fused=True)
     return data, model, opt
 
 
-def save_checkpoint(path: str, *, config: TrainConfig, model, optimizer, step: int, history: dict | list[dict],
-                    ended: list[int | None] | None = None) -> None:
-    """Model and optimizer states, the step reached, the history (a list, one per copy, for a model of copies, and
-    ``ended``: the step each copy's run diverged at) and the config as a dict (atomically replaced); tensors and
-    plain data only, so that it loads with ``weights_only=True``."""
+def save_checkpoint(path: str, *, config: TrainConfig, model, optimizer, step: int, history: dict) -> None:
+    """Model and optimizer states, the step reached, the history and the config as a dict (atomically
+    replaced); tensors and plain data only, so that it loads with ``weights_only=True``."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = path + ".tmp"
     torch.save(dict(config=dataclasses.asdict(config), model=model.state_dict(), optimizer=optimizer.state_dict(),
-                    step=step, history=history, ended=ended), tmp)
+                    step=step, history=history), tmp)
     os.replace(tmp, path)
 
 
@@ -184,8 +170,7 @@ def finish(steps):
             return end.value
 
 
-def training(config: TrainConfig, *, data: TaskData | None = None, stop_at: int | None = None,
-             lrs: list[float] | None = None):
+def training(config: TrainConfig, *, data: TaskData | None = None, stop_at: int | None = None):
     """A run (or its resumption) as a generator: each ``next()`` issues one optimizer step (the first also builds
     the model; log points, evaluations and checkpoints come with the step they follow), so that several runs can
     take turns in one process (:mod:`regattn.train.interleave`). Its return value (``StopIteration.value``) is
@@ -199,10 +184,6 @@ def training(config: TrainConfig, *, data: TaskData | None = None, stop_at: int 
     A step whose training loss or gradient norm is not finite makes no update (``result["skipped_steps"]``
     counts them); a run whose steps since the last log point were all skipped stops there
     (``result["diverged"]``).
-    lrs: one run per peak rate (``config.lr`` unused), trained together as copies of one model
-    (:mod:`regattn.train.members`): the same batches, one launch of each kernel for all. The return value is then
-    a list of results, one per rate, each with its rate as its config's ``lr`` and ``copies`` the number of runs
-    trained together (``steps_per_second`` is each run's). A copy whose run diverges stops there; the others go on.
     """
     if config.compile not in COMPILE_MODES:
         raise ValueError(f"compile: expected one of {COMPILE_MODES}, got {config.compile!r}")
@@ -211,18 +192,15 @@ def training(config: TrainConfig, *, data: TaskData | None = None, stop_at: int 
     if config.cuda_graph and config.wda_gamma:
         raise ValueError(f"wda_gamma: a CUDA graph holds the weight decay it was captured with; expected 0 with "
                          f"cuda_graph, got {config.wda_gamma}")
-    data, model, opt = build(config, data, lrs)
-    configs = [config] if lrs is None else [dataclasses.replace(config, lr=lr) for lr in lrs]
+    data, model, opt = build(config, data)
     device = next(model.parameters()).device
-    histories = [{"train": [], "eval": []} for _ in configs]
-    ended: list[int | None] = [None] * len(configs)             # the step at which each run diverged
+    history = {"train": [], "eval": []}
     step = 0
     if config.checkpoint and os.path.exists(config.checkpoint):
         state = load_checkpoint(config.checkpoint, map_location=device)
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
-        step, histories = state["step"], state["history"] if lrs is not None else [state["history"]]
-        ended = state.get("ended", ended)
+        step, history = state["step"], state["history"]
     resumed_from = step
     total = total_steps(config, len(data.train))
     end = total if stop_at is None else min(stop_at, total)
@@ -230,15 +208,11 @@ def training(config: TrainConfig, *, data: TaskData | None = None, stop_at: int 
     batches = EpochBatches(static_examples(data.train, data.kind), config.batch_size, config.seed, device)
     train_step = TrainStep(model, data.kind, opt, clip=config.clip, amp=config.amp, compile=config.compile,
                            cuda_graph=config.cuda_graph)
-    for i in (i for i, at in enumerate(ended) if at is not None):
-        train_step.stop(i)
-    key = "mse" if data.kind == "regression" else "accuracy"
-    label = f"{config.task}/{config.mixer}" + ("" if lrs is None else f" x{len(lrs)}")
-    logs = [TrainLog(history, key, Progress(total, start=step, enabled=config.progress and i == 0, label=label))
-            for i, history in enumerate(histories)]
-    plain = (lambda i: model) if lrs is None else functools.partial(model.member, into=copy.deepcopy(model.template))
+    log = TrainLog(history, "mse" if data.kind == "regression" else "accuracy",
+                   Progress(total, start=step, enabled=config.progress, label=f"{config.task}/{config.mixer}"))
     sync = (lambda: torch.cuda.current_stream(device).synchronize()) if device.type == "cuda" else None
     started, clock = time.time(), Throughput(sync=sync)
+    diverged = False
     model.train()
     while step < end:
         lr_scale = lr_factor(config.schedule, step, total, **sched)
@@ -250,41 +224,27 @@ def training(config: TrainConfig, *, data: TaskData | None = None, stop_at: int 
         if checkpoint_now or step % config.log_every == 0 or step == end:
             stats = train_step.read()
             clock.mark(step)
-            for i, row in enumerate([stats] if lrs is None else stats):
-                if ended[i] is None and not logs[i].add(step, configs[i].lr * lr_scale, row):
-                    ended[i] = step
-                    train_step.stop(i)
-            if all(at is not None for at in ended):
+            if not log.add(step, config.lr * lr_scale, stats):
+                diverged = True
                 break
         evaluate_now = (config.eval_every and step % config.eval_every == 0) or step == total
         analyze_now = config.analyze_every and (step % config.analyze_every == 0 or step == total)
         if evaluate_now or analyze_now or checkpoint_now:
             with clock.paused():
-                for i in (i for i, at in enumerate(ended) if at is None and (evaluate_now or analyze_now)):
-                    one = plain(i)
-                    if evaluate_now:
-                        logs[i].evaluation(step, evaluate(one, data, data.test, batch_size=config.eval_batch_size,
-                                                          amp=config.amp))
-                    if analyze_now:
-                        histories[i].setdefault("analysis", []).append(diagnose(one, data, config.analyze_examples,
-                                                                                step))
+                if evaluate_now:
+                    log.evaluation(step, evaluate(model, data, data.test, batch_size=config.eval_batch_size,
+                                                  amp=config.amp))
+                if analyze_now:
+                    history.setdefault("analysis", []).append(diagnose(model, data, config.analyze_examples, step))
                 if checkpoint_now:
                     save_checkpoint(config.checkpoint, config=config, model=model, optimizer=opt, step=step,
-                                    history=histories[0] if lrs is None else histories, ended=ended)
+                                    history=history)
         yield
-    for log in logs:
-        log.close()
-    results = []
-    for i, one_config in enumerate(configs):
-        one = model if lrs is None else model.member(i)
-        result = summarize(one_config, data, one, histories[i], ended[i] or step, time.time() - started)
-        result.update(diverged=ended[i] is not None, steps_per_second=clock.rate(),
-                      captured=train_step.graph is not None, resumed_from=resumed_from,
-                      skipped_steps=sum(row.get("skipped", 0) for row in histories[i]["train"]))
-        if lrs is not None:
-            result["copies"] = len(lrs)
-        results.append(result)
-    return results[0] if lrs is None else results
+    log.close()
+    result = summarize(config, data, model, history, step, time.time() - started)
+    result.update(diverged=diverged, steps_per_second=clock.rate(), captured=train_step.graph is not None,
+                  resumed_from=resumed_from, skipped_steps=sum(row.get("skipped", 0) for row in history["train"]))
+    return result
 
 
 def diagnose(model, data: TaskData, examples: int, step: int) -> dict:

@@ -1,13 +1,15 @@
-"""The ops under ``torch.func.vmap`` (copies of a model stacked on a leading dim, regattn.train.members): each
-copy's output and gradients equal the op's on that copy alone, for the Triton kernels (their rules fold the
-copies into the batch, or run once per copy when a weight or packed sequences say so) and the torch paths."""
+"""The ops under ``torch.func.vmap`` (an ensemble's copies stacked on a leading dim): each copy's output and
+gradients equal the op's on that copy alone, for the Triton kernels (their rules fold the copies into the batch,
+or run once per copy when a weight of each copy or packed sequences say so) and the torch paths."""
+import copy
+
 import pytest
 import torch
-from torch.func import vmap
+from torch.func import functional_call, stack_module_state, vmap
 
 import regattn
-from regattn.layers.norm import RMSNormFunction
 from regattn.layers.rope import RotaryEmbedding, norm_rope
+from regattn.models.stack import MixerStack
 from tests.helpers import randn, rel_err
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -91,15 +93,22 @@ def test_mesanet_and_the_torch_reference_paths():
                   (B, T, H, D), (B, T, H, D), (B, T, H, D), dtype=torch.float64, bound=1e-12)
 
 
-@pytest.mark.parametrize("shared_weight", [True, False])
-def test_rms_norm_of_copies(shared_weight):
-    """The norm of a model of copies: one fused norm for all, then each copy's weight; unbatched it is torch's."""
-    def fn(x, weight):
-        return RMSNormFunction.apply(x, weight, 1e-6)
-    _copies_match(fn, (B, T, D), (D,), batched=(0,) if shared_weight else (0, 1))
-    x, w = randn(B, T, D, requires_grad=True), randn(D, requires_grad=True)
-    grad = randn(B, T, D)
-    ours = [fn(x, w), *torch.autograd.grad(fn(x, w), (x, w), grad)]
-    torch_s = torch.nn.functional.rms_norm(x, (D,), w, 1e-6)
-    for a, b in zip(ours, [torch_s, *torch.autograd.grad(torch_s, (x, w), grad)]):
-        assert rel_err(a, b) < 1e-12
+
+@pytest.mark.parametrize("mixer", ["softmax", "swa", "parallax", "gatedfwa", "decay", "mesanet", "linear"])
+def test_an_ensemble_of_task_models(mixer):
+    """Three task models stacked (``torch.func.stack_module_state``) and called under ``vmap``, as PyTorch's
+    ensembling recipe does: each model's output and parameters' gradients are its own."""
+    models = [MixerStack(mixer, kind="tokens", seq_len=T, vocab_size=16, dim=32, heads=2).to(DEV)
+              for _ in range(COPIES)]
+    params, buffers = stack_module_state(models)
+    template = copy.deepcopy(models[0]).to("meta")
+    tokens = torch.randint(0, 16, (B, T), device=DEV)
+    out = vmap(lambda p, b: functional_call(template, (p, b), (tokens,)))(params, buffers)
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, list(params.values()), grad)
+    for m, model in enumerate(models):
+        ref = model(tokens)
+        assert rel_err(out[m], ref) < 1e-5
+        want = torch.autograd.grad(ref, list(model.parameters()), grad[m])
+        for name, g, w in zip(params, got, want):
+            assert rel_err(g[m], w) < 1e-4, name

@@ -323,19 +323,3 @@ def test_sweep_resumes_an_interrupted_run_from_its_checkpoint(tmp_path, monkeypa
     whole, resumed = (json.loads((d / "sweep-mqar.json").read_text())["runs"][0] for d in (tmp_path / "whole", out))
     assert resumed["resumed_from"] == 3 and whole["resumed_from"] == 0
     assert resumed["history"]["train"] == whole["history"]["train"] and resumed["best"] == whole["best"]
-
-
-def test_sweep_copies_train_a_points_rates_together(tmp_path, capsys):
-    """softmax's two rates as copies of one model (checkpointed as one), lla's (no vmap rules) one by one: the
-    records of both are those of the sweep without copies."""
-    args = ["mqar", "--mixers", "softmax,lla", "--lrs", "1e-2,1e-3"] + TINY + ["--steps", "4", "--checkpoint-every", "2"]
-    assert sweep.main(args + ["--out", str(tmp_path / "one")]) == 0
-    assert sweep.main(args + ["--out", str(tmp_path / "copies"), "--copies", "--streams", "2"]) == 0
-    capsys.readouterr()
-    one, copies = (json.loads((tmp_path / d / "sweep-mqar.json").read_text())["runs"] for d in ("one", "copies"))
-    assert [(r["mixer"], r["lr"]) for r in copies] == [(r["mixer"], r["lr"]) for r in one]
-    assert [r.get("copies") for r in copies] == [2, 2, None, None]
-    for a, b in zip(one, copies):
-        assert not b.get("error") and b["steps"] == a["steps"] == 4
-        assert abs(a["history"]["train"][-1]["loss"] - b["history"]["train"][-1]["loss"]) < 1e-3
-    assert not list((tmp_path / "copies" / "checkpoints").iterdir())          # each removed once recorded

@@ -1,7 +1,6 @@
-"""``torch.func.vmap`` rules for the ops whose work is a kernel: copies of a model stacked on a leading dim
-(:class:`regattn.train.members.Members`, a learning-rate sweep as one model) run each op once, their dim folded
-into the op's batch dim, where ``vmap`` alone would refuse the op (a custom op or an ``autograd.Function`` has
-no rule of its own).
+"""``torch.func.vmap`` rules for the ops whose work is a kernel (a custom op or an ``autograd.Function``, which
+``vmap`` refuses without a rule of their own): the mapped dim is folded into the op's batch dim and the kernel
+runs once, as for an ensemble of models stacked with ``torch.func.stack_module_state``.
 
     torch.library.register_vmap(op, fold_rule(op, batched=(0, 1, 2), outputs=(0, 1)))
     class Fn(torch.autograd.Function):

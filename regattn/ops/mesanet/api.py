@@ -80,11 +80,12 @@ def _exclusive_sum(x):
 
 class _InverseFactor(torch.autograd.Function):
     """``(L, X)``, ``X = L^-1`` where ``A = L L^T`` (``A`` symmetric positive definite; ``L`` carries no
-    gradient): one Cholesky factorisation and one triangular solve against the identity. The chunks' products with ``X`` are batched matrix products, faster
-    on the GPU than solves against their rows. The backward solves nothing either: with ``dX = -X dL X`` and the
-    Cholesky factor's gradient ``L^-T Phi(L^T gL) L^-1`` (symmetrised; ``Phi``: the lower triangle, its diagonal
-    halved), every solve is a product with ``X``. Autograd's backward of the factorisation and the solve ran three
-    batched triangular solves (cuBLAS's trsm: 1.1 ms of a 4.0 ms training step of the MAD model on an H200)."""
+    gradient): one Cholesky factorisation and one triangular solve against the identity. The chunks' products
+    with ``X`` are batched matrix products, faster on the GPU than solves against their rows. The backward solves
+    nothing either: with ``dX = -X dL X`` and the Cholesky factor's gradient ``L^-T Phi(L^T gL) L^-1``
+    (symmetrised; ``Phi``: the lower triangle, its diagonal halved), every solve is a product with ``X``.
+    Autograd's backward of the factorisation and the solve ran three batched triangular solves (cuBLAS's trsm:
+    1.1 ms of a 4.0 ms training step of the MAD model on an H200). Its torch ops make its vmap rule."""
 
     generate_vmap_rule = True
 
