@@ -111,14 +111,15 @@ class Linear(Attention):
 
 
 class MesaNet(Attention):
-    """MesaNet (lla eq. 2) with L2-normalised q and k and ridge ``lam``."""
+    """MesaNet (lla eq. 2) with L2-normalised q and k and ridge ``lam``; ``chunk``: positions per chunk of the
+    exact solve (its cost, not its numbers)."""
 
-    def __init__(self, dim, heads, *, lam: float = 1.0, **kw):
+    def __init__(self, dim, heads, *, lam: float = 1.0, chunk: int = 64, **kw):
         super().__init__(dim, heads, **{"qk_norm": "l2", **kw})
-        self.lam = lam
+        self.lam, self.chunk = lam, chunk
 
     def attend(self, q, k, v, x):
-        return regattn.mesanet(q, k, v, lam=self.lam)         # exact, in fp32 or better
+        return regattn.mesanet(q, k, v, lam=self.lam, chunk=self.chunk)     # exact, in fp32 or better
 
 
 def _gatedfwa(dim, heads, *, window, rope=True, **options):

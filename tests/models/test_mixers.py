@@ -121,3 +121,16 @@ def test_lla_mixer_solves_to_convergence():
     exact = regattn.lla(inp["q"], inp["k"], inp["v"], lam=inp["lam"])
     ours = regattn.lla(inp["q"], inp["k"], inp["v"], lam=inp["lam"], cg_iters=mixer.cg_iters)
     assert ((ours - exact).norm() / exact.norm()).item() < 1e-2           # fp32 CG; 4 iterations give ~0.5
+
+
+def test_mesanet_chunk_changes_the_cost_not_the_numbers():
+    torch.manual_seed(0)
+    mixer = build_mixer("mesanet", 16, 2, chunk=64)
+    x = torch.randn(2, 40, 16, dtype=torch.float64)
+    mixer.double()
+    want = mixer(x)
+    mixer.chunk = 8
+    assert torch.allclose(mixer(x), want, rtol=0, atol=1e-10)
+    assert build_mixer("mesanet", 16, 2, **{"mesanet.chunk": 16}).chunk == 16
+    with pytest.raises(ValueError, match="chunk"):
+        build_mixer("mesanet", 16, 2, chunk=0)(x.float())
