@@ -361,3 +361,23 @@ def test_causal_linear_decoder_names_bad_arguments():
         regattn.causal_linear_decoder(q, k, v, is_mask_weight=True)
     with pytest.raises(ValueError, match="k: expected shape \\[B, H, T, R\\]"):
         regattn.causal_linear_decoder(q, k[..., :3], v)
+
+
+@pytest.mark.parametrize("method", KERNELS)
+def test_rows_not_contiguous(interpret, method):
+    """b, c, v whose last dim is strided (every other element of a wider tensor): made contiguous once before the
+    kernels, forward and backward as the reference's; and the stateful lightning2 likewise."""
+    b, c, v, do, g = case(2, 29, 2, 8, 12, torch.float32, seed=None, gamma=[0.9, 0.7])
+    strided = [torch.stack([t.float(), t.float()], -1).flatten(-2)[..., ::2] for t in (b, c, v)]
+    truth = forward_backward(lambda *x: reference.decay_linear_attention(*x, g), b, c, v, do, torch.float64)
+    runs = {"stateless": lambda *x: regattn.decay_linear_attention(*x, g.float(), method=method, backend="triton")}
+    if method == "lightning2":
+        runs["stateful"] = lambda *x: regattn.decay_linear_attention(*x, g.float(), method=method, backend="triton",
+                                                                      output_final_state=True)[0]
+    for name, fn in runs.items():
+        x = [t.detach().requires_grad_() for t in strided]
+        assert all(t.stride(-1) == 2 for t in x)
+        got = [fn(*x)]
+        got += torch.autograd.grad(got[0], x, do.float())
+        for out, ref in zip(got, truth):
+            assert rel_err(out, ref) <= TOL[torch.float32], name

@@ -8,7 +8,8 @@ operator on other inputs, run forward or backward in time:
     dV = F_rev(C, B, dO)        dV_j = sum_{i>=j} gamma^(i-j) (c_j.b_i) dO_i
 
 so each kernel's backward is three launches of the kernel itself (``reverse=True`` walks the rows
-from the last). Saved for backward: b, c, v (and the initial state). gamma is a constant of these kernels.
+from the last). Saved for backward: b, c, v (and the initial state), their rows made contiguous once, by the
+callers, before the Function. gamma is a constant of these kernels.
 """
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ class _DecayKernelFunction(torch.autograd.Function):
 
     @classmethod
     def forward(cls, b, c, v, log2g):
-        return cls.kernel(*(_rows_contiguous(x) for x in (b, c, v)), log2g, reverse=False)
+        return cls.kernel(b, c, v, log2g, reverse=False)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -43,7 +44,6 @@ class _DecayKernelFunction(torch.autograd.Function):
     @classmethod
     def backward(cls, ctx, do):
         b, c, v, log2g = ctx.saved_tensors
-        b, c, v = (_rows_contiguous(x) for x in (b, c, v))
         do = _rows_contiguous(do)
         db = dc = dv = None
         if ctx.needs_input_grad[0]:
@@ -90,7 +90,6 @@ class Lightning2StateFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(b, c, v, s0, log2g, cu_seqlens):
-        b, c, v = (_rows_contiguous(x) for x in (b, c, v))
         return lightning2_forward(b, c, v, log2g, initial_state=s0, output_final_state=True, cu_seqlens=cu_seqlens)
 
     @staticmethod
@@ -101,7 +100,6 @@ class Lightning2StateFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, d_final):
         b, c, v, s0, log2g, cu = ctx.saved_tensors
-        b, c, v = (_rows_contiguous(x) for x in (b, c, v))
         do = torch.zeros_like(v) if do is None else _rows_contiguous(do)
         db = dc = dv = ds0 = None
         if ctx.needs_input_grad[0]:
@@ -138,7 +136,7 @@ def log2_gamma(gamma, H: int, device) -> torch.Tensor:
 
 def _apply(function):
     def run(b, c, v, gamma):
-        return function.apply(b, c, v, log2_gamma(gamma, b.shape[2], b.device))
+        return function.apply(*(_rows_contiguous(x) for x in (b, c, v)), log2_gamma(gamma, b.shape[2], b.device))
     run.__name__ = function.__name__
     return run
 
@@ -151,4 +149,5 @@ causal_dot_product = _apply(CausalDotProductFunction)
 def lightning2_with_state(b, c, v, gamma, initial_state=None, cu_seqlens=None):
     """``(o, S_T)`` of lightning2 from ``initial_state`` (any float dtype, used as float32) over packed sequences."""
     s0 = None if initial_state is None else initial_state.float().contiguous()
+    b, c, v = (_rows_contiguous(x) for x in (b, c, v))
     return Lightning2StateFunction.apply(b, c, v, s0, log2_gamma(gamma, b.shape[2], b.device), cu_seqlens)
