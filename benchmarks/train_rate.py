@@ -75,15 +75,17 @@ def profile(config: TrainConfig, runs: int, shown: int, warm: int = 50, rounds: 
     """Profile ``runs`` runs of ``config`` in flight, each on its own stream, over ``rounds`` steps each after
     ``warm``."""
     slots = [Slot(seed, training(dataclasses.replace(config, seed=seed)), torch.cuda.Stream()) for seed in range(runs)]
-    for _ in range(warm):
-        for slot in slots:
-            slot.advance()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(rounds):
+
+    def turns(count: int) -> None:
+        """``count`` steps of every run, in turns, and the device's end of them."""
+        for _ in range(count):
             for slot in slots:
                 slot.advance()
         torch.cuda.synchronize()
+
+    turns(warm)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        turns(rounds)
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     spans = sorted((e.time_range.start, e.time_range.end) for e in kernels)
     busy, (start, end) = 0, spans[0]
