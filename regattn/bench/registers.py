@@ -210,7 +210,7 @@ def launch_usage(kernel, args, kwargs, *, loop: bool = False, nested: bool = Fal
 
 
 def launch_settings(kwargs) -> dict:
-    keys = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
+    keys = ("BLOCK_M", "BLOCK_N", "TMA", "num_warps", "num_stages")
     return {key: kwargs[key] for key in keys if key in kwargs}
 
 
@@ -431,11 +431,12 @@ def nsa_rows(head_dims=(128,), kinds=None, candidates=False, *, B=1, T=32768, HQ
 
 
 USAGE = ("REG", "STACK", "LOCAL", "SHARED")
-OPS = {"parallax": (parallax_rows, KINDS, COLUMNS),
+TMA_COLUMNS = COLUMNS[:4] + ("TMA",) + COLUMNS[4:]  # TMA: tiles loaded through tensor descriptors
+OPS = {"parallax": (parallax_rows, KINDS, TMA_COLUMNS),
        "gatedfwa": (functools.partial(attention_rows, gated=True), ATTENTION_KINDS, COLUMNS),
        "softmax": (functools.partial(attention_rows, gated=False), ATTENTION_KINDS, COLUMNS),
        "scan": (scan_rows, ("ieee", "tf32x3"),
-                COLUMNS + ("loop", "FFMA", "FFMA%", "FFMA/w", "MUFU", "LDS", "MMA", "LDL", "STL")),
+                TMA_COLUMNS + ("loop", "FFMA", "FFMA%", "FFMA/w", "MUFU", "LDS", "MMA", "LDL", "STL")),
        "lla": (lla_rows, tuple(LLA_KINDS), COLUMNS + ("loop", "MMA", "LDL", "STL")),
        "lla_bwd": (lla_backward_rows, LLA_BACKWARD_KINDS, COLUMNS + ("loop", "MMA", "LDL", "STL")),
        "nsa": (nsa_rows, (), COLUMNS),

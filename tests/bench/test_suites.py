@@ -95,7 +95,7 @@ def test_parallax_decode_variants_take_the_kernels_settings():
     assert DECODE_VARIANTS[0] == {}
     for variant in DECODE_VARIANTS[1:]:
         assert variant and set(variant) <= {"config", "num_splits"}
-        assert set(variant.get("config", {})) <= {"BLOCK_N", "num_warps", "num_stages"}
+        assert set(variant.get("config", {})) <= {"BLOCK_N", "num_warps", "num_stages", "TMA"}
         assert variant.get("num_splits", 1) in (1, 2, 4, 8, 16, 32)
 
 

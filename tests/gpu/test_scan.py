@@ -91,6 +91,23 @@ def test_forward_backward(dtype, precision, shape, kw):
     check_scan(dtype, precision, *shape, **kw)
 
 
+TMA_TILES = [c for c in kernels.FWD_CONFIGS["half"] if c.kwargs["TMA"]]
+
+
+@pytest.mark.parametrize("config", TMA_TILES, ids=lambda c: "m{BLOCK_M}-n{BLOCK_N}".format(**c.kwargs)
+                         + f"-w{c.num_warps}-s{c.num_stages}")
+@pytest.mark.parametrize("dtype,shape,kw", [
+    pytest.param(FP16, (2, 4096, 8, 4, 64), {}, id="fp16-gqa-d64"),
+    pytest.param(BF16, (1, 4000, 4, 2, 128), dict(causal=True, window=700), id="bf16-d128-causal-window-ragged"),
+    pytest.param(FP16, (1, 2048, 4, 4, 64), dict(num_splits=8, backward=False), id="fp16-split-kv8"),
+])
+def test_tma_tiles(monkeypatch, config, dtype, shape, kw):
+    """Each forward tile that loads keys and values through tensor descriptors (Hopper's TMA)."""
+    monkeypatch.setitem(kernels.FWD_CONFIGS, "half", [config])
+    monkeypatch.setattr(kernels, "TMA_WORK", 0)  # the split case is below it
+    check_scan(dtype, "ieee", *shape, **kw)
+
+
 @pytest.mark.parametrize("dtype,precision", [(FP32, "ieee"), (FP32, "tf32x3"), (FP32, "tf32"), (FP16, "ieee"),
                                              (BF16, "ieee")], ids=["ieee", "tf32x3", "tf32", "fp16", "bf16"])
 def test_benchmark_shape(dtype, precision):

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import regattn
+from regattn.ops.scan import kernels as scan_kernels
 from tests.helpers import randn
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -76,6 +77,13 @@ def _scan_tf32(*args):
     return _scan(*args, precision="tf32")
 
 
+def _scan_fp16(q, k, v, *args):
+    """fp16 inputs, the key and value tiles through tensor descriptors (TMA) where the kernel can take them."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(scan_kernels, "TMA_WORK", 0)
+        return _scan(q.half(), k.half(), v.half(), *args).float()
+
+
 def _lla(q, k, v, aux, window, cu_seqlens, backend, blocks=None):
     if cu_seqlens is not None:
         pytest.skip("lla takes no cu_seqlens")
@@ -93,7 +101,7 @@ def _mesanet(q, k, v, aux, window, cu_seqlens, backend):
 
 
 OPS = {"softmax": _softmax, "gatedfwa": _gatedfwa, "parallax": _parallax, "scan": _scan, "scan_tf32x3": _scan_tf32x3,
-       "scan_tf32": _scan_tf32, "lla": _lla, "lla_pairs": _lla_pairs, "mesanet": _mesanet}
+       "scan_tf32": _scan_tf32, "scan_fp16": _scan_fp16, "lla": _lla, "lla_pairs": _lla_pairs, "mesanet": _mesanet}
 
 def _run(op, q, k, v, aux, do, window, cu_seqlens, backend):
     """Output and the gradients of q, k, v; ``aux`` feeds the probe (parallax) or the gate (gatedfwa)."""

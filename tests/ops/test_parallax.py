@@ -143,14 +143,17 @@ DECODE_CASES = [  # B, Tn, S, HQ, H, D, window, cache_seqlens, num_splits
 ]
 
 
+@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "tma"])
 @pytest.mark.parametrize("B,Tn,S,HQ,H,D,window,lens,splits", DECODE_CASES)
-def test_decode(interpret, B, Tn, S, HQ, H, D, window, lens, splits):
+def test_decode(interpret, B, Tn, S, HQ, H, D, window, lens, splits, tma):
+    """The op, and the kernel with a given split count, key and value tiles loaded through pointers or through
+    tensor descriptors (TMA)."""
     from regattn.ops.parallax.decode import parallax_decode_fwd
     q, r, k, v = _inputs(B, Tn, S, HQ, H, D, D, torch.float32)
     cache_seqlens = None if lens is None else torch.tensor(lens, dtype=torch.int32, device=DEVICE)
     o = regattn.parallax_decode(q, r, k, v, cache_seqlens=cache_seqlens, window=window, backend="triton")
     o_split = parallax_decode_fwd(q, r, k, v, cache_seqlens=cache_seqlens, window=window, scale=D ** -0.5,
-                                  num_splits=splits or 1)
+                                  num_splits=splits or 1, config=dict(TMA=tma))
     for b in range(B):
         n = S if lens is None else lens[b]
         ref = parallax_ref(q[b:b + 1].double(), r[b:b + 1].double(), k[b:b + 1, :n].double(),
@@ -159,6 +162,22 @@ def test_decode(interpret, B, Tn, S, HQ, H, D, window, lens, splits):
         assert rel_err(o_split[b:b + 1], ref) < 1e-5
     torch_o = regattn.parallax_decode(q, r, k, v, cache_seqlens=cache_seqlens, window=window, backend="torch")
     assert rel_err(torch_o, o) < 1e-5
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+def test_decode_tma_ignores_entries_past_the_cache_lengths(interpret, splits):
+    """Tensor descriptors read whole key tiles, past a cache length too: NaN and inf there change nothing."""
+    from regattn.ops.parallax.decode import parallax_decode_fwd
+    B, Tn, S, HQ, H, D = 2, 2, 45, 4, 2, 16
+    q, r, k, v = _inputs(B, Tn, S, HQ, H, D, D, torch.float32)
+    lens = torch.tensor([19, 33], dtype=torch.int32, device=DEVICE)
+    bad_k, bad_v = k.clone(), v.clone()
+    for b, n in enumerate(lens.tolist()):
+        bad_k[b, n:], bad_v[b, n:] = float("nan"), float("inf")
+    kw = dict(cache_seqlens=lens, window=7, scale=D ** -0.5, num_splits=splits)
+    got = parallax_decode_fwd(q, r, bad_k, bad_v, config=dict(TMA=True), **kw)
+    assert torch.equal(got, parallax_decode_fwd(q, r, k, v, config=dict(TMA=True), **kw))
+    assert rel_err(got, parallax_decode_fwd(q, r, k, v, **kw)) < 1e-6
 
 
 @pytest.mark.parametrize("splits", [1, 4])
@@ -184,13 +203,13 @@ def test_decode_bad_input(interpret):
     q, r, k, v = _inputs(2, 1, 10, 4, 2, 16, 16, torch.float32)
     dec = regattn.parallax_decode
     with pytest.raises(ValueError, match="cache_seqlens"):
-        dec(q, r, k, v, cache_seqlens=torch.tensor([10, 11], dtype=torch.int32), backend="triton")
+        dec(q, r, k, v, cache_seqlens=torch.tensor([10, 11], dtype=torch.int32, device=DEVICE), backend="triton")
     with pytest.raises(ValueError, match="cache_seqlens"):
-        dec(q, r, k, v, cache_seqlens=torch.tensor([0, 3]), backend="triton")
+        dec(q, r, k, v, cache_seqlens=torch.tensor([0, 3], device=DEVICE), backend="triton")
     with pytest.raises(ValueError, match="cache_seqlens"):
-        dec(q, r, k, v, cache_seqlens=torch.tensor([3]), backend="triton")
+        dec(q, r, k, v, cache_seqlens=torch.tensor([3], device=DEVICE), backend="triton")
     with pytest.raises(TypeError, match="cache_seqlens"):
-        dec(q, r, k, v, cache_seqlens=torch.tensor([3.0, 4.0]), backend="triton")
+        dec(q, r, k, v, cache_seqlens=torch.tensor([3.0, 4.0], device=DEVICE), backend="triton")
     with pytest.raises(ValueError, match="k_cache"):
         dec(q, r, k[:, :, :, :8], v, backend="triton")
     with pytest.raises(ValueError, match="v_cache"):
@@ -224,10 +243,16 @@ def test_full_size_gpu(dtype, D, window, groups):
 
 
 @pytest.mark.gpu
-def test_decode_gpu():
+@pytest.mark.parametrize("config", [None, dict(TMA=True), dict(TMA=True, BLOCK_N=64)], ids=["table", "tma", "tma-64"])
+@pytest.mark.parametrize("splits", [None, 1, 8])
+def test_decode_gpu(config, splits):
+    from regattn.ops.parallax.decode import parallax_decode_fwd
     q, r, k, v = _inputs(3, 1, 5000, 32, 8, 128, 128, torch.bfloat16, device="cuda")
     lens = torch.tensor([5000, 1, 2345], dtype=torch.int32, device="cuda")
-    o = regattn.parallax_decode(q, r, k, v, cache_seqlens=lens)
+    if config is None and splits is None:
+        o = regattn.parallax_decode(q, r, k, v, cache_seqlens=lens)
+    else:
+        o = parallax_decode_fwd(q, r, k, v, cache_seqlens=lens, scale=128 ** -0.5, config=config, num_splits=splits)
     for b, n in enumerate(lens.tolist()):
         ref = parallax_ref(q[b:b + 1].double(), r[b:b + 1].double(), k[b:b + 1, :n].double(), v[b:b + 1, :n].double())
         low = parallax_ref(q[b:b + 1], r[b:b + 1], k[b:b + 1, :n], v[b:b + 1, :n])

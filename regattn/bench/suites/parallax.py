@@ -222,21 +222,18 @@ def _table_variant(key: int, variant: dict):
 
 
 # Launch variants of the decode kernel for time_decode_variants: the launch in use first ({}), then its key tile,
-# warps or stages changed (``config``, merged over the tile of whichever kernel the shape runs: split or not) or
-# its split count (``num_splits``). On the H200 B 8 and 64 took 1.2x to 1.3x cuDNN's time, where the H100 had 1.03x
-# to 1.08x (benchmarks/results/h200/parallax.json, tiles/parallax-decode-variants.json).
+# warps or stages changed (``config``, merged over the tile of whichever kernel the shape runs: split or not), its
+# split count (``num_splits``) or its loads (``TMA``: key and value tiles through tensor descriptors). On the H200
+# B 8 and 64 took 1.2x to 1.3x cuDNN's time, where the H100 had 1.03x to 1.08x (benchmarks/results/h200/
+# parallax.json, tiles/parallax-decode-variants.json: stages, tiles, warps and split counts).
 DECODE_VARIANTS = [
     {},
-    {"config": dict(num_stages=4)},
-    {"config": dict(num_stages=2)},
-    {"config": dict(BLOCK_N=64)},
-    {"config": dict(BLOCK_N=64, num_stages=4)},
-    {"config": dict(num_warps=8)},
-    {"num_splits": 1},
-    {"num_splits": 2},
-    {"num_splits": 4},
-    {"num_splits": 8},
-    {"num_splits": 16},
+    {"config": dict(TMA=True)},
+    {"config": dict(TMA=True, num_stages=4)},
+    {"config": dict(TMA=True, num_stages=2)},
+    {"config": dict(TMA=True, BLOCK_N=64)},
+    {"config": dict(TMA=True, BLOCK_N=64, num_stages=4)},
+    {"config": dict(TMA=True, num_warps=8)},
 ]
 
 

@@ -20,10 +20,31 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
+from regattn.ops._common.checks import compute_capability
 from regattn.ops._common.ints import ceil_div, next_pow2
 
 LOG2E = 1.4426950408889634
+
+def capturing() -> bool:
+    """Whether a CUDA graph is being captured on the current stream (False while torch.compile traces)."""
+    if torch.compiler.is_compiling():
+        return False
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+
+
+def tma_descriptors(*pairs) -> tuple | None:
+    """Tensor descriptors (for Hopper's tensor-memory copies) of ``(tensor, box)`` pairs, or None before Hopper or
+    where a tensor's base or a stride is not 16-byte aligned or its last dim not contiguous (TMA's rules)."""
+    first = pairs[0][0]
+    if first.is_cuda and compute_capability(first.device) < (9, 0):
+        return None
+    for x, _ in pairs:
+        if x.stride(-1) != 1 or x.data_ptr() % 16 or any(st * x.element_size() % 16 for st in x.stride()[:-1]):
+            return None
+    return tuple(TensorDescriptor(x, list(x.shape), list(x.stride()), list(box)) for x, box in pairs)
+
 
 # Per-kind launch settings that replace the heuristics of :func:`attention_blocks` (for tuning sweeps),
 # e.g. ``BLOCK_OVERRIDES["fwd"] = dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2)``.

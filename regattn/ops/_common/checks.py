@@ -200,8 +200,13 @@ def longest_sequence(cu_seqlens: torch.Tensor, max_seqlen: int | None) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
+def _properties(index: int):
+    return torch.cuda.get_device_properties(index)
+
+
+def _cuda_properties(device: torch.device):
+    """The properties of a CUDA device, read once per device."""
+    return _properties(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def sm_count(device: torch.device) -> int:
@@ -210,7 +215,13 @@ def sm_count(device: torch.device) -> int:
     device = torch.device(device)
     if device.type != "cuda":
         return 4
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return _cuda_properties(device).multi_processor_count
+
+
+def compute_capability(device: torch.device) -> tuple[int, int]:
+    """``(major, minor)`` of a CUDA device (read once per device)."""
+    props = _cuda_properties(torch.device(device))
+    return props.major, props.minor
 
 
 def resolve_backend(backend, x: torch.Tensor, *, op: str, has_triton: bool) -> str:

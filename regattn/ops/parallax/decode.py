@@ -21,6 +21,7 @@ import triton.language as tl
 
 from regattn.ops._common.checks import last_dim_contiguous, sm_count
 from regattn.ops._common.ints import ceil_div, next_pow2
+from regattn.ops._common.attention_tiles import capturing, tma_descriptors
 from regattn.ops.parallax.tiles import (
     LOG2E, contained_dot, dot_precision, group_pad, head_block, interpreting, tile_config, visible,
 )
@@ -58,17 +59,18 @@ def _finish(o1, o2, d1, d2):
 
 @triton.jit
 def _parallax_decode_kernel(
-    Q, R, K, V, O, LENS, WS, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
+    Q, R, K, V, O, LENS, WS, K_DESC, V_DESC, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
     TN, S, H, D, DV, n_row_tiles, qk_scale, window,
     G: tl.constexpr, GP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_LENS: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr,
 ):
     """Grid ``(B * H * n_row_tiles, NUM_SPLITS)``; a tile is ``BLOCK_M // 2`` query rows over as many probe rows.
 
     ``Q``, ``R`` (``[B, TN, H * G, D]``) and ``O`` (``[B, TN, H * G, DV]``) are contiguous. With more than one
     split, ``WS`` takes each split's partial ``[O1; O2]`` tile, then its ``(m, d1, d2)`` rows (fp32; see
-    :func:`_merge_splits_kernel`) and ``O`` is not written.
+    :func:`_merge_splits_kernel`) and ``O`` is not written. ``TMA``: key and value tiles come through the tensor
+    descriptors ``K_DESC``, ``V_DESC`` of the caches (Hopper's tensor-memory copies; rows past ``S`` read as 0).
     """
     HALF: tl.constexpr = BLOCK_M // 2
     BLOCK_T: tl.constexpr = HALF // GP
@@ -119,11 +121,15 @@ def _parallax_decode_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     for j0 in range(start, end, BLOCK_N):
         j = j0 + tl.arange(0, BLOCK_N)
-        kv_ok = j < klen
-        kt = tl.load(K + j[None, :] * sk_t + offs_d[:, None], mask=kv_ok[None, :] & (offs_d[:, None] < D),
-                     other=0.0)
-        v = tl.load(V + j[:, None] * sv_t + offs_dv[None, :], mask=kv_ok[:, None] & (offs_dv[None, :] < DV),
-                    other=0.0)
+        if TMA:  # keys at klen and past it are read too: the scores' and the product's masks keep them out
+            kt = tl.trans(K_DESC.load([b.to(tl.int32), j0, h, 0]).reshape(BLOCK_N, BLOCK_D))
+            v = V_DESC.load([b.to(tl.int32), j0, h, 0]).reshape(BLOCK_N, BLOCK_DV)
+        else:
+            kv_ok = j < klen
+            kt = tl.load(K + j[None, :] * sk_t + offs_d[:, None], mask=kv_ok[None, :] & (offs_d[:, None] < D),
+                         other=0.0)
+            v = tl.load(V + j[:, None] * sv_t + offs_dv[None, :], mask=kv_ok[:, None] & (offs_dv[None, :] < DV),
+                        other=0.0)
         s1, s2 = _unstack_rows(tl.dot(qr, kt, input_precision=PRECISION))
         seen = visible(qpos, j, klen, window, True, HAS_WINDOW)  # keys past the cache length never load
         s1 = tl.where(seen, s1 * qk_scale, float("-inf"))
@@ -258,8 +264,8 @@ def plan_decode(B: int, Tn: int, HQ: int, H: int, D: int, Dv: int, keys: int, dt
     cfg = split_cfg if splits > 1 else dict(decode_config(Tn, D, Dv, G, dtype), **(config or {}))
     workspace = programs * splits * (block_m * block_dv + 3 * block_m // 2) if splits > 1 else 0
     meta = dict(G=G, GP=GP, BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], BLOCK_D=head_block(D), BLOCK_DV=block_dv,
-                NUM_SPLITS=splits, PRECISION=dot_precision(dtype), num_warps=cfg["num_warps"],
-                num_stages=cfg["num_stages"])
+                NUM_SPLITS=splits, PRECISION=dot_precision(dtype), TMA=cfg.get("TMA", False),
+                num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     cols = merge_columns(splits, block_m // 2, block_dv)
     merge_meta = dict(G=G, GP=GP, BLOCK_M=block_m, BLOCK_DV=block_dv, BLOCK_C=cols, NUM_SPLITS=splits, num_warps=4)
     return DecodeLaunch((programs, splits), n_row_tiles, workspace, meta, (programs, block_dv // cols), merge_meta)
@@ -273,6 +279,24 @@ def decode_launch(B: int, Tn: int, HQ: int, H: int, D: int, Dv: int, keys: int, 
     return plan_decode(B, Tn, HQ, H, D, Dv, keys, dtype, sm_count(device))
 
 
+# A launch with tensor descriptors costs the host more (Triton encodes them at each launch; building them took 6 us
+# on the CPU): on the H200 B 1 took 71 and 60 us a call eagerly at 4k and 8k keys with them, against 52 and 38 us
+# without in the run before (the GPU waits on the host there), and 9.4 and 11.8 us captured in a CUDA graph,
+# against 9.9 and 13.5 us without (benchmarks/results/h200/parallax.json and its history, tiles/
+# parallax-decode-tma.json). So the table's TMA loads are taken where the host's time hides behind the kernel's:
+# in a CUDA graph being captured, or over at least this many bytes of keys and values (B 8 at 8k keys: 68 us).
+TMA_EAGER_BYTES = 128 * 2 ** 20
+
+
+def _device_bound(k_cache, v_cache, keys: int) -> bool:
+    """Whether a decode call's kernel outlasts its launch: captured, or over :data:`TMA_EAGER_BYTES` (code that
+    torch.compile traces keeps the pointer loads)."""
+    if torch.compiler.is_compiling():
+        return False
+    B, _, H, D = k_cache.shape
+    return B * keys * H * (D + v_cache.shape[3]) * k_cache.element_size() >= TMA_EAGER_BYTES or capturing()
+
+
 def parallax_decode_fwd(q, r, k_cache, v_cache, *, cache_seqlens=None, window=None, scale: float,
                         max_seqlen: int | None = None, num_splits: int | None = None, config: dict | None = None):
     """Run the decode kernel; ``o: [B, Tn, HQ, Dv]`` in q's dtype (no autograd).
@@ -282,7 +306,8 @@ def parallax_decode_fwd(q, r, k_cache, v_cache, *, cache_seqlens=None, window=No
             (their last dims made contiguous).
         cache_seqlens: int ``[B]`` valid cache lengths (each in ``[Tn, S]``) or None for ``S``.
         max_seqlen: a bound on ``cache_seqlens`` (the K/V loop is split for that many keys); None means ``S``.
-        num_splits, config: override the split count and the tiles (for tuning).
+        num_splits, config: override the split count and the tiles (for tuning; a ``config`` with ``TMA`` takes
+            the tensor descriptors' loads at any size).
     """
     B, Tn, HQ, D = q.shape
     _, S, H, _ = k_cache.shape
@@ -297,11 +322,17 @@ def parallax_decode_fwd(q, r, k_cache, v_cache, *, cache_seqlens=None, window=No
     sk, sv = k_cache.stride(), v_cache.stride()
     o = torch.empty(B, Tn, HQ, Dv, device=device, dtype=q.dtype)
     ws = torch.empty(launch.workspace, device=device, dtype=torch.float32) if launch.workspace else o
+    meta, descriptors = launch.meta, None
+    if meta["TMA"] and (config is not None or _device_bound(k_cache, v_cache, max_seqlen or S)):
+        descriptors = tma_descriptors((k_cache, [1, meta["BLOCK_N"], 1, meta["BLOCK_D"]]),
+                                      (v_cache, [1, meta["BLOCK_N"], 1, meta["BLOCK_DV"]]))
+    if meta["TMA"] and descriptors is None:
+        meta = dict(meta, TMA=False)
     _parallax_decode_kernel[launch.grid](
         q, r, k_cache, v_cache, o, o if cache_seqlens is None else cache_seqlens, ws,
-        sk[0], sk[1], sk[2], sv[0], sv[1], sv[2],
+        *(descriptors or (k_cache, v_cache)), sk[0], sk[1], sk[2], sv[0], sv[1], sv[2],
         Tn, S, H, D, Dv, launch.n_row_tiles, scale * LOG2E, 0 if window is None else window,
-        HAS_LENS=cache_seqlens is not None, HAS_WINDOW=window is not None, **launch.meta,
+        HAS_LENS=cache_seqlens is not None, HAS_WINDOW=window is not None, **meta,
     )
     if launch.workspace:
         _merge_splits_kernel[launch.merge_grid](ws, o, Tn, H, Dv, launch.n_row_tiles, **launch.merge_meta)

@@ -18,8 +18,9 @@ from regattn.ops._common.ints import next_pow2
 
 
 def _row(fwd, dq, dk, decode, decode_split, decode_chunk) -> dict[str, dict]:
-    """One head dim's settings from ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` (decode: no BLOCK_M)."""
-    names = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
+    """One head dim's settings from ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` (decode: no BLOCK_M, and a
+    fifth entry ``TMA`` where its key and value tiles load through tensor descriptors on Hopper)."""
+    names = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "TMA")
     row = {kind: dict(zip(names, cfg)) for kind, cfg in (("fwd", fwd), ("dq", dq), ("dk", dk))}
     row.update({kind: dict(zip(names[1:], cfg))
                 for kind, cfg in (("decode", decode), ("decode_split", decode_split), ("decode_chunk", decode_chunk))})
@@ -46,9 +47,12 @@ TILES: dict[int, dict[str, dict]] = {
     # fastest on the H100 at B = 1 from 4k to 32k keys, 128 within 1% (benchmarks/results/h100/tiles/
     # parallax-decode-merge.json, parallax-decode-tiles.json); on the H200 128 keys (no spill, 104 KiB of shared
     # memory) ran 1-7% faster at B = 1 and 8 from 4k to 32k keys (benchmarks/results/h200/tiles/
-    # parallax-decode-variants.json), so the split kernel streams 128-key tiles too
-    128: _row(fwd=(128, 64, 8, 3), dq=(64, 64, 4, 2), dk=(32, 128, 8, 3), decode=(128, 4, 3), decode_split=(128, 4, 3),
-              decode_chunk=(64, 4, 2)),
+    # parallax-decode-variants.json), so the split kernel streams 128-key tiles too. Loaded through tensor
+    # descriptors (TMA: 186 registers and no spill, against 255 and 32 bytes of stack unsplit) both ran 13-18%
+    # faster in CUDA graphs on the H200 at B 8 and 64 from 4k to 32k keys and at B 1 from 8k, 5% at B 1 and 4k
+    # (tiles/parallax-decode-tma.json; decode.TMA_EAGER_BYTES: where eager calls take them)
+    128: _row(fwd=(128, 64, 8, 3), dq=(64, 64, 4, 2), dk=(32, 128, 8, 3), decode=(128, 4, 3, True),
+              decode_split=(128, 4, 3, True), decode_chunk=(64, 4, 2)),
     # H100, bf16, B=4 H=16 T=8192 D=256: the forward's 32 x 32 tile spills nothing and ran 21.5 ms, the
     # former 64 x 32 (1120 bytes of stack) 55.7 ms (benchmarks/results/h100/tiles/parallax-d256.json)
     256: _row(fwd=(32, 32, 4, 3), dq=(32, 32, 4, 2), dk=(32, 32, 4, 2), decode=(64, 4, 2), decode_split=(64, 4, 2),

@@ -26,10 +26,12 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from regattn.ops._common.attention_tiles import (
     LOG2E, contained_dot, full_key_span, head_block, interpreting, key_span, online_softmax_step, query_span,
-    row_dot, size_class, softmax_finish, tile_configs, tile_loop_bounds, visible_mask, visible_mask_t,
+    capturing, row_dot, size_class, softmax_finish, tile_configs, tile_loop_bounds, tma_descriptors, visible_mask,
+    visible_mask_t,
 )
 from regattn.ops._common.checks import longest_sequence, sm_count
 from regattn.ops._common.ints import ceil_div
@@ -128,6 +130,17 @@ def _load_rows(ptr, rows, stride_row, cols, n_rows, N_COLS: tl.constexpr, EVEN: 
 
 
 @triton.jit
+def _key_rows(desc, ptr, bat, head, n0, rows, stride_row, cols, n_rows, N_COLS: tl.constexpr, EVEN: tl.constexpr,
+              TMA: tl.constexpr):
+    """Tile ``[len(rows), len(cols)]`` of keys (or values), ``rows = n0 + arange``: through the tensor descriptor
+    ``desc`` of the ``[B, S, H, N_COLS]`` tensor (a Hopper TMA copy; rows past ``S`` read as 0) at ``(bat, n0,
+    head)``, or as :func:`_load_rows` from ``ptr`` (the head's first row)."""
+    if TMA:
+        return desc.load([bat, n0, head, 0]).reshape(rows.shape[0], cols.shape[0])
+    return _load_rows(ptr, rows, stride_row, cols, n_rows, N_COLS, EVEN)
+
+
+@triton.jit
 def _store_rows(ptr, x, rows, stride_row, cols, n_rows, N_COLS: tl.constexpr):
     ptrs = ptr + rows[:, None].to(tl.int64) * stride_row + cols[None, :]
     tl.store(ptrs, x.to(ptr.dtype.element_ty), mask=(rows[:, None] < n_rows) & (cols[None, :] < N_COLS))
@@ -167,11 +180,11 @@ def _combine(m_a, l_a, w_a, m_b, l_b, w_b):
 
 
 @triton.jit
-def _fold_span(q, q_base, sqt, k_base, v_base, skt, svt, lo, hi, full_lo, full_hi, offs_m, offs_n0, offs_d, offs_dv, Tb, Sb,
-               qk_scale, D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
-               EVEN_N: tl.constexpr, PREC: tl.constexpr, ROUND_TF32: tl.constexpr, DOT_K: tl.constexpr,
-               POS_SCALE: tl.constexpr):
+def _fold_span(q, q_base, sqt, k_base, v_base, skt, svt, K_DESC, V_DESC, bat, hk, lo, hi, full_lo, full_hi, offs_m,
+               offs_n0, offs_d, offs_dv, Tb, Sb, qk_scale, D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr,
+               WINDOW: tl.constexpr, EVEN_N: tl.constexpr, PREC: tl.constexpr, ROUND_TF32: tl.constexpr,
+               DOT_K: tl.constexpr, POS_SCALE: tl.constexpr, TMA: tl.constexpr):
     """Left fold of the key tiles ``[lo, hi)`` (``lo`` on a tile edge) from the identity, in three runs of
     :func:`_fold_tiles`: the tiles before the full keys ``[full_lo, full_hi)`` of a causal or windowed fold,
     masked; the tiles inside them, with no mask; the tiles after them, masked. The tiles and the order of
@@ -179,29 +192,32 @@ def _fold_span(q, q_base, sqt, k_base, v_base, skt, svt, lo, hi, full_lo, full_h
     m_i, l_i, acc = _identity(BLOCK_M, BLOCK_DV)
     if CAUSAL or WINDOW > 0:
         _, a, b = tile_loop_bounds(lo, hi, full_lo, full_hi, BLOCK_N)  # lo is on a tile edge
-        m_i, l_i, acc = _fold_tiles(m_i, l_i, acc, q, q_base, sqt, k_base, v_base, skt, svt, lo, a, offs_m,
-                                    offs_n0, offs_d, offs_dv, Tb, Sb, qk_scale, D, DV, BLOCK_M, BLOCK_N, BLOCK_D,
-                                    BLOCK_DV, CAUSAL, WINDOW, EVEN_N, True, PREC, ROUND_TF32, DOT_K, POS_SCALE)
-        m_i, l_i, acc = _fold_tiles(m_i, l_i, acc, q, q_base, sqt, k_base, v_base, skt, svt, a, b, offs_m,
-                                    offs_n0, offs_d, offs_dv, Tb, Sb, qk_scale, D, DV, BLOCK_M, BLOCK_N, BLOCK_D,
-                                    BLOCK_DV, CAUSAL, WINDOW, EVEN_N, False, PREC, ROUND_TF32, DOT_K, POS_SCALE)
-        m_i, l_i, acc = _fold_tiles(m_i, l_i, acc, q, q_base, sqt, k_base, v_base, skt, svt, b, hi, offs_m,
-                                    offs_n0, offs_d, offs_dv, Tb, Sb, qk_scale, D, DV, BLOCK_M, BLOCK_N, BLOCK_D,
-                                    BLOCK_DV, CAUSAL, WINDOW, EVEN_N, True, PREC, ROUND_TF32, DOT_K, POS_SCALE)
+        m_i, l_i, acc = _fold_tiles(m_i, l_i, acc, q, q_base, sqt, k_base, v_base, skt, svt, K_DESC, V_DESC, bat, hk,
+                                    lo, a, offs_m, offs_n0, offs_d, offs_dv, Tb, Sb, qk_scale, D, DV, BLOCK_M,
+                                    BLOCK_N, BLOCK_D, BLOCK_DV, CAUSAL, WINDOW, EVEN_N, True, PREC, ROUND_TF32,
+                                    DOT_K, POS_SCALE, TMA)
+        m_i, l_i, acc = _fold_tiles(m_i, l_i, acc, q, q_base, sqt, k_base, v_base, skt, svt, K_DESC, V_DESC, bat, hk,
+                                    a, b, offs_m, offs_n0, offs_d, offs_dv, Tb, Sb, qk_scale, D, DV, BLOCK_M,
+                                    BLOCK_N, BLOCK_D, BLOCK_DV, CAUSAL, WINDOW, EVEN_N, False, PREC, ROUND_TF32,
+                                    DOT_K, POS_SCALE, TMA)
+        m_i, l_i, acc = _fold_tiles(m_i, l_i, acc, q, q_base, sqt, k_base, v_base, skt, svt, K_DESC, V_DESC, bat, hk,
+                                    b, hi, offs_m, offs_n0, offs_d, offs_dv, Tb, Sb, qk_scale, D, DV, BLOCK_M,
+                                    BLOCK_N, BLOCK_D, BLOCK_DV, CAUSAL, WINDOW, EVEN_N, True, PREC, ROUND_TF32,
+                                    DOT_K, POS_SCALE, TMA)
     else:
-        m_i, l_i, acc = _fold_tiles(m_i, l_i, acc, q, q_base, sqt, k_base, v_base, skt, svt, lo, hi, offs_m,
-                                    offs_n0, offs_d, offs_dv, Tb, Sb, qk_scale, D, DV, BLOCK_M, BLOCK_N, BLOCK_D,
-                                    BLOCK_DV, CAUSAL, WINDOW, EVEN_N, not EVEN_N, PREC, ROUND_TF32, DOT_K,
-                                    POS_SCALE)
+        m_i, l_i, acc = _fold_tiles(m_i, l_i, acc, q, q_base, sqt, k_base, v_base, skt, svt, K_DESC, V_DESC, bat, hk,
+                                    lo, hi, offs_m, offs_n0, offs_d, offs_dv, Tb, Sb, qk_scale, D, DV, BLOCK_M,
+                                    BLOCK_N, BLOCK_D, BLOCK_DV, CAUSAL, WINDOW, EVEN_N, not EVEN_N, PREC, ROUND_TF32,
+                                    DOT_K, POS_SCALE, TMA)
     return m_i, l_i, acc
 
 
 @triton.jit
-def _fold_tiles(m_i, l_i, acc, q, q_base, sqt, k_base, v_base, skt, svt, lo, hi, offs_m, offs_n0, offs_d, offs_dv,
-                Tb, Sb, qk_scale, D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
-                EVEN_N: tl.constexpr, MASKED: tl.constexpr, PREC: tl.constexpr, ROUND_TF32: tl.constexpr,
-                DOT_K: tl.constexpr, POS_SCALE: tl.constexpr):
+def _fold_tiles(m_i, l_i, acc, q, q_base, sqt, k_base, v_base, skt, svt, K_DESC, V_DESC, bat, hk, lo, hi, offs_m,
+                offs_n0, offs_d, offs_dv, Tb, Sb, qk_scale, D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr,
+                WINDOW: tl.constexpr, EVEN_N: tl.constexpr, MASKED: tl.constexpr, PREC: tl.constexpr,
+                ROUND_TF32: tl.constexpr, DOT_K: tl.constexpr, POS_SCALE: tl.constexpr, TMA: tl.constexpr):
     """Fold the key tiles ``[lo, hi)`` into the state ``(m_i, l_i, acc)``: each tile's state (its max, the
     sum of ``p`` and ``p @ v``: tree reductions across the tile) merges into the running state by
     un-sum-renorm (the online-softmax step). ``MASKED``: the scores of hidden pairs are set to -inf, and in
@@ -219,7 +235,7 @@ def _fold_tiles(m_i, l_i, acc, q, q_base, sqt, k_base, v_base, skt, svt, lo, hi,
                 k_c = _tf32(_load_rows(k_base, offs_n, skt, cols, Sb, D, EVEN_N), ROUND_TF32)
                 s = tl.dot(q_c, tl.trans(k_c), s, input_precision=PREC)
         else:
-            k = _tf32(_load_rows(k_base, offs_n, skt, offs_d, Sb, D, EVEN_N), ROUND_TF32)
+            k = _tf32(_key_rows(K_DESC, k_base, bat, hk, n0, offs_n, skt, offs_d, Sb, D, EVEN_N, TMA), ROUND_TF32)
             s = tl.dot(q, tl.trans(k), input_precision=PREC)
         s_scale = qk_scale  # a positive scale rides in exp2's fused multiply-add (one multiply an entry less)
         if not POS_SCALE:
@@ -229,7 +245,7 @@ def _fold_tiles(m_i, l_i, acc, q, q_base, sqt, k_base, v_base, skt, svt, lo, hi,
             seen = _visible(offs_m, offs_n, Tb, Sb, CAUSAL, WINDOW)
             s = tl.where(seen, s, float("-inf"))
         m_i, l_i, p, alpha = online_softmax_step(m_i, l_i, s, s_scale)
-        v = _tf32(_load_rows(v_base, offs_n, svt, offs_dv, Sb, DV, EVEN_N), ROUND_TF32)
+        v = _tf32(_key_rows(V_DESC, v_base, bat, hk, n0, offs_n, svt, offs_dv, Sb, DV, EVEN_N, TMA), ROUND_TF32)
         p = _tf32(p.to(v.dtype), ROUND_TF32)
         if MASKED and (CAUSAL or WINDOW > 0):
             acc = contained_dot(acc * alpha[:, None], p, v, seen, PREC)
@@ -267,19 +283,21 @@ def _parked_rows(O, WS_ACC, bat, h, row0, sob, soh, sot, rows, split, ws_stride,
     and a["DV"] == a["BLOCK_DV"],
 })
 @triton.jit
-def _fwd_kernel(Q, K, V, O, LSE, WS_M, WS_L, WS_ACC, CU,
+def _fwd_kernel(Q, K, V, O, LSE, WS_M, WS_L, WS_ACC, CU, K_DESC, V_DESC,
                 sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sob, sot, soh,
                 T, S, HQ, GROUP, qk_scale, ws_stride, SIZE_CLASS,
                 D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
                 VARLEN: tl.constexpr, NSPLIT: tl.constexpr, STORE_LSE: tl.constexpr, EVEN_N: tl.constexpr,
                 PREC: tl.constexpr, ROUND_TF32: tl.constexpr, CHUNK: tl.constexpr, DOT_K: tl.constexpr,
-                POS_SCALE: tl.constexpr):
+                POS_SCALE: tl.constexpr, HAS_DESC: tl.constexpr, TMA: tl.constexpr = False):
     """One program: ``BLOCK_M`` queries of one head against key slice ``program_id(2)`` of ``NSPLIT``.
 
     ``CHUNK > 0``: fold in two levels of ``CHUNK`` tiles;
     ``DOT_K > 0``: ``q k^T`` in column chunks (see :func:`_fold_tiles`); ``POS_SCALE``: ``qk_scale > 0``, which
-    then multiplies the scores inside exp2's argument (a zero or negative one scales them first).
+    then multiplies the scores inside exp2's argument (a zero or negative one scales them first);
+    ``HAS_DESC``: ``K_DESC``, ``V_DESC`` are tensor descriptors of k and v (else k and v again), through which
+    ``TMA`` loads the key and value tiles.
     """
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -307,9 +325,10 @@ def _fwd_kernel(Q, K, V, O, LSE, WS_M, WS_L, WS_ACC, CU,
         hi = tl.minimum(hi, lo + per)
 
     if CHUNK == 0:
-        m_i, l_i, acc = _fold_span(q, q_base, sqt, k_base, v_base, skt, svt, lo, hi, full_lo, full_hi, offs_m, offs_n0, offs_d,
-                                   offs_dv, Tb, Sb, qk_scale, D, DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, CAUSAL,
-                                   WINDOW, EVEN_N, PREC, ROUND_TF32, DOT_K, POS_SCALE)
+        m_i, l_i, acc = _fold_span(q, q_base, sqt, k_base, v_base, skt, svt, K_DESC, V_DESC, bat, hk, lo, hi, full_lo,
+                                   full_hi, offs_m, offs_n0, offs_d, offs_dv, Tb, Sb, qk_scale, D, DV, BLOCK_M,
+                                   BLOCK_N, BLOCK_D, BLOCK_DV, CAUSAL, WINDOW, EVEN_N, PREC, ROUND_TF32, DOT_K,
+                                   POS_SCALE, TMA)
     else:
         # Two levels: CHUNK tiles fold into a chunk state, and the chunk states into the total, so that
         # no accumulator sees more than max(CHUNK * BLOCK_N, n / (CHUNK * BLOCK_N)) sequential additions.
@@ -320,10 +339,10 @@ def _fwd_kernel(Q, K, V, O, LSE, WS_M, WS_L, WS_ACC, CU,
         m_i, l_i, acc = _identity(BLOCK_M, BLOCK_DV)
         tl.store(w_ptrs, acc, mask=w_mask)
         for c0 in range(lo, hi, CHUNK * BLOCK_N):
-            m_c, l_c, acc_c = _fold_span(q, q_base, sqt, k_base, v_base, skt, svt, c0, tl.minimum(hi, c0 + CHUNK * BLOCK_N),
-                                         full_lo, full_hi, offs_m, offs_n0, offs_d, offs_dv, Tb, Sb, qk_scale, D,
-                                         DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, CAUSAL, WINDOW, EVEN_N, PREC,
-                                         ROUND_TF32, DOT_K, POS_SCALE)
+            m_c, l_c, acc_c = _fold_span(q, q_base, sqt, k_base, v_base, skt, svt, K_DESC, V_DESC, bat, hk, c0,
+                                         tl.minimum(hi, c0 + CHUNK * BLOCK_N), full_lo, full_hi, offs_m, offs_n0,
+                                         offs_d, offs_dv, Tb, Sb, qk_scale, D, DV, BLOCK_M, BLOCK_N, BLOCK_D,
+                                         BLOCK_DV, CAUSAL, WINDOW, EVEN_N, PREC, ROUND_TF32, DOT_K, POS_SCALE, TMA)
             tl.debug_barrier()
             m_i, l_i, w = _combine(m_i, l_i, tl.load(w_ptrs, mask=w_mask, other=0.0), m_c, l_c, acc_c)
             tl.store(w_ptrs, w, mask=w_mask)
@@ -556,8 +575,33 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, CU,
 # 55.1 ms with them) and 9.86 ms (tf32, 7.86 ms with them) in regattn bench scan.
 # fp16/bf16: issuing the next key tile's q k^T before this tile's softmax (so that the tensor cores form it while
 # the exp2s run) lost to the plain loop: benchmarks/results/h200/tiles/README.md ("ELSA's fp16 forward").
+# fp16/bf16 tiles are tuned twice: key and value tiles loaded through pointers, and (TMA) as Hopper's tensor-memory
+# copies through descriptors of k and v (:func:`kv_descriptors`).
+
+
+def _set_boxes(args, block_n: int) -> None:
+    """Give the tensor descriptors among ``args`` a box of ``block_n`` rows of one head (all its columns)."""
+    for a in args:
+        if isinstance(a, TensorDescriptor):
+            a.block_shape = [1, block_n, 1, a.block_shape[3]]
+
+
+def _descriptor_boxes(nargs: dict) -> None:
+    """Autotune pre-hook: the descriptors' boxes follow the config's key tile."""
+    _set_boxes(nargs.values(), nargs["BLOCK_N"])
+
+
+def _half_configs(pointer_tiles, tma_tiles) -> list:
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "TMA": tma}, num_warps=w, num_stages=s,
+                          pre_hook=_descriptor_boxes if tma else None)
+            for tma, tiles in ((False, pointer_tiles), (True, tma_tiles)) for m, n, w, s in tiles]
+
+
+# The TMA tiles hold fewer registers (128 x 64 on 4 warps: 195 against 228), so deeper pipelines are listed too.
+_HALF_TILES = [(128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3), (64, 64, 4, 3)]
 FWD_CONFIGS = {
-    "half": tile_configs([(128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3), (64, 64, 4, 3)]),
+    "half": _half_configs(_HALF_TILES, _HALF_TILES + [(128, 64, 4, 4), (128, 128, 8, 2), (64, 128, 4, 3),
+                                                      (128, 128, 4, 2)]),
     "tensor": tile_configs([(128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 2), (32, 64, 4, 2), (32, 64, 8, 3),
                         (32, 128, 8, 2), (128, 64, 4, 3), (128, 32, 4, 3), (128, 128, 8, 2), (64, 128, 4, 2)]),
     "ieee": tile_configs([(64, 64, 8, 2), (128, 32, 8, 2), (64, 32, 4, 2), (32, 64, 4, 2), (32, 32, 4, 2),
@@ -593,15 +637,20 @@ def fitting(configs, block_d: int, block_dv: int, elsize: int, *, streamed: str)
     return ok or [min(configs, key=lambda c: _smem_bytes(c, block_d, block_dv, elsize, streamed=streamed))]
 
 
+def usable(configs, meta: dict) -> list:
+    """The configs a launch can take: those loading through descriptors (TMA) only where it passes them."""
+    return configs if meta.get("HAS_DESC") else [c for c in configs if not c.kwargs.get("TMA")]
+
+
 def _pruner(streamed: str):
     def prune(configs, named_args, **kwargs):
-        return fitting(configs, kwargs["BLOCK_D"], kwargs["BLOCK_DV"], named_args["Q"].element_size(),
+        return fitting(usable(configs, kwargs), kwargs["BLOCK_D"], kwargs["BLOCK_DV"], named_args["Q"].element_size(),
                        streamed=streamed)
     return {"early_config_prune": prune}
 
 
 _KEY = ["D", "DV", "CAUSAL", "WINDOW", "VARLEN", "PREC", "SIZE_CLASS"]
-_FWD_TUNED = {family: triton.autotune(cfgs, key=_KEY + ["NSPLIT", "STORE_LSE"], prune_configs_by=_pruner("N"))(
+_FWD_TUNED = {family: triton.autotune(cfgs, key=_KEY + ["NSPLIT", "STORE_LSE", "HAS_DESC"], prune_configs_by=_pruner("N"))(
     _fwd_kernel) for family, cfgs in FWD_CONFIGS.items()}
 _DKDV_TUNED = {family: triton.autotune(cfgs, key=_KEY, prune_configs_by=_pruner("M"))(_bwd_dkdv_kernel)
                for family, cfgs in BWD_CONFIGS.items()}
@@ -645,9 +694,14 @@ def _launch(configs, tuned, plain, grid, *args, streamed, **meta):
     the plain one with 16 x 16 tiles in the interpreter."""
     if interpreting():
         tiles = dict(BLOCK_M=INTERPRET_BLOCK, BLOCK_N=INTERPRET_BLOCK)
+        if meta.get("HAS_DESC"):
+            _set_boxes(args, INTERPRET_BLOCK)
+            tiles["TMA"] = True
         plain[grid(tiles)](*args, **tiles, **meta)
     elif not AUTOTUNE:
-        c = fitting(configs, meta["BLOCK_D"], meta["BLOCK_DV"], args[0].element_size(), streamed=streamed)[0]
+        c = fitting(usable(configs, meta), meta["BLOCK_D"], meta["BLOCK_DV"], args[0].element_size(),
+                    streamed=streamed)[0]
+        _set_boxes(args, c.kwargs["BLOCK_N"])
         plain[grid(c.kwargs)](*args, **c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages, **meta)
     else:
         tuned[grid](*args, **meta)
@@ -671,6 +725,24 @@ def auto_splits(batch_heads: int, T: int, device: torch.device) -> int:
 
 def _strides(x):
     return x.stride(0), x.stride(1), x.stride(2)
+
+
+TENSOR_DESCRIPTORS = True  # False: fp16/bf16 key and value tiles load through pointers only
+
+
+# Building and encoding the descriptors costs a launch's host some 10 to 20 us (Parallax's decode: ops/parallax/
+# decode.py), so a call takes them only captured in a CUDA graph or from this much work (B x HQ x T x S x D: the
+# tensor cores' q k^T and p v of 2^31 take about 20 us at 400 TFLOP/s).
+TMA_WORK = 2 ** 31
+
+
+def kv_descriptors(k, v, block_d: int, block_dv: int, work: int):
+    """Tensor descriptors of ``k [B, S, H, D]`` and ``v`` for the forward's TMA loads (their boxes set per
+    launch: :func:`_set_boxes`), or None where the kernel loads through pointers: below :data:`TMA_WORK` of
+    ``work`` uncaptured, or where TMA cannot read them (and in code torch.compile traces)."""
+    if not TENSOR_DESCRIPTORS or torch.compiler.is_compiling() or (work < TMA_WORK and not capturing()):
+        return None
+    return tma_descriptors((k, [1, 16, 1, block_d]), (v, [1, 16, 1, block_dv]))
 
 
 def forward(q, k, v, *, causal, window, scale, precision, cu_seqlens, num_splits, need_lse, max_seqlen=None):
@@ -699,12 +771,16 @@ def forward(q, k, v, *, causal, window, scale, precision, cu_seqlens, num_splits
         ws_m = ws_l = ws_acc = lse
     prec = dot_precision(q.dtype, precision)
     fam = _family(q.dtype, precision)
+    descriptors = None
+    if fam == "half" and not varlen:
+        descriptors = kv_descriptors(k, v, BLOCK_D, BLOCK_DV, work=B * HQ * T * S * D)
     _launch(FWD_CONFIGS[fam], _FWD_TUNED[fam], _fwd_kernel,
             lambda meta: (ceil_div(max_rows, meta["BLOCK_M"]), nseq * HQ, num_splits),
-            q, k, v, o, lse, ws_m, ws_l, ws_acc, cu, *_strides(q), *_strides(k), *_strides(v), *_strides(o),
+            q, k, v, o, lse, ws_m, ws_l, ws_acc, cu, *(descriptors or (k, v)), *_strides(q), *_strides(k), *_strides(v), *_strides(o),
             rows, S, HQ, HQ // H, scale * LOG2E, ws_stride, size_class(B * HQ * T),
             D=D, DV=DV, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, CAUSAL=causal, WINDOW=window or 0,
-            VARLEN=varlen, NSPLIT=num_splits, STORE_LSE=need_lse, PREC=prec, POS_SCALE=scale > 0, streamed="N",
+            VARLEN=varlen, NSPLIT=num_splits, STORE_LSE=need_lse, PREC=prec, POS_SCALE=scale > 0,
+            HAS_DESC=descriptors is not None, streamed="N",
             **_numerics(q.dtype, precision))
     if num_splits > 1:
         block = max(1, min(64, 8192 // (num_splits * BLOCK_DV)))
