@@ -56,6 +56,23 @@ def test_prefill(B, T, HQ, H, D, dtype, window, cu_seqlens):
     check_prefill(B, T, HQ, H, D, dtype, window=window, cu_seqlens=cu_seqlens)
 
 
+@pytest.mark.parametrize("B,T,HQ,H,D,dtype,window", [
+    pytest.param(2, 2048, 16, 16, 128, BF16, None, id="causal-D128-MHA-bf16"),
+    pytest.param(1, 2000, 16, 4, 64, BF16, 512, id="window512-D64-GQA4-bf16"),
+    pytest.param(1, 1500, 8, 2, 128, FP16, None, id="causal-D128-GQA4-fp16"),
+])
+def test_prefill_through_tensor_descriptors(monkeypatch, B, T, HQ, H, D, dtype, window):
+    """The forward and the dQ pass with key and value tiles through tensor descriptors (the TMA tile setting)."""
+    from regattn.ops._common import attention_tiles
+    from regattn.ops.parallax import tiles
+
+    table = tiles.TILES[tiles.table_head_dim(D)]
+    monkeypatch.setitem(tiles.TILES, tiles.table_head_dim(D), dict(table, fwd=dict(table["fwd"], TMA=True),
+                                                                   dq=dict(table["dq"], TMA=True)))
+    monkeypatch.setattr(attention_tiles, "TMA_WORK", 0)
+    check_prefill(B, T, HQ, H, D, dtype, window=window)
+
+
 @pytest.mark.parametrize("B,Tn,S,HQ,H,D,lens,window", [
     pytest.param(4, 1, 8192, 32, 8, 128, [8192, 1, 5000, 777], None, id="ragged-GQA-32-8"),
     pytest.param(2, 16, 4096, 32, 8, 128, [4096, 100], 1000, id="chunk16-window1000"),

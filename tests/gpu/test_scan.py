@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import regattn
+from regattn.ops._common import attention_tiles
 from regattn.ops.scan import kernels
 from regattn.ops.scan.verify import UNIT_ROUNDOFF, growth_check, measure
 from regattn.reference.softmax import softmax_attention
@@ -104,7 +105,7 @@ TMA_TILES = [c for c in kernels.FWD_CONFIGS["half"] if c.kwargs["TMA"]]
 def test_tma_tiles(monkeypatch, config, dtype, shape, kw):
     """Each forward tile that loads keys and values through tensor descriptors (Hopper's TMA)."""
     monkeypatch.setitem(kernels.FWD_CONFIGS, "half", [config])
-    monkeypatch.setattr(kernels, "TMA_WORK", 0)  # the split case is below it
+    monkeypatch.setattr(attention_tiles, "TMA_WORK", 0)  # the split case is below it
     check_scan(dtype, "ieee", *shape, **kw)
 
 

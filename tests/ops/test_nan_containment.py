@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import regattn
-from regattn.ops.scan import kernels as scan_kernels
+from regattn.ops._common import attention_tiles
 from tests.helpers import randn
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -80,7 +80,7 @@ def _scan_tf32(*args):
 def _scan_fp16(q, k, v, *args):
     """fp16 inputs, the key and value tiles through tensor descriptors (TMA) where the kernel can take them."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(scan_kernels, "TMA_WORK", 0)
+        patch.setattr(attention_tiles, "TMA_WORK", 0)
         return _scan(q.half(), k.half(), v.half(), *args).float()
 
 

@@ -64,6 +64,22 @@ def test_forward_backward_fp32(interpret, B, T, S, HQ, H, D, Dv, causal, window)
     _check(q, r, k, v, causal=causal, window=window)
 
 
+@pytest.mark.parametrize("B,T,S,HQ,H,D,Dv,causal,window", CASES)
+def test_forward_backward_through_tensor_descriptors(interpret, monkeypatch, B, T, S, HQ, H, D, Dv, causal, window):
+    """The forward and the dQ pass with their key and value tiles loaded through tensor descriptors (the tile
+    setting TMA), at every size: the same answers."""
+    from regattn.ops._common import attention_tiles
+    from regattn.ops.parallax import backward, forward, tiles
+
+    fwd_default, bwd_default = forward.fwd_config, backward.bwd_config
+    monkeypatch.setattr(forward, "fwd_config", lambda *a: dict(fwd_default(*a), TMA=True))
+    monkeypatch.setattr(backward, "bwd_config", lambda *a: dict(bwd_default(*a), TMA=a[-1] == "dq"))
+    monkeypatch.setattr(attention_tiles, "TMA_WORK", 0)
+    q, r, k, v = _inputs(B, T, S, HQ, H, D, Dv, torch.float32)
+    assert tiles.prefill_descriptors(k, v, dict(TMA=True, BLOCK_N=16), None, work=1) is not None
+    _check(q, r, k, v, causal=causal, window=window)
+
+
 @pytest.mark.parametrize("B,T,S,HQ,H,D,Dv,causal,window", [CASES[0], CASES[2], CASES[3], CASES[5]])
 def test_backward_key_tiles_of_gpu_shape(interpret, monkeypatch, B, T, S, HQ, H, D, Dv, causal, window):
     """The dK/dV pass with more streamed rows than the interpreter's default: its partially masked tiles

@@ -3,6 +3,7 @@ import pytest
 import torch
 
 import regattn
+from regattn.ops._common import attention_tiles
 from regattn.ops.scan import kernels
 from regattn.ops.scan.api import partition_offsets
 from regattn.reference.elsa import scan_attention as scan_reference
@@ -101,7 +102,7 @@ def test_fp16_forward_through_descriptors_and_pointers(interpret, monkeypatch, c
     """fp16 key and value tiles loaded through tensor descriptors (TMA on Hopper) or through pointers, at awkward
     sizes (GQA, D padded, T > S, split keys), within twice the error of softmax computed in fp16."""
     monkeypatch.setattr(kernels, "TENSOR_DESCRIPTORS", descriptors)
-    monkeypatch.setattr(kernels, "TMA_WORK", 0)  # these calls are far smaller than the launches that take them
+    monkeypatch.setattr(attention_tiles, "TMA_WORK", 0)  # these calls are far smaller than the launches that take them
     q, k, v = (x.detach() for x in _inputs(*case["shape"], dtype=torch.float16))
     assert (kernels.kv_descriptors(k, v, 32, 32, work=1) is not None) == descriptors
     kw = dict(causal=case["causal"], window=case["window"])
@@ -114,7 +115,7 @@ def test_fp16_forward_through_descriptors_and_pointers(interpret, monkeypatch, c
 
 def test_rows_off_tmas_alignment_load_through_pointers(interpret, monkeypatch):
     """A row of 12 fp16 columns (24 bytes) breaks TMA's 16-byte rule: no descriptors, the same result."""
-    monkeypatch.setattr(kernels, "TMA_WORK", 0)
+    monkeypatch.setattr(attention_tiles, "TMA_WORK", 0)
     q, k, v = (x.detach() for x in _inputs(1, 33, 33, 2, 1, 12, 12, dtype=torch.float16))
     assert kernels.kv_descriptors(k, v, 16, 16, work=1) is None
     assert kernels.kv_descriptors(k[..., :8], v[..., :8], 16, 16, work=1) is None  # a last dim not contiguous
@@ -126,8 +127,8 @@ def test_rows_off_tmas_alignment_load_through_pointers(interpret, monkeypatch):
 def test_small_calls_load_through_pointers(interpret):
     """Below TMA_WORK an uncaptured call builds no descriptors (their launch costs the host more than it saves)."""
     k = torch.zeros(1, 64, 2, 16, dtype=torch.float16)
-    assert kernels.kv_descriptors(k, k, 16, 16, work=kernels.TMA_WORK - 1) is None
-    assert kernels.kv_descriptors(k, k, 16, 16, work=kernels.TMA_WORK) is not None
+    assert kernels.kv_descriptors(k, k, 16, 16, work=attention_tiles.TMA_WORK - 1) is None
+    assert kernels.kv_descriptors(k, k, 16, 16, work=attention_tiles.TMA_WORK) is not None
 
 
 @pytest.mark.parametrize("splits", [1, 4])

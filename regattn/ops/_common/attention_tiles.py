@@ -34,6 +34,20 @@ def capturing() -> bool:
     return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
+# Building tensor descriptors and encoding them at each launch costs the host some 10 to 20 us (Parallax's decode:
+# ops/parallax/decode.py), so a call over the tensor cores takes them only captured in a CUDA graph or from this much
+# work (B x HQ x T x S x D: the q k^T and p v products of 2^31 take about 20 us at 400 TFLOP/s).
+TMA_WORK = 2 ** 31
+
+
+def tma_pays(work: int) -> bool:
+    """Whether a call of ``work`` (B x HQ x T x S x D) takes tensor descriptors: from :data:`TMA_WORK` on, or
+    captured in a CUDA graph; code that torch.compile traces keeps its pointer loads."""
+    if torch.compiler.is_compiling():
+        return False
+    return work >= TMA_WORK or capturing()
+
+
 def tma_descriptors(*pairs) -> tuple | None:
     """Tensor descriptors (for Hopper's tensor-memory copies) of ``(tensor, box)`` pairs, or None before Hopper or
     where a tensor's base or a stride is not 16-byte aligned or its last dim not contiguous (TMA's rules)."""

@@ -18,8 +18,8 @@ import triton.language as tl
 
 from regattn.ops._common.ints import ceil_div
 from regattn.ops.parallax.tiles import (
-    LOG2E, contained_dot, dot_precision, group_pad, head_block, interpreting, key_range, load_row_scalars, packed_rows,
-    program_tile, query_range, tile_config, visible, visible_t,
+    LOG2E, contained_dot, dot_precision, group_pad, head_block, interpreting, key_range, kv_tile, load_row_scalars,
+    packed_rows, prefill_descriptors, program_tile, query_range, tile_config, visible, visible_t,
 )
 
 
@@ -59,14 +59,13 @@ def _coefficients(s1, t, a, lse, tau, beta, tbar):
 
 
 @triton.jit
-def _dq_tile(q, r, do, K, V, j0, qpos, klen, window, sk_t, sv_t, lse, tau, beta, tbar, dq, dr, qk_scale,
-             offs_d, offs_dv, D, DV, BLOCK_N: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
-             HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr):
+def _dq_tile(q, r, do, K, V, K_DESC, V_DESC, seq, h, j0, qpos, klen, window, sk_t, sv_t, lse, tau, beta, tbar, dq, dr,
+             qk_scale, D, DV, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+             MASK: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr,
+             TMA: tl.constexpr):
     j = j0 + tl.arange(0, BLOCK_N)
-    kv_ok = j < klen
-    kt = tl.load(K + j[None, :] * sk_t + offs_d[:, None], mask=kv_ok[None, :] & (offs_d[:, None] < D), other=0.0)
-    vt = tl.load(V + j[None, :] * sv_t + offs_dv[:, None], mask=kv_ok[None, :] & (offs_dv[:, None] < DV),
-                 other=0.0)
+    kt = kv_tile(K_DESC, K, seq, h, j0, klen, sk_t, D, BLOCK_N, BLOCK_D, True, TMA)
+    vt = kv_tile(V_DESC, V, seq, h, j0, klen, sv_t, DV, BLOCK_N, BLOCK_DV, True, TMA)
     s1 = tl.dot(q, kt, input_precision=PRECISION) * qk_scale
     t = tl.dot(r, kt, input_precision=PRECISION)
     a = tl.dot(do, vt, input_precision=PRECISION)
@@ -88,14 +87,15 @@ def _dq_tile(q, r, do, K, V, j0, qpos, klen, window, sk_t, sv_t, lse, tau, beta,
 
 @triton.jit
 def _parallax_bwd_dq_kernel(
-    Q, R, K, V, DO, DQ, DR, LSE, TAU, BETA, TBAR, CU,
+    Q, R, K, V, DO, DQ, DR, LSE, TAU, BETA, TBAR, CU, K_DESC, V_DESC,
     sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, so_b, so_t, so_h,
     T, S, HQ, H, D, DV, scale, qk_scale, window,
     G: tl.constexpr, GP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    VARLEN: tl.constexpr, PRECISION: tl.constexpr,
+    VARLEN: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr,
 ):
-    """Row-tile pass: dQ and dR of one packed row tile (q, r, dq, dr share strides ``sq``; dO ``so``)."""
+    """Row-tile pass: dQ and dR of one packed row tile (q, r, dq, dr share strides ``sq``; dO ``so``); ``TMA``: key
+    and value tiles through the tensor descriptors ``K_DESC``, ``V_DESC``."""
     BLOCK_T: tl.constexpr = BLOCK_M // GP
     t0, h, start, qlen, klen, seq = program_tile(CU, T, S, H, BLOCK_T, VARLEN)
     if t0 >= qlen:
@@ -120,14 +120,17 @@ def _parallax_bwd_dq_kernel(
 
     lo, a, b, hi = key_range(t0 + off, t0 + BLOCK_T - 1 + off, klen, window, BLOCK_N, CAUSAL, HAS_WINDOW)
     for j0 in range(lo, a, BLOCK_N):
-        dq, dr = _dq_tile(q, r, do, K, V, j0, qpos, klen, window, sk_t, sv_t, lse, tau, beta, tbar, dq, dr,
-                          qk_scale, offs_d, offs_dv, D, DV, BLOCK_N, True, CAUSAL, HAS_WINDOW, PRECISION)
+        dq, dr = _dq_tile(q, r, do, K, V, K_DESC, V_DESC, seq, h, j0, qpos, klen, window, sk_t, sv_t, lse, tau,
+                          beta, tbar, dq, dr, qk_scale, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, True, CAUSAL,
+                          HAS_WINDOW, PRECISION, TMA)
     for j0 in range(a, b, BLOCK_N):
-        dq, dr = _dq_tile(q, r, do, K, V, j0, qpos, klen, window, sk_t, sv_t, lse, tau, beta, tbar, dq, dr,
-                          qk_scale, offs_d, offs_dv, D, DV, BLOCK_N, False, CAUSAL, HAS_WINDOW, PRECISION)
+        dq, dr = _dq_tile(q, r, do, K, V, K_DESC, V_DESC, seq, h, j0, qpos, klen, window, sk_t, sv_t, lse, tau,
+                          beta, tbar, dq, dr, qk_scale, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, False, CAUSAL,
+                          HAS_WINDOW, PRECISION, TMA)
     for j0 in range(b, hi, BLOCK_N):
-        dq, dr = _dq_tile(q, r, do, K, V, j0, qpos, klen, window, sk_t, sv_t, lse, tau, beta, tbar, dq, dr,
-                          qk_scale, offs_d, offs_dv, D, DV, BLOCK_N, True, CAUSAL, HAS_WINDOW, PRECISION)
+        dq, dr = _dq_tile(q, r, do, K, V, K_DESC, V_DESC, seq, h, j0, qpos, klen, window, sk_t, sv_t, lse, tau,
+                          beta, tbar, dq, dr, qk_scale, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, True, CAUSAL,
+                          HAS_WINDOW, PRECISION, TMA)
     tl.store(DQ + q_off, (dq * scale).to(DQ.dtype.element_ty), mask=dmask)
     tl.store(DR + q_off, dr.to(DR.dtype.element_ty), mask=dmask)
 
@@ -280,8 +283,10 @@ def parallax_bwd(do, q, r, k, v, o, vbar, tbar, m, l, *, causal: bool, window, s
                     VARLEN=cu_seqlens is not None, PRECISION=dot_precision(q.dtype), num_warps=cfg["num_warps"],
                     num_stages=cfg["num_stages"])
 
+    descriptors = prefill_descriptors(k, v, cfg_dq, cu_seqlens, work=B * HQ * T * S * D)
     _parallax_bwd_dq_kernel[(ceil_div(max(rows, 1), cfg_dq["BLOCK_M"] // GP), n_seq * H)](
-        q, r, k, v, do, dq, dr, lse, tau, beta, tbar, cu, *strides, *common, **meta(cfg_dq))
+        q, r, k, v, do, dq, dr, lse, tau, beta, tbar, cu, *(descriptors or (k, v)), *strides, *common,
+        TMA=descriptors is not None, **meta(cfg_dq))
     _parallax_bwd_dk_kernel[(ceil_div(max(keys, 1), cfg_dk["BLOCK_N"]), n_seq * H)](
         q, r, k, v, do, dk, dv, lse, tau, beta, tbar, cu, *strides, *common, **meta(cfg_dk))
     return dq, dr, dk, dv

@@ -23,7 +23,7 @@ from regattn.ops._common.checks import last_dim_contiguous, sm_count
 from regattn.ops._common.ints import ceil_div, next_pow2
 from regattn.ops._common.attention_tiles import capturing, tma_descriptors
 from regattn.ops.parallax.tiles import (
-    LOG2E, contained_dot, dot_precision, group_pad, head_block, interpreting, tile_config, visible,
+    LOG2E, contained_dot, dot_precision, group_pad, head_block, interpreting, kv_tile, tile_config, visible,
 )
 
 
@@ -121,15 +121,9 @@ def _parallax_decode_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     for j0 in range(start, end, BLOCK_N):
         j = j0 + tl.arange(0, BLOCK_N)
-        if TMA:  # keys at klen and past it are read too: the scores' and the product's masks keep them out
-            kt = tl.trans(K_DESC.load([b.to(tl.int32), j0, h, 0]).reshape(BLOCK_N, BLOCK_D))
-            v = V_DESC.load([b.to(tl.int32), j0, h, 0]).reshape(BLOCK_N, BLOCK_DV)
-        else:
-            kv_ok = j < klen
-            kt = tl.load(K + j[None, :] * sk_t + offs_d[:, None], mask=kv_ok[None, :] & (offs_d[:, None] < D),
-                         other=0.0)
-            v = tl.load(V + j[:, None] * sv_t + offs_dv[None, :], mask=kv_ok[:, None] & (offs_dv[None, :] < DV),
-                        other=0.0)
+        # through descriptors, keys from klen on are read too: the scores' masks and contained_dot keep them out
+        kt = kv_tile(K_DESC, K, b, h, j0, klen, sk_t, D, BLOCK_N, BLOCK_D, True, TMA)
+        v = kv_tile(V_DESC, V, b, h, j0, klen, sv_t, DV, BLOCK_N, BLOCK_DV, False, TMA)
         s1, s2 = _unstack_rows(tl.dot(qr, kt, input_precision=PRECISION))
         seen = visible(qpos, j, klen, window, True, HAS_WINDOW)  # keys past the cache length never load
         s1 = tl.where(seen, s1 * qk_scale, float("-inf"))

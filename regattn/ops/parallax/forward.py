@@ -13,21 +13,20 @@ import triton.language as tl
 
 from regattn.ops._common.ints import ceil_div
 from regattn.ops.parallax.tiles import (
-    LOG2E, dot_precision, group_pad, head_block, interpreting, key_range, packed_rows, program_tile, tile_config,
-    visible,
+    LOG2E, dot_precision, group_pad, head_block, interpreting, key_range, kv_tile, packed_rows, prefill_descriptors,
+    program_tile, tile_config, visible,
 )
 
 
 @triton.jit
-def _fwd_tile(q, r, K, V, j0, qpos, klen, window, sk_t, sv_t, m_i, d1, d2, o1, o2, qk_scale,
-              offs_d, offs_dv, D, DV, BLOCK_N: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
-              HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr):
+def _fwd_tile(q, r, K, V, K_DESC, V_DESC, seq, h, j0, qpos, klen, window, sk_t, sv_t, m_i, d1, d2, o1, o2,
+              qk_scale, D, DV, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+              MASK: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr,
+              TMA: tl.constexpr):
     """One step of Algorithm 1 (lines 2-12) on the key tile starting at ``j0``."""
     j = j0 + tl.arange(0, BLOCK_N)
-    kv_ok = j < klen
-    kt = tl.load(K + j[None, :] * sk_t + offs_d[:, None], mask=kv_ok[None, :] & (offs_d[:, None] < D), other=0.0)
-    vt = tl.load(V + j[:, None] * sv_t + offs_dv[None, :], mask=kv_ok[:, None] & (offs_dv[None, :] < DV),
-                 other=0.0)
+    kt = kv_tile(K_DESC, K, seq, h, j0, klen, sk_t, D, BLOCK_N, BLOCK_D, True, TMA)
+    vt = kv_tile(V_DESC, V, seq, h, j0, klen, sv_t, DV, BLOCK_N, BLOCK_DV, False, TMA)
     s1 = tl.dot(q, kt, input_precision=PRECISION) * qk_scale
     s2 = tl.dot(r, kt, input_precision=PRECISION)
     if MASK:
@@ -45,14 +44,15 @@ def _fwd_tile(q, r, K, V, j0, qpos, klen, window, sk_t, sv_t, m_i, d1, d2, o1, o
 
 @triton.jit
 def _parallax_fwd_kernel(
-    Q, R, K, V, O, VBAR, TBAR, MROW, LROW, CU,
+    Q, R, K, V, O, VBAR, TBAR, MROW, LROW, CU, K_DESC, V_DESC,
     sq_b, sq_t, sq_h, sr_b, sr_t, sr_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, so_b, so_t, so_h,
     T, S, HQ, H, D, DV, qk_scale, window,
     G: tl.constexpr, GP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    VARLEN: tl.constexpr, PRECISION: tl.constexpr,
+    VARLEN: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr,
 ):
-    """Grid ``(cdiv(max_T, BLOCK_M // GP), B * H)``: one packed row tile of one key/value head."""
+    """Grid ``(cdiv(max_T, BLOCK_M // GP), B * H)``: one packed row tile of one key/value head. ``TMA``: key and
+    value tiles through the tensor descriptors ``K_DESC``, ``V_DESC`` (one sequence a batch row)."""
     BLOCK_T: tl.constexpr = BLOCK_M // GP
     t0, h, start, qlen, klen, seq = program_tile(CU, T, S, H, BLOCK_T, VARLEN)
     if t0 >= qlen:
@@ -80,17 +80,17 @@ def _parallax_fwd_kernel(
 
     lo, a, b, hi = key_range(t0 + off, t0 + BLOCK_T - 1 + off, klen, window, BLOCK_N, CAUSAL, HAS_WINDOW)
     for j0 in range(lo, a, BLOCK_N):
-        m_i, d1, d2, o1, o2 = _fwd_tile(q, r, K, V, j0, qpos, klen, window, sk_t, sv_t, m_i, d1, d2, o1, o2,
-                                        qk_scale, offs_d, offs_dv, D, DV, BLOCK_N, True, CAUSAL, HAS_WINDOW,
-                                        PRECISION)
+        m_i, d1, d2, o1, o2 = _fwd_tile(q, r, K, V, K_DESC, V_DESC, seq, h, j0, qpos, klen, window, sk_t, sv_t,
+                                        m_i, d1, d2, o1, o2, qk_scale, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, True,
+                                        CAUSAL, HAS_WINDOW, PRECISION, TMA)
     for j0 in range(a, b, BLOCK_N):
-        m_i, d1, d2, o1, o2 = _fwd_tile(q, r, K, V, j0, qpos, klen, window, sk_t, sv_t, m_i, d1, d2, o1, o2,
-                                        qk_scale, offs_d, offs_dv, D, DV, BLOCK_N, False, CAUSAL, HAS_WINDOW,
-                                        PRECISION)
+        m_i, d1, d2, o1, o2 = _fwd_tile(q, r, K, V, K_DESC, V_DESC, seq, h, j0, qpos, klen, window, sk_t, sv_t,
+                                        m_i, d1, d2, o1, o2, qk_scale, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, False,
+                                        CAUSAL, HAS_WINDOW, PRECISION, TMA)
     for j0 in range(b, hi, BLOCK_N):
-        m_i, d1, d2, o1, o2 = _fwd_tile(q, r, K, V, j0, qpos, klen, window, sk_t, sv_t, m_i, d1, d2, o1, o2,
-                                        qk_scale, offs_d, offs_dv, D, DV, BLOCK_N, True, CAUSAL, HAS_WINDOW,
-                                        PRECISION)
+        m_i, d1, d2, o1, o2 = _fwd_tile(q, r, K, V, K_DESC, V_DESC, seq, h, j0, qpos, klen, window, sk_t, sv_t,
+                                        m_i, d1, d2, o1, o2, qk_scale, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, True,
+                                        CAUSAL, HAS_WINDOW, PRECISION, TMA)
 
     # Algorithm 1, line 14; a row that sees no key gets zeros
     inv = tl.where(d1 > 0, 1.0 / tl.where(d1 > 0, d1, 1.0), 0.0)
@@ -143,14 +143,17 @@ def parallax_fwd(q, r, k, v, *, causal: bool, window, scale: float, cu_seqlens=N
     else:
         n_seq, rows = cu_seqlens.numel() - 1, max_seqlen
     grid = (ceil_div(max(rows, 1), block_t), n_seq * H)
+    descriptors = prefill_descriptors(k, v, cfg, cu_seqlens, work=B * HQ * T * S * D)
     _parallax_fwd_kernel[grid](
-        q, r, k, v, o, vbar, tbar, m, l, cu_seqlens if cu_seqlens is not None else q,
+        q, r, k, v, o, vbar, tbar, m, l, cu_seqlens if cu_seqlens is not None else q, *(descriptors or (k, v)),
         q.stride(0), q.stride(1), q.stride(2), r.stride(0), r.stride(1), r.stride(2),
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         o.stride(0), o.stride(1), o.stride(2),
         T, S, HQ, H, D, Dv, scale * LOG2E, window if window is not None else 0,
         G=G, GP=GP, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=head_block(D), BLOCK_DV=head_block(Dv),
         CAUSAL=causal, HAS_WINDOW=window is not None, VARLEN=cu_seqlens is not None,
-        PRECISION=dot_precision(q.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        PRECISION=dot_precision(q.dtype), TMA=descriptors is not None, num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
     )
     return o, vbar, stats
+

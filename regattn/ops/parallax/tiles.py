@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from regattn.ops._common.attention_tiles import (  # noqa: F401
-    LOG2E, contained_dot, dot_precision, head_block, interpreting,
+    LOG2E, contained_dot, dot_precision, head_block, interpreting, tma_descriptors, tma_pays,
 )
 from regattn.ops._common.ints import next_pow2
 
@@ -79,6 +79,16 @@ def tile_config(head_dim: int, kind: str, dtype=None) -> dict:
     return dict(TILES[table_head_dim(head_dim)][kind])
 
 
+def prefill_descriptors(k, v, cfg: dict, cu_seqlens, *, work: int):
+    """Tensor descriptors of ``k`` and ``v`` with boxes of one key tile of one head, where the tile setting ``cfg``
+    asks for them (``TMA``), the sequences are batch rows (packed ones load through pointers) and the call is
+    large enough for them to pay (:func:`tma_pays`); else None."""
+    if not cfg.get("TMA") or cu_seqlens is not None or not tma_pays(work):
+        return None
+    return tma_descriptors((k, [1, cfg["BLOCK_N"], 1, head_block(k.shape[3])]),
+                           (v, [1, cfg["BLOCK_N"], 1, head_block(v.shape[3])]))
+
+
 def group_pad(groups: int) -> int:
     """``G`` rounded up to a power of two."""
     return next_pow2(groups)
@@ -91,6 +101,29 @@ def packed_rows(t0, h, qlen, G: tl.constexpr, GP: tl.constexpr, BLOCK_M: tl.cons
     t = t0 + m // GP
     g = m % GP
     return t, h * G + g, (g < G) & (t < qlen)
+
+
+@triton.jit
+def kv_tile(desc, ptr, b, h, j0, klen, stride, N_COLS, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
+            TRANS: tl.constexpr, TMA: tl.constexpr):
+    """Keys (or values) ``j0 .. j0 + BLOCK_N`` of head ``h``: ``[BLOCK_N, BLOCK_C]``, or ``[BLOCK_C, BLOCK_N]``
+    with ``TRANS``. ``TMA``: through the tensor descriptor ``desc`` of the ``[B, S, H, N_COLS]`` tensor at
+    sequence ``b`` (Hopper's tensor-memory copy: rows past ``S`` read as 0, rows from ``klen`` to ``S`` as they
+    are, for the caller's masks); else from ``ptr`` (the head's first row, rows ``stride`` apart), rows from
+    ``klen`` on and columns from ``N_COLS`` on as 0."""
+    j = j0 + tl.arange(0, BLOCK_N)
+    cols = tl.arange(0, BLOCK_C)
+    if TMA:
+        x = desc.load([b.to(tl.int32), j0, h, 0]).reshape(BLOCK_N, BLOCK_C)
+        if TRANS:
+            x = tl.trans(x)
+    elif TRANS:
+        x = tl.load(ptr + j[None, :] * stride + cols[:, None], mask=(j < klen)[None, :] & (cols[:, None] < N_COLS),
+                    other=0.0)
+    else:
+        x = tl.load(ptr + j[:, None] * stride + cols[None, :], mask=(j < klen)[:, None] & (cols[None, :] < N_COLS),
+                    other=0.0)
+    return x
 
 
 @triton.jit

@@ -30,7 +30,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from regattn.ops._common.attention_tiles import (
     LOG2E, contained_dot, full_key_span, head_block, interpreting, key_span, online_softmax_step, query_span,
-    capturing, row_dot, size_class, softmax_finish, tile_configs, tile_loop_bounds, tma_descriptors, visible_mask,
+    row_dot, size_class, softmax_finish, tile_configs, tile_loop_bounds, tma_descriptors, tma_pays, visible_mask,
     visible_mask_t,
 )
 from regattn.ops._common.checks import longest_sequence, sm_count
@@ -730,17 +730,11 @@ def _strides(x):
 TENSOR_DESCRIPTORS = True  # False: fp16/bf16 key and value tiles load through pointers only
 
 
-# Building and encoding the descriptors costs a launch's host some 10 to 20 us (Parallax's decode: ops/parallax/
-# decode.py), so a call takes them only captured in a CUDA graph or from this much work (B x HQ x T x S x D: the
-# tensor cores' q k^T and p v of 2^31 take about 20 us at 400 TFLOP/s).
-TMA_WORK = 2 ** 31
-
-
 def kv_descriptors(k, v, block_d: int, block_dv: int, work: int):
     """Tensor descriptors of ``k [B, S, H, D]`` and ``v`` for the forward's TMA loads (their boxes set per
-    launch: :func:`_set_boxes`), or None where the kernel loads through pointers: below :data:`TMA_WORK` of
-    ``work`` uncaptured, or where TMA cannot read them (and in code torch.compile traces)."""
-    if not TENSOR_DESCRIPTORS or torch.compiler.is_compiling() or (work < TMA_WORK and not capturing()):
+    launch: :func:`_set_boxes`), or None where the kernel loads through pointers: where they do not pay for a
+    call of ``work`` (:func:`regattn.ops._common.attention_tiles.tma_pays`) or TMA cannot read them."""
+    if not TENSOR_DESCRIPTORS or not tma_pays(work):
         return None
     return tma_descriptors((k, [1, 16, 1, block_d]), (v, [1, 16, 1, block_dv]))
 
