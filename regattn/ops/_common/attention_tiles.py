@@ -27,6 +27,7 @@ from regattn.ops._common.ints import ceil_div, next_pow2
 
 LOG2E = 1.4426950408889634
 
+
 def capturing() -> bool:
     """Whether a CUDA graph is being captured on the current stream (False while torch.compile traces)."""
     if torch.compiler.is_compiling():

@@ -156,4 +156,3 @@ def parallax_fwd(q, r, k, v, *, causal: bool, window, scale: float, cu_seqlens=N
         num_stages=cfg["num_stages"],
     )
     return o, vbar, stats
-

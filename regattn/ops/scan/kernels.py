@@ -650,8 +650,9 @@ def _pruner(streamed: str):
 
 
 _KEY = ["D", "DV", "CAUSAL", "WINDOW", "VARLEN", "PREC", "SIZE_CLASS"]
-_FWD_TUNED = {family: triton.autotune(cfgs, key=_KEY + ["NSPLIT", "STORE_LSE", "HAS_DESC"], prune_configs_by=_pruner("N"))(
-    _fwd_kernel) for family, cfgs in FWD_CONFIGS.items()}
+_FWD_KEY = _KEY + ["NSPLIT", "STORE_LSE", "HAS_DESC"]
+_FWD_TUNED = {family: triton.autotune(cfgs, key=_FWD_KEY, prune_configs_by=_pruner("N"))(_fwd_kernel)
+              for family, cfgs in FWD_CONFIGS.items()}
 _DKDV_TUNED = {family: triton.autotune(cfgs, key=_KEY, prune_configs_by=_pruner("M"))(_bwd_dkdv_kernel)
                for family, cfgs in BWD_CONFIGS.items()}
 _DQ_TUNED = {family: triton.autotune(cfgs, key=_KEY, prune_configs_by=_pruner("N"))(_bwd_dq_kernel)
@@ -770,7 +771,8 @@ def forward(q, k, v, *, causal, window, scale, precision, cu_seqlens, num_splits
         descriptors = kv_descriptors(k, v, BLOCK_D, BLOCK_DV, work=B * HQ * T * S * D)
     _launch(FWD_CONFIGS[fam], _FWD_TUNED[fam], _fwd_kernel,
             lambda meta: (ceil_div(max_rows, meta["BLOCK_M"]), nseq * HQ, num_splits),
-            q, k, v, o, lse, ws_m, ws_l, ws_acc, cu, *(descriptors or (k, v)), *_strides(q), *_strides(k), *_strides(v), *_strides(o),
+            q, k, v, o, lse, ws_m, ws_l, ws_acc, cu, *(descriptors or (k, v)),
+            *_strides(q), *_strides(k), *_strides(v), *_strides(o),
             rows, S, HQ, HQ // H, scale * LOG2E, ws_stride, size_class(B * HQ * T),
             D=D, DV=DV, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, CAUSAL=causal, WINDOW=window or 0,
             VARLEN=varlen, NSPLIT=num_splits, STORE_LSE=need_lse, PREC=prec, POS_SCALE=scale > 0,
