@@ -118,7 +118,9 @@ def test_rows_off_tmas_alignment_load_through_pointers(interpret, monkeypatch):
     monkeypatch.setattr(attention_tiles, "TMA_WORK", 0)
     q, k, v = (x.detach() for x in _inputs(1, 33, 33, 2, 1, 12, 12, dtype=torch.float16))
     assert kernels.kv_descriptors(k, v, 16, 16, work=1) is None
-    assert kernels.kv_descriptors(k[..., :8], v[..., :8], 16, 16, work=1) is None  # a last dim not contiguous
+    wide = torch.zeros(1, 33, 1, 32, dtype=torch.float16)
+    assert kernels.kv_descriptors(wide, wide, 32, 32, work=1) is not None
+    assert kernels.kv_descriptors(wide[..., ::2], wide[..., ::2], 16, 16, work=1) is None  # a strided last dim
     o = regattn.scan_attention(q, k, v, causal=True, backend="triton")
     exact = softmax_attention(q.double(), k.double(), v.double(), causal=True)
     assert rel_err(o, exact) <= 2 * rel_err(softmax_attention(q, k, v, causal=True, upcast=False), exact) + 1e-4
