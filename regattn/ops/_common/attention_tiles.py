@@ -22,17 +22,10 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from regattn.ops._common.checks import compute_capability
+from regattn.ops._common.checks import capturing, compute_capability
 from regattn.ops._common.ints import ceil_div, next_pow2
 
 LOG2E = 1.4426950408889634
-
-
-def capturing() -> bool:
-    """Whether a CUDA graph is being captured on the current stream (False while torch.compile traces)."""
-    if torch.compiler.is_compiling():
-        return False
-    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
 # Building tensor descriptors and encoding them at each launch costs the host some 10 to 20 us (Parallax's decode:
@@ -41,12 +34,12 @@ def capturing() -> bool:
 TMA_WORK = 2 ** 31
 
 
-def tma_pays(work: int) -> bool:
-    """Whether a call of ``work`` (B x HQ x T x S x D) takes tensor descriptors: from :data:`TMA_WORK` on, or
-    captured in a CUDA graph; code that torch.compile traces keeps its pointer loads."""
+def tma_pays(work: int, enough: int | None = None) -> bool:
+    """Whether a call of ``work`` takes tensor descriptors: from ``enough`` on (:data:`TMA_WORK` of B x HQ x T x S
+    x D by default), or captured in a CUDA graph; code that torch.compile traces keeps its pointer loads."""
     if torch.compiler.is_compiling():
         return False
-    return work >= TMA_WORK or capturing()
+    return work >= (TMA_WORK if enough is None else enough) or capturing()
 
 
 def tma_descriptors(*pairs) -> tuple | None:

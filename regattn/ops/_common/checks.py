@@ -26,7 +26,12 @@ def host_checks_allowed() -> bool:
     """
     if torch.compiler.is_compiling() or torch._C._functorch.maybe_current_level() is not None:
         return False
-    return not (torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing())
+    return not capturing()
+
+
+def capturing() -> bool:
+    """Whether a CUDA graph is being captured on the current stream."""
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
 def check_tensor(name: str, x, ndim: int | None = None) -> torch.Tensor:

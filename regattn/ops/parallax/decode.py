@@ -21,9 +21,10 @@ import triton.language as tl
 
 from regattn.ops._common.checks import last_dim_contiguous, sm_count
 from regattn.ops._common.ints import ceil_div, next_pow2
-from regattn.ops._common.attention_tiles import capturing, tma_descriptors
+from regattn.ops._common.attention_tiles import tma_pays
 from regattn.ops.parallax.tiles import (
-    LOG2E, contained_dot, dot_precision, group_pad, head_block, interpreting, kv_tile, tile_config, visible,
+    LOG2E, contained_dot, dot_precision, group_pad, head_block, interpreting, kv_descriptors, kv_tile, tile_config,
+    visible,
 )
 
 
@@ -285,10 +286,8 @@ TMA_EAGER_BYTES = 128 * 2 ** 20
 def _device_bound(k_cache, v_cache, keys: int) -> bool:
     """Whether a decode call's kernel outlasts its launch: captured, or over :data:`TMA_EAGER_BYTES` (code that
     torch.compile traces keeps the pointer loads)."""
-    if torch.compiler.is_compiling():
-        return False
     B, _, H, D = k_cache.shape
-    return B * keys * H * (D + v_cache.shape[3]) * k_cache.element_size() >= TMA_EAGER_BYTES or capturing()
+    return tma_pays(B * keys * H * (D + v_cache.shape[3]) * k_cache.element_size(), TMA_EAGER_BYTES)
 
 
 def parallax_decode_fwd(q, r, k_cache, v_cache, *, cache_seqlens=None, window=None, scale: float,
@@ -318,8 +317,7 @@ def parallax_decode_fwd(q, r, k_cache, v_cache, *, cache_seqlens=None, window=No
     ws = torch.empty(launch.workspace, device=device, dtype=torch.float32) if launch.workspace else o
     meta, descriptors = launch.meta, None
     if meta["TMA"] and (config is not None or _device_bound(k_cache, v_cache, max_seqlen or S)):
-        descriptors = tma_descriptors((k_cache, [1, meta["BLOCK_N"], 1, meta["BLOCK_D"]]),
-                                      (v_cache, [1, meta["BLOCK_N"], 1, meta["BLOCK_DV"]]))
+        descriptors = kv_descriptors(k_cache, v_cache, meta["BLOCK_N"])
     if meta["TMA"] and descriptors is None:
         meta = dict(meta, TMA=False)
     _parallax_decode_kernel[launch.grid](

@@ -85,8 +85,13 @@ def prefill_descriptors(k, v, cfg: dict, cu_seqlens, *, work: int):
     large enough for them to pay (:func:`tma_pays`); else None."""
     if not cfg.get("TMA") or cu_seqlens is not None or not tma_pays(work):
         return None
-    return tma_descriptors((k, [1, cfg["BLOCK_N"], 1, head_block(k.shape[3])]),
-                           (v, [1, cfg["BLOCK_N"], 1, head_block(v.shape[3])]))
+    return kv_descriptors(k, v, cfg["BLOCK_N"])
+
+
+def kv_descriptors(k, v, block_n: int):
+    """Tensor descriptors of ``k: [B, S, H, D]`` and ``v: [B, S, H, Dv]`` with boxes of one key tile of one head
+    (``block_n`` keys, the head dims padded as the kernels' blocks), or None where TMA cannot read them."""
+    return tma_descriptors((k, [1, block_n, 1, head_block(k.shape[3])]), (v, [1, block_n, 1, head_block(v.shape[3])]))
 
 
 def group_pad(groups: int) -> int:
