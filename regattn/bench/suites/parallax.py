@@ -115,8 +115,9 @@ def decode_cases(shape, setup):
 # Tile variants of the prefill kernels for time_tile_variants, per head dim: the table's entry first, then one
 # kernel at a time changed to a candidate that compiles without spilling on sm_90, or to the one that spills
 # least where none is free, then together; ``TMA``: the table's tile with its key and value tiles loaded through
-# tensor descriptors (Hopper's tensor-memory copies). Registers per candidate: benchmarks/results/sm90-registers/parallax.txt
-# (python -m regattn.bench.registers parallax --head-dims D --candidates).
+# tensor descriptors (Hopper's tensor-memory copies) or through pointers, whichever the table does not. Registers per
+# candidate: benchmarks/results/sm90-registers/parallax.txt (python -m regattn.bench.registers parallax
+# --head-dims D --candidates).
 TILE_VARIANTS = {
     # the table spills in fwd (88 bytes of stack) and dq (872); dk (32 x 128 on 8 warps, 3 stages) spills none
     # since the dK/dV pass was reordered
@@ -132,8 +133,8 @@ TILE_VARIANTS = {
         {"dk": tile(32, 128, 8, 2)},     # 48 bytes, saved and reloaded outside the loops
         {"dk": tile(16, 128, 8, 3)},     # no stack
         {"fwd": tile(128, 32, 8, 3), "dq": tile(128, 32, 8, 2)},
-        {"fwd": dict(TMA=True)},          # triton 3.6: REG 255, 64 bytes of stack (through pointers 254, none)
-        {"dq": dict(TMA=True)},           # 760 bytes of stack (840)
+        {"fwd": dict(TMA=False)},         # triton 3.6 through pointers: REG 254, no stack (descriptors: 64 bytes)
+        {"dq": dict(TMA=False)},          # 840 bytes of stack (descriptors: 760)
     ],
     # the table's dq spills 40 bytes; fwd and dk (with the reordered dK/dV pass) fit
     64: [
@@ -147,8 +148,8 @@ TILE_VARIANTS = {
         {"dq": tile(64, 64, 8, 2), "dk": tile(32, 64, 8, 2)},
         {"dq": tile(128, 32, 8, 2), "dk": tile(32, 128, 8, 2)},
         {"fwd": dict(TMA=True)},          # triton 3.6: REG 174 (through pointers 225)
-        {"dq": dict(TMA=True)},           # 16 bytes of stack (40)
-        {"fwd": dict(TMA=True), "dq": dict(TMA=True)},
+        {"dq": dict(TMA=False)},          # 40 bytes of stack (descriptors: 16)
+        {"fwd": dict(TMA=True), "dq": dict(TMA=False)},
     ],
     # every candidate spills in dq and dk (the table's: dq 200, dk 376 bytes); fwd 32 x 32 fits (the table's
     # since the first pass of these variants; the former 64 x 32 spilled 1120 bytes)

@@ -28,9 +28,10 @@ from regattn.ops._common.ints import ceil_div, next_pow2
 LOG2E = 1.4426950408889634
 
 
-# Building tensor descriptors and encoding them at each launch costs the host some 10 to 20 us (Parallax's decode:
-# ops/parallax/decode.py), so a call over the tensor cores takes them only captured in a CUDA graph or from this much
-# work (B x HQ x T x S x D: the q k^T and p v products of 2^31 take about 20 us at 400 TFLOP/s).
+# Building tensor descriptors and encoding them at each launch costs the host time: 32 to 40 us a call more than
+# pointers for Parallax's decode on the H200 (ops/parallax/decode.py), so a call over the tensor cores takes them only
+# captured in a CUDA graph or from this much work (B x HQ x T x S x D: the q k^T and p v products of 2^31 take about
+# 20 us at 400 TFLOP/s).
 TMA_WORK = 2 ** 31
 
 

@@ -23,6 +23,7 @@ import triton.language as tl
 
 from regattn.ops._common.attention_tiles import interpreting
 from regattn.ops._common.ints import ceil_div, next_pow2
+from regattn.ops._common.launch import launch
 from regattn.ops._common.vmap import fold_rule
 
 @triton.jit
@@ -203,8 +204,8 @@ def gate_forward(h, beta, eps, blocks=None):
     B, T, NH = h.shape
     u = torch.empty(B, T, NH, device=h.device, dtype=torch.float32)
     grid, state, n_chunks, n_head_blocks, tiles = _chunked_launch(h, blocks)
-    _gate_chunked_kernel[grid](h, beta, u, state, T, NH, n_chunks, n_head_blocks, eps, *_strides(h), *_strides(beta),
-                               *_strides(u), **tiles)
+    launch(_gate_chunked_kernel, grid, h, beta, u, state, T, NH, n_chunks, n_head_blocks, eps, *_strides(h),
+           *_strides(beta), *_strides(u), **tiles)
     return u
 
 
@@ -215,8 +216,8 @@ def gate_backward(du, h, beta, eps, blocks=None):
     dh = torch.empty(B, T, NH, device=h.device, dtype=h.dtype)
     dbeta = torch.empty(B, T, NH, device=h.device, dtype=beta.dtype)
     grid, state, n_chunks, n_head_blocks, tiles = _chunked_launch(h, blocks, backward=True)
-    _gate_chunked_bwd_kernel[grid](h, beta, du, dh, dbeta, state, T, NH, n_chunks, n_head_blocks, eps,
-                                   *_strides(h), *_strides(beta), *_strides(du), **tiles)
+    launch(_gate_chunked_bwd_kernel, grid, h, beta, du, dh, dbeta, state, T, NH, n_chunks, n_head_blocks, eps,
+           *_strides(h), *_strides(beta), *_strides(du), **tiles)
     return dh, dbeta
 
 

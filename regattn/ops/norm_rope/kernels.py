@@ -14,6 +14,7 @@ import triton.language as tl
 from regattn.ops._common.attention_tiles import interpreting
 from regattn.ops._common.checks import sm_count
 from regattn.ops._common.ints import ceil_div, next_pow2
+from regattn.ops._common.launch import launch
 
 
 @triton.jit
@@ -110,10 +111,10 @@ def norm_rope_fwd(x, weight, cos, sin, eps: float):
     y = torch.empty_like(x)
     rstd = torch.empty((B, T, H) if weight is not None else (0,), device=x.device, dtype=torch.float32)
     block_r, block_h = _tiles(D // 2)
-    _norm_rope_fwd_kernel[(ceil_div(n_rows, block_r),)](
-        x, weight if weight is not None else x, cos if cos is not None else x, sin if sin is not None else x, y,
-        rstd, n_rows, T, H, D // 2, eps, BLOCK_R=block_r, BLOCK_H=block_h, NORM=weight is not None,
-        ROTATE=cos is not None, num_warps=4)
+    launch(
+        _norm_rope_fwd_kernel, (ceil_div(n_rows, block_r),), x, weight if weight is not None else x,
+        cos if cos is not None else x, sin if sin is not None else x, y, rstd, n_rows, T, H, D // 2, eps,
+        BLOCK_R=block_r, BLOCK_H=block_h, NORM=weight is not None, ROTATE=cos is not None, num_warps=4)
     return y, rstd
 
 
@@ -125,8 +126,8 @@ def norm_rope_bwd(dy, x, weight, cos, sin, rstd):
     programs = max(min(ceil_div(n_rows, block_r), 1 if interpreting() else 4 * sm_count(x.device)), 1)
     dx = torch.empty_like(x)
     dw = torch.empty(programs, D, device=x.device, dtype=torch.float32) if weight is not None else dx
-    _norm_rope_bwd_kernel[(programs,)](
-        x, weight if weight is not None else x, cos if cos is not None else x, sin if sin is not None else x,
-        dy, rstd, dx, dw, n_rows, T, H, D // 2, BLOCK_R=block_r, BLOCK_H=block_h, NORM=weight is not None,
-        ROTATE=cos is not None, num_warps=4)
+    launch(
+        _norm_rope_bwd_kernel, (programs,), x, weight if weight is not None else x, cos if cos is not None else x,
+        sin if sin is not None else x, dy, rstd, dx, dw, n_rows, T, H, D // 2, BLOCK_R=block_r, BLOCK_H=block_h,
+        NORM=weight is not None, ROTATE=cos is not None, num_warps=4)
     return dx, (dw.sum(0).to(weight.dtype) if weight is not None else None)

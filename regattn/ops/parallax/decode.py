@@ -22,6 +22,7 @@ import triton.language as tl
 from regattn.ops._common.checks import last_dim_contiguous, sm_count
 from regattn.ops._common.ints import ceil_div, next_pow2
 from regattn.ops._common.attention_tiles import tma_pays
+from regattn.ops._common.launch import launch as launch_kernel
 from regattn.ops.parallax.tiles import (
     LOG2E, contained_dot, dot_precision, group_pad, head_block, interpreting, kv_descriptors, kv_tile, tile_config,
     visible,
@@ -274,12 +275,13 @@ def decode_launch(B: int, Tn: int, HQ: int, H: int, D: int, Dv: int, keys: int, 
     return plan_decode(B, Tn, HQ, H, D, Dv, keys, dtype, sm_count(device))
 
 
-# A launch with tensor descriptors costs the host more (Triton encodes them at each launch; building them took 6 us
-# on the CPU): on the H200 B 1 took 71 and 60 us a call eagerly at 4k and 8k keys with them, against 52 and 38 us
-# without in the run before (the GPU waits on the host there), and 9.4 and 11.8 us captured in a CUDA graph,
-# against 9.9 and 13.5 us without (benchmarks/results/h200/parallax.json and its history, tiles/
-# parallax-decode-tma.json). So the table's TMA loads are taken where the host's time hides behind the kernel's:
-# in a CUDA graph being captured, or over at least this many bytes of keys and values (B 8 at 8k keys: 68 us).
+# A launch with tensor descriptors costs the host more (two TensorDescriptors built, then specialized and encoded by
+# Triton at each launch): on the H200, 32-40 us more per call at B 1 than pointers, so B 1 at 4k keys took 47.7 us
+# eagerly through them against 18.3 through pointers, while in CUDA graphs they ran faster at every shape (9.5 against
+# 10.0 us at B 1 and 4k; 68.7 against 80.7 at B 8 and 8k; benchmarks/results/h200/tiles/
+# parallax-decode-descriptors.json, parallax-decode-tma.json). So the table's TMA loads are taken where the host's
+# time hides behind the kernel's: in a CUDA graph being captured, or over at least this many bytes of keys and
+# values (B 1 at 32k keys, B 8 at 4k).
 TMA_EAGER_BYTES = 128 * 2 ** 20
 
 
@@ -320,12 +322,13 @@ def parallax_decode_fwd(q, r, k_cache, v_cache, *, cache_seqlens=None, window=No
         descriptors = kv_descriptors(k_cache, v_cache, meta["BLOCK_N"])
     if meta["TMA"] and descriptors is None:
         meta = dict(meta, TMA=False)
-    _parallax_decode_kernel[launch.grid](
-        q, r, k_cache, v_cache, o, o if cache_seqlens is None else cache_seqlens, ws,
-        *(descriptors or (k_cache, v_cache)), sk[0], sk[1], sk[2], sv[0], sv[1], sv[2],
+    launch_kernel(
+        _parallax_decode_kernel, launch.grid, q, r, k_cache, v_cache, o, o if cache_seqlens is None else cache_seqlens,
+        ws, *(descriptors or (k_cache, v_cache)), sk[0], sk[1], sk[2], sv[0], sv[1], sv[2],
         Tn, S, H, D, Dv, launch.n_row_tiles, scale * LOG2E, 0 if window is None else window,
         HAS_LENS=cache_seqlens is not None, HAS_WINDOW=window is not None, **meta,
     )
     if launch.workspace:
-        _merge_splits_kernel[launch.merge_grid](ws, o, Tn, H, Dv, launch.n_row_tiles, **launch.merge_meta)
+        launch_kernel(_merge_splits_kernel, launch.merge_grid, ws, o, Tn, H, Dv, launch.n_row_tiles,
+                      **launch.merge_meta)
     return o

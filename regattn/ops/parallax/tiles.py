@@ -18,8 +18,8 @@ from regattn.ops._common.ints import next_pow2
 
 
 def _row(fwd, dq, dk, decode, decode_split, decode_chunk) -> dict[str, dict]:
-    """One head dim's settings from ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` (decode: no BLOCK_M, and a
-    fifth entry ``TMA`` where its key and value tiles load through tensor descriptors on Hopper)."""
+    """One head dim's settings from ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` (decode: no BLOCK_M), and a
+    last entry ``TMA`` where the kernel's key and value tiles load through tensor descriptors on Hopper."""
     names = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "TMA")
     row = {kind: dict(zip(names, cfg)) for kind, cfg in (("fwd", fwd), ("dq", dq), ("dk", dk))}
     row.update({kind: dict(zip(names[1:], cfg))
@@ -38,8 +38,12 @@ def _row(fwd, dq, dk, decode, decode_split, decode_chunk) -> dict[str, dict]:
 TILES: dict[int, dict[str, dict]] = {
     32: _row(fwd=(128, 64, 8, 3), dq=(64, 64, 4, 2), dk=(64, 64, 4, 2), decode=(128, 4, 3), decode_split=(128, 4, 3),
              decode_chunk=(64, 4, 2)),
-    64: _row(fwd=(128, 64, 8, 3), dq=(64, 64, 4, 2), dk=(64, 64, 4, 2), decode=(128, 4, 3), decode_split=(128, 4, 3),
-             decode_chunk=(64, 4, 2)),
+    # H200, bf16, B=4 H=16 T=8192 causal: the dQ pass through tensor descriptors (TMA; 16 bytes of stack against 40)
+    # ran forward+backward 2% faster in each of three rounds at D 64, and 1% at D 128, whose forward through them
+    # (64 bytes of stack against none) ran 2-3% faster; the D 64 forward gained nothing (tiles/
+    # parallax-prefill-tma.json). Calls take them from tma_pays's size on.
+    64: _row(fwd=(128, 64, 8, 3), dq=(64, 64, 4, 2, True), dk=(64, 64, 4, 2), decode=(128, 4, 3),
+             decode_split=(128, 4, 3), decode_chunk=(64, 4, 2)),
     # H100, bf16, B=4 H=16 T=8192 D=128 causal: 64 x 64 with 4 warps was the fastest backward measured for
     # both passes (benchmarks/results/h100/tiles/parallax-d128.json); dk: 128 keys streaming 32 query rows on 8 warps
     # and 3 stages is the screen's tile of most keys that spills no register on sm_90 (64 x 64 spills 2 KB).
@@ -51,7 +55,7 @@ TILES: dict[int, dict[str, dict]] = {
     # descriptors (TMA: 186 registers and no spill, against 255 and 32 bytes of stack unsplit) both ran 13-18%
     # faster in CUDA graphs on the H200 at B 8 and 64 from 4k to 32k keys and at B 1 from 8k, 5% at B 1 and 4k
     # (tiles/parallax-decode-tma.json; decode.TMA_EAGER_BYTES: where eager calls take them)
-    128: _row(fwd=(128, 64, 8, 3), dq=(64, 64, 4, 2), dk=(32, 128, 8, 3), decode=(128, 4, 3, True),
+    128: _row(fwd=(128, 64, 8, 3, True), dq=(64, 64, 4, 2, True), dk=(32, 128, 8, 3), decode=(128, 4, 3, True),
               decode_split=(128, 4, 3, True), decode_chunk=(64, 4, 2)),
     # H100, bf16, B=4 H=16 T=8192 D=256: the forward's 32 x 32 tile spills nothing and ran 21.5 ms, the
     # former 64 x 32 (1120 bytes of stack) 55.7 ms (benchmarks/results/h100/tiles/parallax-d256.json)

@@ -1,0 +1,74 @@
+"""Launch a Triton kernel with less host work: its compiled binary, called directly once Triton has chosen it.
+
+``kernel[grid](*args)`` spends most of a small launch's host time in its dispatch: it binds and specializes the
+arguments, builds a cache key, checks the kernel's globals, gathers launch metadata, then calls the binary. On the
+H200's host that took about 20 of the 27 us of a Parallax decode launch (B 1: its two launches took 54 us through
+Triton's dispatch, 14 us calling the binaries; benchmarks/results/h200/tiles/parallax-decode-host.json).
+
+:func:`launch` keeps Triton's own binding and specialization, so each call runs the binary Triton picked for
+arguments specialized alike (pointer alignment and integer divisibility included), and skips the rest.
+
+The first call of each specialization, and every call that Triton must see, go through ``kernel[grid]``: in the
+interpreter, while torch.compile traces (it captures Triton launches itself), with Triton's debug or
+instrumentation modes or a launch hook set, and for what is not a plain ``triton.jit`` function (an autotuner).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+from triton import knobs
+from triton.runtime.driver import driver
+from triton.runtime.jit import JITFunction
+
+_BINARIES: dict = {}  # kernel -> {(device, specialization, options): compiled kernel}
+
+
+def launch(kernel, grid: tuple, *args, **kwargs) -> None:
+    """``kernel[grid](*args, **kwargs)``, through the compiled binary where it can (see the module's notes)."""
+    binder, device = _binder(kernel)
+    if binder is None:
+        kernel[grid](*args, **kwargs)
+        return
+    bound, specialization, options = binder(*args, **kwargs)
+    key = (device, tuple(specialization), tuple(options.items()))
+    binaries = _BINARIES.setdefault(kernel, {})
+    compiled = binaries.get(key)
+    if compiled is None:  # Triton compiles (or finds) the binary and launches it; later calls alike take it
+        compiled = kernel[grid](*args, **kwargs)
+        binaries[key] = compiled.result() if hasattr(compiled, "result") else compiled
+        return
+    g0, g1, g2 = tuple(grid) + (1,) * (3 - len(grid))
+    compiled.run(g0, g1, g2, driver.active.get_current_stream(device), compiled.function, compiled.packed_metadata,
+                 None, None, None, *bound.values())
+
+
+def _binder(kernel) -> tuple:
+    """``(Triton's argument binder of kernel on the current device, the device)``, or ``(None, None)`` where
+    the call goes through ``kernel[grid]``."""
+    if torch.compiler.is_compiling() or not (isinstance(kernel, JITFunction) and _cuda() and _plain_runtime()
+                                              and not kernel.pre_run_hooks):
+        return None, None
+    device = driver.active.get_current_device()
+    entry = kernel.device_caches[device]  # (kernel cache, key cache, target, backend, binder) since Triton 3.3
+    if isinstance(entry, tuple) and len(entry) == 5 and callable(entry[4]):
+        return entry[4], device
+    return None, None
+
+
+@functools.cache
+def _cuda() -> bool:
+    """A CUDA device to launch on (else Triton has no driver: compiling for a target on a machine without one)."""
+    return torch.cuda.is_available()
+
+
+def _plain_runtime() -> bool:
+    """No interpreter, debug or instrumentation mode, launch hook or pipeline inspection set in Triton's knobs."""
+    rt = knobs.runtime
+    return not (rt.interpret or rt.debug or knobs.compilation.instrumentation_mode or _hooked(rt.launch_enter_hook)
+                or _hooked(rt.launch_exit_hook) or getattr(rt, "add_stages_inspection_hook", None) is not None)
+
+
+def _hooked(hook) -> bool:
+    """A launch hook is set: a function, or a chain of them (Triton 3.5 on) that is not empty."""
+    return hook is not None and bool(getattr(hook, "calls", True))

@@ -1,0 +1,77 @@
+"""``regattn.ops._common.launch``: a kernel launched through its compiled binary gives what ``kernel[grid]`` gives,
+with one binary per specialization Triton would make (pointer alignment, integer divisibility, constexprs)."""
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from regattn.ops._common import launch as launch_module
+from regattn.ops._common.launch import launch
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@triton.jit
+def _scaled_sum(X, Y, O, n, stride, alpha, BLOCK: tl.constexpr, SQUARE: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(X + offs * stride, mask=mask)
+    y = tl.load(Y + offs, mask=mask)
+    if SQUARE:
+        x = x * x
+    tl.store(O + offs, alpha * x + y, mask=mask)
+
+
+def _run(x, y, stride, alpha, square, block=64):
+    n = y.numel()
+    o = torch.empty_like(y)
+    launch(_scaled_sum, (triton.cdiv(n, block),), x, y, o, n, stride, alpha, BLOCK=block, SQUARE=square,
+           num_warps=2)
+    return o
+
+
+def _expected(x, y, stride, alpha, square):
+    xs = x[::stride][:y.numel()]
+    return alpha * (xs * xs if square else xs) + y
+
+
+# (offset of x into its buffer: 1 misaligns the pointer; n: 1 and 16 are specialized; stride; square)
+CASES = [(0, 100, 1, False), (0, 100, 1, False), (1, 100, 1, False), (0, 16, 1, True), (0, 1, 2, False),
+         (1, 37, 3, True), (0, 100, 1, False), (0, 33, 16, False)]
+
+
+def test_matches_the_reference_per_specialization(interpret):
+    """Every case, repeated and interleaved, against torch; on a GPU each specialization gets its own binary
+    and a case seen before reuses its own (a misaligned pointer or an n of 1 never takes an aligned binary)."""
+    launch_module._BINARIES.pop(_scaled_sum, None)
+    for offset, n, stride, square in CASES + CASES[::-1]:
+        buf = torch.randn(offset + n * stride + 1, device=DEVICE)
+        x, y = buf[offset:], torch.randn(n, device=DEVICE)
+        got = _run(x, y, stride, 0.5, square)
+        torch.testing.assert_close(got, _expected(x, y, stride, 0.5, square), rtol=1e-6, atol=1e-6)
+    binaries = launch_module._BINARIES.get(_scaled_sum, {})
+    if DEVICE == "cpu":
+        assert not binaries  # the interpreter always goes through kernel[grid]
+    else:
+        assert len(binaries) == len({(o, n == 1, n % 16 == 0, s == 1, s % 16 == 0, q) for o, n, s, q in CASES})
+
+
+@pytest.mark.skipif(DEVICE == "cpu", reason="needs a CUDA device")
+def test_in_a_cuda_graph():
+    x, y = torch.randn(300, device=DEVICE), torch.randn(300, device=DEVICE)
+    _run(x, y, 1, 2.0, True)  # the first call of a specialization compiles
+    _run(x, y, 1, 2.0, True)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o = _run(x, y, 1, 2.0, True)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.testing.assert_close(o, _expected(x, y, 1, 2.0, True))
+
+
+@pytest.mark.skipif(DEVICE == "cpu", reason="needs a CUDA device")
+def test_under_torch_compile():
+    """torch.compile traces the launch as Triton's (its own capture), and the result is the same."""
+    x, y = torch.randn(200, device=DEVICE), torch.randn(200, device=DEVICE)
+    compiled = torch.compile(lambda x, y: _run(x, y, 1, 3.0, False), fullgraph=True)
+    torch.testing.assert_close(compiled(x, y), _expected(x, y, 1, 3.0, False))
