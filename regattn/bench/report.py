@@ -110,7 +110,8 @@ def number(value, fmt: str) -> str:
 
 def row_cells(row: dict, first: bool) -> list[str]:
     """One table line; the shape and mode only on the first line of their group."""
-    shape, mode = (row["shape"], row["mode"] + (" (graph)" if row.get("graph") else "")) if first else ("", "")
+    timing = " (graph)" if row.get("graph") else " (back to back)" if row.get("back_to_back") else ""
+    shape, mode = (row["shape"], row["mode"] + timing) if first else ("", "")
     ms = number(row["ms"], ".4g") if row["status"] == "ok" else row["status"]
     ratio = number(row.get("ratio"), ".2f") + ("x" if row.get("ratio") is not None else "")
     return [shape, mode, row["op"], ms, ratio, number(row.get("tflops"), ".3g"), number(row.get("gbps"), ".0f"),
@@ -154,12 +155,13 @@ def drift_reports(root: Path) -> dict:
 
 INTRO = ("Each table lists what one `regattn bench SUITE` run measured, rows in the order run (the goal shapes "
          "first): the median time of `triton.testing.do_bench` (decode and the gate scan also inside a CUDA graph: "
-         "`do_bench_cudagraph`), the ratio to the suite's main peer measured in the same process on the same "
-         "inputs (below 1.00x: faster), TFLOP/s and GB/s by the problem's counts (`regattn.bench.counts`), the "
-         "peak memory of one call above its inputs, and the largest relative error of the output and every "
-         "gradient against the float64 reference on a slice of the problem (`regattn.bench.check`; all errors "
-         "are in the JSON). Our ops are `regattn:triton` (the Triton kernels) or `regattn:torch`. Peers that "
-         "could not run show why.")
+         "`do_bench_cudagraph`; eager decode rows marked \"back to back\": the time per call of calls issued "
+         "back to back, `regattn.bench.timing.back_to_back_ms`), the ratio to the suite's main peer measured in the "
+         "same process on the same inputs (below 1.00x: faster), TFLOP/s and GB/s by the problem's counts "
+         "(`regattn.bench.counts`), the peak memory of one call above its inputs, and the largest relative error "
+         "of the output and every gradient against the float64 reference on a slice of the problem "
+         "(`regattn.bench.check`; all errors are in the JSON). Our ops are `regattn:triton` (the Triton kernels) "
+         "or `regattn:torch`. Peers that could not run show why.")
 
 
 DRIFT_INTRO = ("`regattn verify scan --n 1024,...,65536 --dtype D --precision P --backend triton --json FILE`: the "

@@ -104,11 +104,18 @@ def rate(count: float | None, ms: float | None, unit: float) -> float | None:
     return None if count is None or ms is None else count / (ms * 1e-3) / unit
 
 
+def back_to_back(mode: str, case: Case) -> bool:
+    """Whether a case is timed by calls issued back to back (:func:`regattn.bench.timing.back_to_back_ms`): decode
+    calls made eagerly."""
+    return mode == "decode" and not case.graph
+
+
 def row_of(shape: dict, mode: str, case: Case, m: Measurement, err: dict | None) -> dict:
     """One result row, as printed and as written to JSON."""
     return {"shape": shape_label(shape), "params": shape, "mode": mode, "op": case.op, "ours": case.ours,
             "status": m.status, "ms": m.ms, "tflops": rate(case.flops, m.ms, 1e12), "gbps": rate(case.bytes, m.ms, 1e9),
-            "peak_mb": m.peak_mb, "graph": case.graph, "ratio": None, "err": err}
+            "peak_mb": m.peak_mb, "graph": case.graph, "back_to_back": back_to_back(mode, case), "ratio": None,
+            "err": err}
 
 
 def main_peer(group: list[dict], prefixes) -> dict | None:
@@ -184,7 +191,7 @@ def run_suite(suite, shapes: list[dict], setup: Setup, *, on_shape=None) -> list
                             m = Measurement(case.status)
                         else:
                             m = measure(timed(case.call, case.leaves, mode), cuda=setup.cuda, graph=case.graph,
-                                        rep_ms=setup.rep_ms)
+                                        back_to_back=back_to_back(mode, case), rep_ms=setup.rep_ms)
                     err = case_errors(case, mode) if m.status == "ok" else None
                     group.append(row_of(shape, mode, case, m, err))
                     if case.ours and tiles:
@@ -223,7 +230,7 @@ def cell(row: dict, key: str) -> str:
     if key == "err":
         return worst_error(value)
     if key == "graph":
-        return "graph" if value else ""
+        return "graph" if value else "back to back" if row.get("back_to_back") else ""
     if value is None:
         return "-"
     if key == "ratio":

@@ -4,7 +4,11 @@ On CUDA: ``triton.testing.do_bench`` medians after a warm-up call (the warm-up a
 do_bench flushes L2 between calls), or CUDA-graph replay (``do_bench_cudagraph``, no flush: a
 small KV cache stays in L2 for every op alike) for decode-sized work, where the launch overhead is
 what an eager caller pays and a graph removes; a call that cannot be captured (a host sync inside
-it) gets the status ``not capturable``. Peak memory is ``torch.cuda.max_memory_allocated`` during
+it) gets the status ``not capturable``. Decode calls made eagerly are timed back to back
+(:func:`back_to_back_ms`; no flush either): do_bench's flush before each call gives the host that
+long a head start, so a call's host time showed only when it outlasted the flush, which near the
+flush's time changed from run to run (Parallax's decode on the H200: benchmarks/results/h200/tiles/
+parallax-decode-eager-repeats.json). Peak memory is ``torch.cuda.max_memory_allocated`` during
 one call, above what was allocated before it. A call slower than the timing window itself is timed
 by the median of three event-timed calls, the peak-memory call among them (do_bench would run it
 about ten times). On CPU (the smoke mode) the ``perf_counter`` calls made within the timing window
@@ -111,17 +115,39 @@ def describe(err: BaseException) -> str:
     return f"error: {type(err).__name__}: {first}".rstrip(": ")
 
 
-def measure(fn, *, cuda: bool, graph: bool = False, rep_ms: int = 100) -> Measurement:
-    """Warm up, then time ``fn`` and read its peak memory; OOM and other failures become a status."""
+def back_to_back_ms(fn, first: float, rep_ms: int = 100, batches: int = 5, sync=None) -> float:
+    """Median milliseconds per call over ``batches`` batches of calls issued back to back (no flush and no sync
+    between them, each batch synced at its end), a batch about ``rep_ms / batches`` long by ``first`` (one call's
+    milliseconds): what a loop of eager calls pays, its host's time or its device's, whichever is longer."""
+    sync = sync or torch.cuda.synchronize
+    calls = max(1, min(1000, int(rep_ms / batches / max(first, 1e-3))))
+    times = []
+    for _ in range(batches):
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        sync()
+        times.append((time.perf_counter() - t0) * 1e3 / calls)
+    return statistics.median(times)
+
+
+def measure(fn, *, cuda: bool, graph: bool = False, back_to_back: bool = False, rep_ms: int = 100) -> Measurement:
+    """Warm up, then time ``fn`` (``back_to_back``: :func:`back_to_back_ms`) and read its peak memory; OOM and other
+    failures become a status."""
     try:
         if not cuda:
             fn()
             return Measurement("ok", ms=cpu_ms(fn, rep_ms))
         fn()  # compiles, autotunes
         mem, first = peak_mb(fn)
-        slow = first > rep_ms and not graph
-        return Measurement("ok", ms=slow_ms(fn, first) if slow else cuda_ms(fn, graph=graph, rep_ms=rep_ms),
-                           peak_mb=mem)
+        if first > rep_ms and not graph:
+            ms = slow_ms(fn, first)
+        elif back_to_back:
+            ms = back_to_back_ms(fn, first, rep_ms)
+        else:
+            ms = cuda_ms(fn, graph=graph, rep_ms=rep_ms)
+        return Measurement("ok", ms=ms, peak_mb=mem)
     except Exception as err:  # a failing case is a result, never the end of a suite
         return Measurement(describe(err))
     finally:

@@ -168,6 +168,28 @@ def test_measure_times_a_call_slower_than_the_window_by_three_calls_the_peak_cal
     assert len(calls) == 4 and fake_cuda["calls"] == []  # warm-up, peak, two more; no do_bench
 
 
+def test_measure_times_calls_back_to_back_in_batches_synced_at_their_ends(fake_cuda, monkeypatch):
+    calls, syncs = [], []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: syncs.append(len(calls)))
+    fake_cuda["event_ms"] = [0.5]  # one call's time: batches of 100 / 5 / 0.5 = 40 calls
+    m = measure(lambda: calls.append(1), cuda=True, back_to_back=True, rep_ms=100)
+    assert (m.status, m.peak_mb) == ("ok", 512.0) and m.ms > 0
+    assert len(calls) == 2 + 5 * 40 and fake_cuda["calls"] == []  # warm-up, peak, five batches; no do_bench
+    synced_after = [b - a for a, b in zip(syncs, syncs[1:]) if b > a]  # calls between two syncs
+    assert synced_after[-5:] == [40] * 5  # nothing synced within a batch
+
+
+def test_decode_rows_made_eagerly_are_timed_back_to_back():
+    from regattn.bench.runner import Case, back_to_back, row_of
+    from regattn.bench.timing import Measurement
+
+    eager, captured = Case("op", lambda: None), Case("op", lambda: None, graph=True)
+    assert back_to_back("decode", eager) and not back_to_back("decode", captured)
+    assert not back_to_back("fwd", eager) and not back_to_back("gate fwd", eager)
+    row = row_of({"B": 1}, "decode", eager, Measurement("ok", ms=0.02), None)
+    assert row["back_to_back"] and not row["graph"]
+
+
 def test_measure_replays_a_cuda_graph_and_says_when_capture_fails(fake_cuda):
     m = measure(lambda: None, cuda=True, graph=True)
     assert (m.status, m.ms) == ("ok", 0.25)
