@@ -115,19 +115,18 @@ def describe(err: BaseException) -> str:
     return f"error: {type(err).__name__}: {first}".rstrip(": ")
 
 
-def back_to_back_ms(fn, first: float, rep_ms: int = 100, batches: int = 5, sync=None) -> float:
+def back_to_back_ms(fn, first: float, rep_ms: int = 100, batches: int = 5) -> float:
     """Median milliseconds per call over ``batches`` batches of calls issued back to back (no flush and no sync
     between them, each batch synced at its end), a batch about ``rep_ms / batches`` long by ``first`` (one call's
     milliseconds): what a loop of eager calls pays, its host's time or its device's, whichever is longer."""
-    sync = sync or torch.cuda.synchronize
     calls = max(1, min(1000, int(rep_ms / batches / max(first, 1e-3))))
     times = []
     for _ in range(batches):
-        sync()
+        torch.cuda.synchronize()
         t0 = time.perf_counter()
         for _ in range(calls):
             fn()
-        sync()
+        torch.cuda.synchronize()
         times.append((time.perf_counter() - t0) * 1e3 / calls)
     return statistics.median(times)
 
