@@ -281,8 +281,10 @@ def decode_launch(B: int, Tn: int, HQ: int, H: int, D: int, Dv: int, keys: int, 
 # 10.0 us at B 1 and 4k; 68.7 against 80.7 at B 8 and 8k; benchmarks/results/h200/tiles/
 # parallax-decode-descriptors.json, parallax-decode-tma.json). So the table's TMA loads are taken where the host's
 # time hides behind the kernel's: in a CUDA graph being captured, or over at least this many bytes of keys and
-# values (B 1 at 32k keys, B 8 at 4k).
-TMA_EAGER_BYTES = 128 * 2 ** 20
+# values. Eager calls timed back to back on the H200 (HQ 32, H 8, D 128; tiles/parallax-decode-eager-rule.json):
+# pointers won at 128 MiB (B 1 at 32k keys: 110 against 175 us; B 8 at 4k: 102 against 163) and 256 MiB (B 8 at
+# 8k: 107 against 171), descriptors at 1 GiB (B 8 at 32k: 254 against 301; B 64 at 4k: 252 against 303).
+TMA_EAGER_BYTES = 512 * 2 ** 20
 
 
 def _device_bound(k_cache, v_cache, keys: int) -> bool:
