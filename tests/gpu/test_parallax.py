@@ -122,6 +122,30 @@ def test_decode_in_cuda_graph():
         assert torch.equal(o, regattn.parallax_decode(q, r, k, v, cache_seqlens=lens))
 
 
+def test_decode_loads_keys_as_its_rule_says(monkeypatch):
+    """Eager calls over TMA_EAGER_BYTES of keys and values take tensor descriptors, smaller ones load through
+    pointers, captured ones take descriptors at any size: the same numbers each way."""
+    from regattn.ops.parallax import decode
+    q, r, k, v = inputs(2, 1, 4096, 32, 8, 128, BF16, "cuda")
+    loads = []
+    run = decode.launch_kernel
+
+    def launch(kernel, grid, *args, **kwargs):
+        if kernel is decode._parallax_decode_kernel:
+            loads.append(kwargs["TMA"])
+        run(kernel, grid, *args, **kwargs)
+    monkeypatch.setattr(decode, "launch_kernel", launch)
+    pointers = regattn.parallax_decode(q, r, k, v)
+    monkeypatch.setattr(decode, "TMA_EAGER_BYTES", 32 * 2 ** 20)  # B 2 x 4k keys x 8 heads x 256 x 2 bytes
+    descriptors = regattn.parallax_decode(q, r, k, v)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = regattn.parallax_decode(q, r, k, v)
+    graph.replay()
+    assert loads == [False, True, True]
+    assert torch.equal(pointers, descriptors) and torch.equal(pointers, captured)
+
+
 def test_layer_compiles_fullgraph_forward_backward():
     """torch.compile(fullgraph=True) of the layer's forward and backward: no graph break, no recompile
     on new inputs of the same shape, the eager numbers."""

@@ -180,6 +180,56 @@ def test_decode(interpret, B, Tn, S, HQ, H, D, window, lens, splits, tma):
     assert rel_err(torch_o, o) < 1e-5
 
 
+@pytest.mark.parametrize("B,Tn,S,HQ,H,D,window,lens,splits", [case for case in DECODE_CASES if case[-1]])
+def test_decode_merges_splits_in_its_own_launch_when_eager(interpret, monkeypatch, B, Tn, S, HQ, H, D, window, lens,
+                                                           splits):
+    """Eager calls merge the splits in the decode launch (the last split of a row tile to finish merges them,
+    counted in kept counters that it sets back to zero); where no counters may be kept (CUDA graphs, compiled
+    code) a second launch merges them. The same numbers, called again and again."""
+    from regattn.ops._common.workspace import stream_zeros
+    from regattn.ops.parallax import decode
+    q, r, k, v = _inputs(B, Tn, S, HQ, H, D, D, torch.float32)
+    cache_seqlens = None if lens is None else torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    kw = dict(cache_seqlens=cache_seqlens, window=window, scale=D ** -0.5, num_splits=splits)
+    launches = []
+    run = decode.launch_kernel
+
+    def launch(kernel, *args, **kwargs):
+        launches.append(kernel)
+        run(kernel, *args, **kwargs)
+    monkeypatch.setattr(decode, "launch_kernel", launch)
+    one = [decode.parallax_decode_fwd(q, r, k, v, **kw) for _ in range(3)]
+    assert launches == [decode._parallax_decode_kernel] * 3
+    assert (stream_zeros(1, q.device) == 0).all()
+    monkeypatch.setattr(decode, "stream_zeros", lambda *a: None)
+    launches.clear()
+    two = decode.parallax_decode_fwd(q, r, k, v, **kw)
+    assert launches == [decode._parallax_decode_kernel, decode._merge_splits_kernel]
+    for b in range(B):
+        n = S if lens is None else lens[b]
+        ref = parallax_ref(q[b:b + 1].double(), r[b:b + 1].double(), k[b:b + 1, :n].double(),
+                           v[b:b + 1, :n].double(), window=window)
+        assert rel_err(two[b:b + 1], ref) < 1e-5
+    for o in one:
+        assert rel_err(o, two) < 1e-6
+
+
+def test_decode_merges_in_its_launch_up_to_16_splits_and_128_mib():
+    """Eager calls merge in the decode launch up to 16 splits over 128 MiB of keys and values, with the merge
+    launch's column slices; past either a merge launch runs (the merging split's tail shows once the kernel
+    outlasts the host); one split has nothing to merge."""
+    from regattn.ops.parallax.decode import plan_decode
+
+    def plan(B, S, splits):
+        return plan_decode(B, 1, 32, 8, 128, 128, S, torch.bfloat16, 132, num_splits=splits)
+    short = plan(1, 4096, 16)
+    assert short.merge_in_launch == dict(MERGE=True, BLOCK_C=short.merge_meta["BLOCK_C"])
+    assert plan(8, 4096, 4).merge_in_launch is not None  # 128 MiB
+    assert plan(8, 8192, 4).merge_in_launch is None  # 256 MiB
+    assert plan(1, 8192, 32).merge_in_launch is None
+    assert plan(64, 4096, 1).merge_in_launch is None
+
+
 @pytest.mark.parametrize("splits", [1, 4])
 def test_decode_tma_ignores_entries_past_the_cache_lengths(interpret, splits):
     """Tensor descriptors read whole key tiles, past a cache length too: NaN and inf there change nothing."""

@@ -3,9 +3,11 @@
 * The query rows and the probe rows share one tile (queries on top, probes below), so ``S1 = Q K^T``
   and ``S2 = R K^T`` come out of one product, and ``[P1; P2] V`` gives ``O1`` and ``O2`` together.
 * The K/V loop of each (batch, key/value head, row tile) is split over ``NUM_SPLITS`` programs so that
-  small batches fill the GPU. Each writes its partial state ``(m, d1, d2, O1, O2)`` in fp32; a second
-  launch merges the partials (log-sum-exp rescale in fp32), one program per row tile and slice of the
-  value columns, every split's partial read at once. One split writes the output directly.
+  small batches fill the GPU. Each writes its partial state ``(m, d1, d2, O1, O2)`` in fp32, merged by a
+  log-sum-exp rescale in fp32: by a second launch, one program per row tile and slice of the value columns,
+  every split's partial read at once; or, in eager calls whose time is the host's (:func:`merges_in_launch`),
+  by the last split of each row tile to finish, in the same launch (counted in a state each call leaves as it
+  found it: :func:`regattn.ops._common.workspace.stream_zeros`). One split writes the output directly.
 
 Queries sit at the end of each sequence's valid cache: new token ``t`` of ``Tn`` is at position
 ``cache_seqlens[b] - Tn + t`` (the new keys and values are already in the cache).
@@ -23,6 +25,7 @@ from regattn.ops._common.checks import last_dim_contiguous, sm_count
 from regattn.ops._common.ints import ceil_div, next_pow2
 from regattn.ops._common.attention_tiles import tma_pays
 from regattn.ops._common.launch import launch as launch_kernel
+from regattn.ops._common.workspace import stream_zeros
 from regattn.ops.parallax.tiles import (
     LOG2E, contained_dot, dot_precision, group_pad, head_block, interpreting, kv_descriptors, kv_tile, tile_config,
     visible,
@@ -61,18 +64,21 @@ def _finish(o1, o2, d1, d2):
 
 @triton.jit
 def _parallax_decode_kernel(
-    Q, R, K, V, O, LENS, WS, K_DESC, V_DESC, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
+    Q, R, K, V, O, LENS, WS, COUNT, K_DESC, V_DESC, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
     TN, S, H, D, DV, n_row_tiles, qk_scale, window,
     G: tl.constexpr, GP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_LENS: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr, MERGE: tl.constexpr = False,
+    BLOCK_C: tl.constexpr = 1,
 ):
     """Grid ``(B * H * n_row_tiles, NUM_SPLITS)``; a tile is ``BLOCK_M // 2`` query rows over as many probe rows.
 
     ``Q``, ``R`` (``[B, TN, H * G, D]``) and ``O`` (``[B, TN, H * G, DV]``) are contiguous. With more than one
     split, ``WS`` takes each split's partial ``[O1; O2]`` tile, then its ``(m, d1, d2)`` rows (fp32; see
-    :func:`_merge_splits_kernel`) and ``O`` is not written. ``TMA``: key and value tiles come through the tensor
-    descriptors ``K_DESC``, ``V_DESC`` of the caches (Hopper's tensor-memory copies; rows past ``S`` read as 0).
+    :func:`_merge_splits_kernel`) and ``O`` is not written, unless ``MERGE``: then the last split of a row tile to
+    finish (counted in ``COUNT[row tile]``, zero before the launch and set back to zero) merges them, ``BLOCK_C``
+    value columns at a time. ``TMA``: key and value tiles come through the tensor descriptors ``K_DESC``,
+    ``V_DESC`` of the caches (Hopper's tensor-memory copies; rows past ``S`` read as 0).
     """
     HALF: tl.constexpr = BLOCK_M // 2
     BLOCK_T: tl.constexpr = HALF // GP
@@ -157,6 +163,13 @@ def _parallax_decode_kernel(
         tl.store(ws_s + orow, m_i)
         tl.store(ws_s + HALF + orow, d1)
         tl.store(ws_s + 2 * HALF + orow, d2)
+        if MERGE:
+            tl.debug_barrier()  # every thread's partial stored before the count's release
+            if tl.atomic_add(COUNT + pid, 1, sem="acq_rel") == NUM_SPLITS - 1:
+                for c0 in tl.static_range(0, BLOCK_DV, BLOCK_C):
+                    _merge_tile(WS, O, pid, tl.num_programs(0), b, t0, h, c0, TN, H, DV, G, GP, BLOCK_M, BLOCK_DV,
+                                BLOCK_C, NUM_SPLITS)
+                tl.store(COUNT + pid, 0)
 
 
 @triton.jit
@@ -170,34 +183,42 @@ def _store_rows(O, o, b, t0, h, orow, cols, TN, H, DV, G: tl.constexpr, GP: tl.c
 
 
 @triton.jit
-def _merge_splits_kernel(WS, O, TN, H, DV, n_row_tiles, G: tl.constexpr, GP: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_DV: tl.constexpr, BLOCK_C: tl.constexpr, NUM_SPLITS: tl.constexpr):
-    """Grid ``(programs of the decode kernel, BLOCK_DV // BLOCK_C)``: merge the splits' partial states of one row
-    tile over ``BLOCK_C`` value columns, every split read in one load (no loop to wait on, one program per slice
-    of columns so that the merge is spread over the GPU)."""
+def _merge_tile(WS, O, pid, programs, b, t0, h, c0, TN, H, DV, G: tl.constexpr, GP: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_C: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    """Merge the splits' partial states of row tile ``pid`` (of ``programs``) over the value columns ``c0`` to
+    ``c0 + BLOCK_C`` and write them, every split read in one load (from L2: other programs wrote them)."""
     HALF: tl.constexpr = BLOCK_M // 2
-    BLOCK_T: tl.constexpr = HALF // GP
-    pid = tl.program_id(0)
-    c0 = tl.program_id(1) * BLOCK_C
-    b = (pid // (H * n_row_tiles)).to(tl.int64)
-    h = (pid // n_row_tiles) % H
-    t0 = (pid % n_row_tiles) * BLOCK_T
     orow = tl.arange(0, HALF)
     ok = ((orow % GP) < G) & (t0 + orow // GP < TN)
     part = pid.to(tl.int64) * NUM_SPLITS + tl.arange(0, NUM_SPLITS)  # 64-bit workspace offsets
-    stats_ws = WS + tl.num_programs(0).to(tl.int64) * NUM_SPLITS * BLOCK_M * BLOCK_DV  # after the partial tiles
+    stats_ws = WS + programs.to(tl.int64) * NUM_SPLITS * BLOCK_M * BLOCK_DV  # after the partial tiles
     stats = stats_ws + part[:, None] * 3 * HALF + orow[None, :]
-    m_s = tl.load(stats)  # [NUM_SPLITS, HALF]
+    m_s = tl.load(stats, cache_modifier=".cg")  # [NUM_SPLITS, HALF]
     m_max = tl.max(m_s, 0)
     w = tl.math.exp2(m_s - tl.where(m_max == float("-inf"), 0.0, m_max)[None, :])  # 0 for a split that saw no key
-    d1 = tl.sum(w * tl.load(stats + HALF), 0)
-    d2 = tl.sum(w * tl.load(stats + 2 * HALF), 0)
+    d1 = tl.sum(w * tl.load(stats + HALF, cache_modifier=".cg"), 0)
+    d2 = tl.sum(w * tl.load(stats + 2 * HALF, cache_modifier=".cg"), 0)
     cols = c0 + tl.arange(0, BLOCK_C)
     tile = WS + (part[:, None, None] * BLOCK_M + orow[None, :, None]) * BLOCK_DV + cols[None, None, :]
     mask = ok[None, :, None]
-    o1 = tl.sum(w[:, :, None] * tl.load(tile, mask=mask, other=0.0), 0)
-    o2 = tl.sum(w[:, :, None] * tl.load(tile + HALF * BLOCK_DV, mask=mask, other=0.0), 0)
+    o1 = tl.sum(w[:, :, None] * tl.load(tile, mask=mask, other=0.0, cache_modifier=".cg"), 0)
+    o2 = tl.sum(w[:, :, None] * tl.load(tile + HALF * BLOCK_DV, mask=mask, other=0.0, cache_modifier=".cg"), 0)
     _store_rows(O, _finish(o1, o2, d1, d2), b, t0, h, orow, cols, TN, H, DV, G, GP)
+
+
+@triton.jit
+def _merge_splits_kernel(WS, O, TN, H, DV, n_row_tiles, G: tl.constexpr, GP: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_DV: tl.constexpr, BLOCK_C: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    """Grid ``(programs of the decode kernel, BLOCK_DV // BLOCK_C)``: :func:`_merge_tile` of one row tile and
+    slice of ``BLOCK_C`` value columns (no loop to wait on, one program per slice of columns so that the merge is
+    spread over the GPU)."""
+    BLOCK_T: tl.constexpr = BLOCK_M // 2 // GP
+    pid = tl.program_id(0)
+    b = (pid // (H * n_row_tiles)).to(tl.int64)
+    h = (pid // n_row_tiles) % H
+    t0 = (pid % n_row_tiles) * BLOCK_T
+    _merge_tile(WS, O, pid, tl.num_programs(0), b, t0, h, tl.program_id(1) * BLOCK_C, TN, H, DV, G, GP, BLOCK_M,
+                BLOCK_DV, BLOCK_C, NUM_SPLITS)
 
 
 def decode_config(Tn: int, D: int, Dv: int, groups: int, dtype, split: bool = False) -> dict:
@@ -232,8 +253,24 @@ MERGE_TILE = 1024
 
 
 def merge_columns(splits: int, half: int, block_dv: int) -> int:
-    """Value columns per merge program: ``splits x half x columns`` near :data:`MERGE_TILE`."""
+    """Value columns a merge reads at a time: ``splits x half x columns`` near :data:`MERGE_TILE`."""
     return max(1, min(block_dv, MERGE_TILE // (splits * half)))
+
+
+# Eager calls merge the splits in the decode launch up to this many splits and bytes of keys and values. A call
+# saves the merge launch's host time (12-19 us on the H200's host) and its last split to finish merges alone, one
+# step a split at MERGE_TILE: a tail of about a microsecond a split that shows where the kernel outlasts the host.
+# Measured back to back against two launches (HQ 32, H 8, D 128, bf16; benchmarks/results/h200/tiles/
+# parallax-decode-merge-steps.json, us per call): B 1 at 4k keys (16 splits, 32 MiB) 69.3 against 87.8, B 8 at 4k
+# (4 splits, 128 MiB) 49.5 against 62.3; B 8 at 8k (256 MiB) 85.2 against 84.8 and B 1 at 8k (32 splits) 62.7
+# against 64.2, ties; B 1 at 32k (32 splits) 107.5 against 74.1. Graphs and compiled code always launch twice.
+MERGE_IN_LAUNCH_SPLITS = 16
+MERGE_IN_LAUNCH_BYTES = 128 * 2 ** 20
+
+
+def merges_in_launch(splits: int, kv_bytes: int) -> bool:
+    """Whether eager calls of ``splits`` over ``kv_bytes`` of keys and values merge them in the decode launch."""
+    return 1 < splits <= MERGE_IN_LAUNCH_SPLITS and kv_bytes <= MERGE_IN_LAUNCH_BYTES
 
 
 class DecodeLaunch(NamedTuple):
@@ -244,6 +281,7 @@ class DecodeLaunch(NamedTuple):
     meta: dict  # the kernel's tile constexprs and launch options
     merge_grid: tuple[int, int]  # (programs, column slices) of the merge (unused with one split)
     merge_meta: dict
+    merge_in_launch: dict | None  # the decode kernel's settings where eager calls merge in it (merges_in_launch)
 
 
 def plan_decode(B: int, Tn: int, HQ: int, H: int, D: int, Dv: int, keys: int, dtype, sms: int,
@@ -264,7 +302,10 @@ def plan_decode(B: int, Tn: int, HQ: int, H: int, D: int, Dv: int, keys: int, dt
                 num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     cols = merge_columns(splits, block_m // 2, block_dv)
     merge_meta = dict(G=G, GP=GP, BLOCK_M=block_m, BLOCK_DV=block_dv, BLOCK_C=cols, NUM_SPLITS=splits, num_warps=4)
-    return DecodeLaunch((programs, splits), n_row_tiles, workspace, meta, (programs, block_dv // cols), merge_meta)
+    kv_bytes = B * keys * H * (D + Dv) * dtype.itemsize
+    in_launch = dict(MERGE=True, BLOCK_C=cols) if merges_in_launch(splits, kv_bytes) else None
+    return DecodeLaunch((programs, splits), n_row_tiles, workspace, meta, (programs, block_dv // cols), merge_meta,
+                        in_launch)
 
 
 @functools.lru_cache(maxsize=256)
@@ -319,6 +360,7 @@ def parallax_decode_fwd(q, r, k_cache, v_cache, *, cache_seqlens=None, window=No
     sk, sv = k_cache.stride(), v_cache.stride()
     o = torch.empty(B, Tn, HQ, Dv, device=device, dtype=q.dtype)
     ws = torch.empty(launch.workspace, device=device, dtype=torch.float32) if launch.workspace else o
+    counts = stream_zeros(launch.grid[0], device) if launch.merge_in_launch else None  # None: a merge launch
     meta, descriptors = launch.meta, None
     if meta["TMA"] and (config is not None or _device_bound(k_cache, v_cache, max_seqlen or S)):
         descriptors = kv_descriptors(k_cache, v_cache, meta["BLOCK_N"])
@@ -326,11 +368,12 @@ def parallax_decode_fwd(q, r, k_cache, v_cache, *, cache_seqlens=None, window=No
         meta = dict(meta, TMA=False)
     launch_kernel(
         _parallax_decode_kernel, launch.grid, q, r, k_cache, v_cache, o, o if cache_seqlens is None else cache_seqlens,
-        ws, *(descriptors or (k_cache, v_cache)), sk[0], sk[1], sk[2], sv[0], sv[1], sv[2],
-        Tn, S, H, D, Dv, launch.n_row_tiles, scale * LOG2E, 0 if window is None else window,
+        ws, o if counts is None else counts, *(descriptors or (k_cache, v_cache)), sk[0], sk[1], sk[2], sv[0], sv[1],
+        sv[2], Tn, S, H, D, Dv, launch.n_row_tiles, scale * LOG2E, 0 if window is None else window,
         HAS_LENS=cache_seqlens is not None, HAS_WINDOW=window is not None, **meta,
+        **({} if counts is None else launch.merge_in_launch),
     )
-    if launch.workspace:
+    if launch.workspace and counts is None:
         launch_kernel(_merge_splits_kernel, launch.merge_grid, ws, o, Tn, H, Dv, launch.n_row_tiles,
                       **launch.merge_meta)
     return o
