@@ -281,6 +281,7 @@ class DecodeLaunch(NamedTuple):
     meta: dict  # the kernel's tile constexprs and launch options
     merge_grid: tuple[int, int]  # (programs, column slices) of the merge (unused with one split)
     merge_meta: dict
+    kv_bytes: int  # of the keys and values the call reads at most (the split count's keys)
     merge_in_launch: dict | None  # the decode kernel's settings where eager calls merge in it (merges_in_launch)
 
 
@@ -305,7 +306,7 @@ def plan_decode(B: int, Tn: int, HQ: int, H: int, D: int, Dv: int, keys: int, dt
     kv_bytes = B * keys * H * (D + Dv) * dtype.itemsize
     in_launch = dict(MERGE=True, BLOCK_C=cols) if merges_in_launch(splits, kv_bytes) else None
     return DecodeLaunch((programs, splits), n_row_tiles, workspace, meta, (programs, block_dv // cols), merge_meta,
-                        in_launch)
+                        kv_bytes, in_launch)
 
 
 @functools.lru_cache(maxsize=256)
@@ -326,13 +327,6 @@ def decode_launch(B: int, Tn: int, HQ: int, H: int, D: int, Dv: int, keys: int, 
 # pointers won at 128 MiB (B 1 at 32k keys: 110 against 175 us; B 8 at 4k: 102 against 163) and 256 MiB (B 8 at
 # 8k: 107 against 171), descriptors at 1 GiB (B 8 at 32k: 254 against 301; B 64 at 4k: 252 against 303).
 TMA_EAGER_BYTES = 512 * 2 ** 20
-
-
-def _device_bound(k_cache, v_cache, keys: int) -> bool:
-    """Whether a decode call's kernel outlasts its launch: captured, or over :data:`TMA_EAGER_BYTES` (code that
-    torch.compile traces keeps the pointer loads)."""
-    B, _, H, D = k_cache.shape
-    return tma_pays(B * keys * H * (D + v_cache.shape[3]) * k_cache.element_size(), TMA_EAGER_BYTES)
 
 
 def parallax_decode_fwd(q, r, k_cache, v_cache, *, cache_seqlens=None, window=None, scale: float,
@@ -362,7 +356,9 @@ def parallax_decode_fwd(q, r, k_cache, v_cache, *, cache_seqlens=None, window=No
     ws = torch.empty(launch.workspace, device=device, dtype=torch.float32) if launch.workspace else o
     counts = stream_zeros(launch.grid[0], device) if launch.merge_in_launch else None  # None: a merge launch
     meta, descriptors = launch.meta, None
-    if meta["TMA"] and (config is not None or _device_bound(k_cache, v_cache, max_seqlen or S)):
+    # the table's descriptors where the kernel outlasts the launch: captured, or over TMA_EAGER_BYTES (code that
+    # torch.compile traces keeps the pointer loads)
+    if meta["TMA"] and (config is not None or tma_pays(launch.kv_bytes, TMA_EAGER_BYTES)):
         descriptors = kv_descriptors(k_cache, v_cache, meta["BLOCK_N"])
     if meta["TMA"] and descriptors is None:
         meta = dict(meta, TMA=False)
