@@ -55,7 +55,7 @@ from triton.runtime.jit import JITFunction, create_function_from_signature
 SM90 = GPUTarget("cuda", 90, 32)
 SM90_SHARED = 232448  # bytes of shared memory a block may use on an H100 (227 KiB)
 KINDS = ("fwd", "dq", "dk", "decode", "decode_split")
-SCAN_KINDS = ("ieee", "tf32x3", "tf32", "fp16")  # the scan's forward kernel: fp32 precisions, fp16 inputs
+SCAN_KINDS = ("ieee", "tf32x3", "fp16x3", "tf32", "fp16")  # the scan's forward: fp32 precisions, fp16 inputs
 HEAD_DIMS = (32, 64, 128, 256)
 # Tile candidates screened with --candidates: (rows of a program, streamed tile, num_warps) x num_stages. A
 # program of fwd and dq holds BLOCK_M query rows and streams BLOCK_N keys; one of dk holds BLOCK_N keys and

@@ -107,7 +107,7 @@ def test_inner_loop_nested_prefers_a_loop_inside_another():
 
 
 @compiles
-@pytest.mark.parametrize("kind", ["ieee", "tf32x3", "fp16"])
+@pytest.mark.parametrize("kind", ["ieee", "tf32x3", "fp16x3", "fp16"])
 def test_scan_forward_loop_uses_the_fma_pipe_only_in_strict_fp32(kind):
     config = triton.Config({"BLOCK_M": 32, "BLOCK_N": 32}, num_warps=4, num_stages=2)
     kernel, args, kwargs = registers.scan_launch(kind, config, T=256, H=2)

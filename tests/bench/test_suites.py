@@ -190,10 +190,20 @@ def test_lla_latency_shape_with_cg_times_that_count_and_the_direct_solve(tmp_pat
 @pytest.mark.parametrize("shape, message", [
     ("B=1,H=2,T=8,D=16,causal=yes", "causal: expected true or false, got 'yes'"),
     ("B=1,H=2,T=10,D=16,causal=True,seqs=3", "seqs: expected B == 1 and T divisible by seqs"),
-], ids=["causal-not-a-bool", "seqs-not-dividing-T"])
+    ("B=1,H=2,T=8,D=16,precision=fp64", "precision: expected one of ieee, tf32x3, fp16x3, tf32, got 'fp64'"),
+], ids=["causal-not-a-bool", "seqs-not-dividing-T", "unknown-precision"])
 def test_scan_shape_with_a_bad_key_is_refused_before_any_input(tmp_path, shape, message):
     out = tmp_path / "scan.json"
     assert main(["bench", "scan", "--device", "cpu", "--rep-ms", "1", "--peers", "none",
                  "--shapes", shape, "--out", str(out)]) == 0
     [row] = json.loads(out.read_text())["rows"]
     assert row["op"] == "inputs" and message in row["status"], row
+
+
+def test_scan_shape_with_a_precision_times_that_precision_alone(tmp_path):
+    out = tmp_path / "scan.json"
+    assert main(["bench", "scan", "--device", "cpu", "--rep-ms", "1", "--backend", "triton", "--peers", "none",
+                 "--shapes", "B=1,H=2,T=24,D=16,causal=true,precision=fp16x3", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["mode"], r["op"]) for r in rows] == [("fp32", "regattn:triton[fp16x3]")], rows
+    assert rows[0]["status"] == "ok" and rows[0]["err"]["o"] < 1e-5, rows

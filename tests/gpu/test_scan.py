@@ -14,7 +14,7 @@ from tests.helpers import randn
 
 pytestmark = pytest.mark.gpu
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
-FP32_BOUND = {"ieee": 1e-5, "tf32x3": 1e-5, "tf32": 3e-3}
+FP32_BOUND = {"ieee": 1e-5, "tf32x3": 1e-5, "fp16x3": 1e-5, "tf32": 3e-3}
 
 
 @pytest.fixture(autouse=True)
@@ -54,7 +54,7 @@ def check_last_rows(dtype, precision, B, T, H, D, rows, device="cuda"):
     o = regattn.scan_attention(q, k, v, precision=precision, backend="triton")[:, -rows:]
     exact = softmax_attention(q[:, -rows:].double(), k.double(), v.double(), causal=False)
     same = None if dtype == FP32 else [softmax_attention(q[:, -rows:], k, v, causal=False, upcast=False)]
-    bound = {"ieee": 1e-5, "tf32x3": 1e-5, "tf32": 1e-3}[precision]
+    bound = {"ieee": 1e-5, "tf32x3": 1e-5, "fp16x3": 1e-5, "tf32": 1e-3}[precision]
     assert_within(["o"], [o], [exact], same, fixed=bound)
 
 
@@ -78,6 +78,9 @@ VARLEN = dict(causal=True, window=700, cu_seqlens=[0, 1, 1000, 1000, 3001, 4096]
     pytest.param(FP32, "ieee", (1, 2048, 4, 4, 64), dict(num_splits=8, backward=False), id="ieee-split-kv8"),
     pytest.param(FP32, "tf32x3", (2, 4096, 8, 4, 64), {}, id="tf32x3-gqa-d64"),
     pytest.param(FP32, "tf32x3", (1, 4096, 4, 4, 128), dict(causal=True), id="tf32x3-d128-causal"),
+    pytest.param(FP32, "fp16x3", (2, 4096, 8, 4, 64), {}, id="fp16x3-gqa-d64"),
+    pytest.param(FP32, "fp16x3", (1, 4096, 4, 2, 128), VARLEN, id="fp16x3-d128-causal-window-varlen"),
+    pytest.param(FP32, "fp16x3", (1, 2048, 4, 4, 64), dict(num_splits=8, backward=False), id="fp16x3-split-kv8"),
     pytest.param(FP32, "tf32", (2, 4096, 8, 4, 64), {}, id="tf32-gqa-d64"),
     pytest.param(FP16, "ieee", (2, 4096, 8, 4, 64), {}, id="fp16-gqa-d64"),
     pytest.param(FP16, "ieee", (1, 4096, 4, 2, 128), VARLEN, id="fp16-d128-causal-window-varlen"),
@@ -92,11 +95,14 @@ def test_forward_backward(dtype, precision, shape, kw):
     check_scan(dtype, precision, *shape, **kw)
 
 
+def tile_id(c) -> str:
+    return "m{BLOCK_M}-n{BLOCK_N}".format(**c.kwargs) + f"-w{c.num_warps}-s{c.num_stages}"
+
+
 TMA_TILES = [c for c in kernels.FWD_CONFIGS["half"] if c.kwargs["TMA"]]
 
 
-@pytest.mark.parametrize("config", TMA_TILES, ids=lambda c: "m{BLOCK_M}-n{BLOCK_N}".format(**c.kwargs)
-                         + f"-w{c.num_warps}-s{c.num_stages}")
+@pytest.mark.parametrize("config", TMA_TILES, ids=tile_id)
 @pytest.mark.parametrize("dtype,shape,kw", [
     pytest.param(FP16, (2, 4096, 8, 4, 64), {}, id="fp16-gqa-d64"),
     pytest.param(BF16, (1, 4000, 4, 2, 128), dict(causal=True, window=700), id="bf16-d128-causal-window-ragged"),
@@ -109,13 +115,22 @@ def test_tma_tiles(monkeypatch, config, dtype, shape, kw):
     check_scan(dtype, "ieee", *shape, **kw)
 
 
-@pytest.mark.parametrize("dtype,precision", [(FP32, "ieee"), (FP32, "tf32x3"), (FP32, "tf32"), (FP16, "ieee"),
-                                             (BF16, "ieee")], ids=["ieee", "tf32x3", "tf32", "fp16", "bf16"])
+@pytest.mark.parametrize("config", kernels.FWD_CONFIGS["split"], ids=tile_id)
+def test_fp16x3_tiles(monkeypatch, config):
+    """Each forward tile of fp32 as fp16 parts, causal with a window over a ragged length."""
+    monkeypatch.setitem(kernels.FWD_CONFIGS, "split", [config])
+    check_scan(FP32, "fp16x3", 1, 4000, 4, 2, 64, causal=True, window=700, backward=False)
+
+
+@pytest.mark.parametrize("dtype,precision", [(FP32, "ieee"), (FP32, "tf32x3"), (FP32, "fp16x3"), (FP32, "tf32"),
+                                             (FP16, "ieee"), (BF16, "ieee")],
+                         ids=["ieee", "tf32x3", "fp16x3", "tf32", "fp16", "bf16"])
 def test_benchmark_shape(dtype, precision):
     check_last_rows(dtype, precision, 1, 16384, 16, 64, 512)
 
 
 @pytest.mark.parametrize("dtype,precision,probabilities", [(FP32, "ieee", True), (FP32, "tf32x3", False),
-                                                           (FP16, "ieee", False)], ids=["ieee", "tf32x3", "fp16"])
+                                                           (FP32, "fp16x3", False), (FP16, "ieee", False)],
+                         ids=["ieee", "tf32x3", "fp16x3", "fp16"])
 def test_error_growth(dtype, precision, probabilities):
     check_growth(dtype, precision, [1024, 2048, 4096, 8192, 16384, 32768, 65536], probabilities=probabilities)

@@ -73,6 +73,10 @@ def _scan_tf32x3(*args):
     return _scan(*args, precision="tf32x3")
 
 
+def _scan_fp16x3(*args):
+    return _scan(*args, precision="fp16x3")
+
+
 def _scan_tf32(*args):
     return _scan(*args, precision="tf32")
 
@@ -101,7 +105,8 @@ def _mesanet(q, k, v, aux, window, cu_seqlens, backend):
 
 
 OPS = {"softmax": _softmax, "gatedfwa": _gatedfwa, "parallax": _parallax, "scan": _scan, "scan_tf32x3": _scan_tf32x3,
-       "scan_tf32": _scan_tf32, "scan_fp16": _scan_fp16, "lla": _lla, "lla_pairs": _lla_pairs, "mesanet": _mesanet}
+       "scan_fp16x3": _scan_fp16x3, "scan_tf32": _scan_tf32, "scan_fp16": _scan_fp16, "lla": _lla,
+       "lla_pairs": _lla_pairs, "mesanet": _mesanet}
 
 def _run(op, q, k, v, aux, do, window, cu_seqlens, backend):
     """Output and the gradients of q, k, v; ``aux`` feeds the probe (parallax) or the gate (gatedfwa)."""

@@ -58,9 +58,11 @@ CASES = [
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c["shape"])) + f"-c{int(c['causal'])}"
                          f"-w{c['window']}-s{c['splits']}")
-def test_forward_backward_fp32(interpret, case):
+@pytest.mark.parametrize("precision", ["ieee", "fp16x3"])
+def test_forward_backward_fp32(interpret, case, precision):
     q, k, v = _inputs(*case["shape"])
-    got, want = _run(q, k, v, causal=case["causal"], window=case["window"], num_splits=case["splits"])
+    got, want = _run(q, k, v, causal=case["causal"], window=case["window"], num_splits=case["splits"],
+                     precision=precision)
     _assert_close(got, want, FP32_TOL)
 
 
@@ -71,7 +73,7 @@ def test_precisions(interpret, precision, tol):
     _assert_close(got, want, tol)
 
 
-@pytest.mark.parametrize("precision", ["tf32", "tf32x3"])
+@pytest.mark.parametrize("precision", ["tf32", "tf32x3", "fp16x3"])
 @pytest.mark.parametrize("bits", [-1, 0x7FFFFFFF], ids=["negative", "positive"])
 @pytest.mark.parametrize("tensor", ["k", "v"])
 def test_tf32_rounding_keeps_nan_payloads(interpret, tensor, bits, precision):
@@ -133,11 +135,14 @@ def test_small_calls_load_through_pointers(interpret):
     assert kernels.kv_descriptors(k, k, 16, 16, work=attention_tiles.TMA_WORK) is not None
 
 
+@pytest.mark.parametrize("precision", ["ieee", "fp16x3"])
 @pytest.mark.parametrize("splits", [1, 4])
-def test_varlen_with_empty_and_single_token_sequences(interpret, splits):
+def test_varlen_with_empty_and_single_token_sequences(interpret, splits, precision):
     cu = torch.tensor([0, 1, 17, 17, 40], dtype=torch.int32)
     q, k, v = _inputs(1, 40, 40, 2, 1, 16, 16)
-    got, want = _run(q, k, v, causal=True, cu_seqlens=cu, num_splits=splits)
+    with torch.no_grad():
+        v[:, 17:] *= 1e3  # a sequence's values far larger than the others': fp16x3 scales each sequence's own
+    got, want = _run(q, k, v, causal=True, cu_seqlens=cu, num_splits=splits, precision=precision)
     _assert_close(got, want, FP32_TOL)
 
 
@@ -162,7 +167,7 @@ def test_partition_offsets():
 
 
 @pytest.mark.parametrize("scale", [0.0, -0.4])
-@pytest.mark.parametrize("precision", ["ieee", "tf32x3"])
+@pytest.mark.parametrize("precision", ["ieee", "tf32x3", "fp16x3"])
 def test_zero_and_negative_scales(interpret, scale, precision):
     """A positive scale multiplies inside exp2's argument; a zero or negative one scales the scores first (a
     max taken before a negative scale is a min, and 0 times a hidden -inf score is NaN)."""

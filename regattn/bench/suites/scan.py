@@ -47,21 +47,25 @@ def packed(B: int, T: int, seqs: int | None, device):
 
 
 def cases(shape: dict, setup):
-    """Shape keys: B, H, T, D, causal, window (implies causal), seqs (packed sequences). Modes: "fp32" and
-    "fp16" (the input dtype, forward) and "fp16 fwd+bwd"."""
+    """Shape keys: B, H, T, D, causal, window (implies causal), seqs (packed sequences), precision (only the fp32
+    mode, and of ours only that precision). Modes: "fp32" and "fp16" (the input dtype, forward) and
+    "fp16 fwd+bwd"."""
     H, D, w = shape["H"], shape["D"], shape.get("window")
     if shape.get("causal") not in (None, True, False):
         raise ValueError(f"causal: expected true or false, got {shape['causal']!r}")
+    only = shape.get("precision")
+    if only is not None and only not in PRECISIONS:
+        raise ValueError(f"precision: expected one of {', '.join(PRECISIONS)}, got {only!r}")
     causal = bool(shape.get("causal")) or w is not None
     B, T, cu = packed(shape["B"], shape["T"], shape.get("seqs"), setup.device)
-    for mode, dtype in MODES:
+    for mode, dtype in MODES[:1] if only else MODES:
         bwd = backward(mode)
         q, k, v = (randn(setup, B, T, H, D, dtype=dtype, grad=bwd) for _ in range(3))
         truth = check(mode, q, k, v, w, causal=causal, rows=CHECK_ROWS, batch=B - 1)
         n = dict(flops=counts.attention_flops(B, T, T, H, D, D, causal=causal, window=w, backward=bwd),
                  bytes=counts.attention_bytes(B, T, T, H, H, D, D, q.element_size(), backward=bwd))
         leaves = [q, k, v] if bwd else []
-        for precision in (PRECISIONS if dtype == torch.float32 else ("ieee",)):
+        for precision in ((only,) if only else PRECISIONS) if dtype == torch.float32 else ("ieee",):
             tag = f"[{precision}]" if dtype == torch.float32 else ""
             call = lambda p=precision: scan_call(q, k, v, cu, causal=causal, window=w, precision=p,
                                                  backend=setup.backend)

@@ -10,7 +10,7 @@ from regattn.ops._common.checks import (
 )
 
 HAS_TRITON = True
-PRECISIONS = ("ieee", "tf32x3", "tf32")
+PRECISIONS = ("ieee", "tf32x3", "fp16x3", "tf32")
 
 
 def scan_attention(q, k, v, *, causal=False, scale=None, precision="ieee", window=None, partition=None,
@@ -28,8 +28,10 @@ def scan_attention(q, k, v, *, causal=False, scale=None, precision="ieee", windo
         causal: query ``i`` sees keys ``j <= i``.
         scale: defaults to ``D ** -0.5``.
         precision: for fp32 inputs on the Triton backend, ``"ieee"`` (strict fp32, no TF32),
-            ``"tf32x3"`` (fp32-accurate products on the tensor cores) or ``"tf32"`` (operands
-            rounded to the nearest TF32 value); fp16/bf16
+            ``"tf32x3"`` (fp32-accurate products on the tensor cores), ``"fp16x3"`` (as accurate, from fp16
+            parts at twice TF32's rate; values spanning more than 2^14 in one column of ``v`` lose bits below
+            2^-38 of its largest: :mod:`regattn.ops.scan.split`; the backward is tf32x3's) or ``"tf32"``
+            (operands rounded to the nearest TF32 value); fp16/bf16
             inputs compute in their own precision with fp32 accumulation.
         window: sliding window ``w``: keys ``i - w < j`` (and ``j <= i`` when causal).
         partition: ``w`` splits the sequence into consecutive non-overlapping windows of ``w``

@@ -18,8 +18,9 @@ The backward is the standard two-kernel form: ``dk, dv`` per key tile looping ov
 per query tile looping over keys, both recomputing ``p = exp2(s - lse)``.
 
 Precisions (fp32 inputs): ``"ieee"`` strict fp32 (FMA, no TF32), ``"tf32x3"`` (three TF32 products,
-fp32-accurate), ``"tf32"`` (operands rounded to the nearest TF32 value, not truncated). fp16/bf16
-inputs use their own tensor cores with fp32 accumulation.
+fp32-accurate), ``"fp16x3"`` (three products of fp16 parts, as accurate at twice the rate:
+:mod:`regattn.ops.scan.split`; its backward is tf32x3's), ``"tf32"`` (operands rounded to the nearest TF32
+value, not truncated). fp16/bf16 inputs use their own tensor cores with fp32 accumulation.
 """
 from __future__ import annotations
 
@@ -29,12 +30,15 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from regattn.ops._common.attention_tiles import (
-    LOG2E, contained_dot, full_key_span, head_block, interpreting, key_span, online_softmax_step, query_span,
-    row_dot, size_class, softmax_finish, tile_configs, tile_loop_bounds, tma_descriptors, tma_pays, visible_mask,
-    visible_mask_t,
+    LOG2E, contained_dot, contained_split_dot, full_key_span, head_block, interpreting, key_span,
+    online_softmax_step, query_span, row_dot, size_class, softmax_finish, split_dot, tile_configs, tile_loop_bounds,
+    tma_descriptors, tma_pays, visible_mask, visible_mask_t,
 )
 from regattn.ops._common.checks import longest_sequence, sm_count
 from regattn.ops._common.ints import ceil_div
+from regattn.ops.scan.split import P_SHIFT, column_parts, row_parts
+
+P_SCALE: tl.constexpr = tl.constexpr(2.0 ** P_SHIFT)
 
 
 # ----------------------------------------------------------------------------- shared tile pieces
@@ -184,7 +188,8 @@ def _fold_span(q, q_base, sqt, k_base, v_base, skt, svt, K_DESC, V_DESC, bat, hk
                offs_n0, offs_d, offs_dv, Tb, Sb, qk_scale, D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr,
                WINDOW: tl.constexpr, EVEN_N: tl.constexpr, PREC: tl.constexpr, ROUND_TF32: tl.constexpr,
-               DOT_K: tl.constexpr, POS_SCALE: tl.constexpr, TMA: tl.constexpr):
+               DOT_K: tl.constexpr, POS_SCALE: tl.constexpr, TMA: tl.constexpr, q_lo, kl_base, vl_base, ks_base,
+               q_rs, SPLIT: tl.constexpr):
     """Left fold of the key tiles ``[lo, hi)`` (``lo`` on a tile edge) from the identity, in three runs of
     :func:`_fold_tiles`: the tiles before the full keys ``[full_lo, full_hi)`` of a causal or windowed fold,
     masked; the tiles inside them, with no mask; the tiles after them, masked. The tiles and the order of
@@ -195,20 +200,20 @@ def _fold_span(q, q_base, sqt, k_base, v_base, skt, svt, K_DESC, V_DESC, bat, hk
         m_i, l_i, acc = _fold_tiles(m_i, l_i, acc, q, q_base, sqt, k_base, v_base, skt, svt, K_DESC, V_DESC, bat, hk,
                                     lo, a, offs_m, offs_n0, offs_d, offs_dv, Tb, Sb, qk_scale, D, DV, BLOCK_M,
                                     BLOCK_N, BLOCK_D, BLOCK_DV, CAUSAL, WINDOW, EVEN_N, True, PREC, ROUND_TF32,
-                                    DOT_K, POS_SCALE, TMA)
+                                    DOT_K, POS_SCALE, TMA, q_lo, kl_base, vl_base, ks_base, q_rs, SPLIT)
         m_i, l_i, acc = _fold_tiles(m_i, l_i, acc, q, q_base, sqt, k_base, v_base, skt, svt, K_DESC, V_DESC, bat, hk,
                                     a, b, offs_m, offs_n0, offs_d, offs_dv, Tb, Sb, qk_scale, D, DV, BLOCK_M,
                                     BLOCK_N, BLOCK_D, BLOCK_DV, CAUSAL, WINDOW, EVEN_N, False, PREC, ROUND_TF32,
-                                    DOT_K, POS_SCALE, TMA)
+                                    DOT_K, POS_SCALE, TMA, q_lo, kl_base, vl_base, ks_base, q_rs, SPLIT)
         m_i, l_i, acc = _fold_tiles(m_i, l_i, acc, q, q_base, sqt, k_base, v_base, skt, svt, K_DESC, V_DESC, bat, hk,
                                     b, hi, offs_m, offs_n0, offs_d, offs_dv, Tb, Sb, qk_scale, D, DV, BLOCK_M,
                                     BLOCK_N, BLOCK_D, BLOCK_DV, CAUSAL, WINDOW, EVEN_N, True, PREC, ROUND_TF32,
-                                    DOT_K, POS_SCALE, TMA)
+                                    DOT_K, POS_SCALE, TMA, q_lo, kl_base, vl_base, ks_base, q_rs, SPLIT)
     else:
         m_i, l_i, acc = _fold_tiles(m_i, l_i, acc, q, q_base, sqt, k_base, v_base, skt, svt, K_DESC, V_DESC, bat, hk,
                                     lo, hi, offs_m, offs_n0, offs_d, offs_dv, Tb, Sb, qk_scale, D, DV, BLOCK_M,
                                     BLOCK_N, BLOCK_D, BLOCK_DV, CAUSAL, WINDOW, EVEN_N, not EVEN_N, PREC, ROUND_TF32,
-                                    DOT_K, POS_SCALE, TMA)
+                                    DOT_K, POS_SCALE, TMA, q_lo, kl_base, vl_base, ks_base, q_rs, SPLIT)
     return m_i, l_i, acc
 
 
@@ -217,17 +222,30 @@ def _fold_tiles(m_i, l_i, acc, q, q_base, sqt, k_base, v_base, skt, svt, K_DESC,
                 offs_n0, offs_d, offs_dv, Tb, Sb, qk_scale, D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr,
                 WINDOW: tl.constexpr, EVEN_N: tl.constexpr, MASKED: tl.constexpr, PREC: tl.constexpr,
-                ROUND_TF32: tl.constexpr, DOT_K: tl.constexpr, POS_SCALE: tl.constexpr, TMA: tl.constexpr):
+                ROUND_TF32: tl.constexpr, DOT_K: tl.constexpr, POS_SCALE: tl.constexpr, TMA: tl.constexpr, q_lo,
+                kl_base, vl_base, ks_base, q_rs, SPLIT: tl.constexpr):
     """Fold the key tiles ``[lo, hi)`` into the state ``(m_i, l_i, acc)``: each tile's state (its max, the
     sum of ``p`` and ``p @ v``: tree reductions across the tile) merges into the running state by
     un-sum-renorm (the online-softmax step). ``MASKED``: the scores of hidden pairs are set to -inf, and in
     a causal or windowed fold (where every masked tile is partly hidden) ``p @ v`` multiplies through
     :func:`contained_dot`. ``DOT_K > 0``: ``q k^T`` is formed ``DOT_K`` columns of ``q`` and ``k`` at a
     time, read from memory (the FMA dot then holds a slice of its operands in registers, not all of ``D``;
-    its additions run in the same order). Returns ``(m, l, acc)``."""
+    its additions run in the same order). ``SPLIT``: the operands are fp16 parts (``q, q_lo``, the tiles of
+    ``k_base, kl_base`` and ``v_base, vl_base``) scaled per query row by ``q_rs``, per key row by ``ks_base``'s
+    entries and (after the fold) per value column (:mod:`regattn.ops.scan.split`); each product is a
+    :func:`split_dot`, ``p`` split as ``2^P_SHIFT p``. Returns ``(m, l, acc)``."""
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + offs_n0
-        if DOT_K > 0:  # q k^T in chunks of DOT_K columns, each accumulated into the last
+        if SPLIT:
+            k = _key_rows(K_DESC, k_base, bat, hk, n0, offs_n, skt, offs_d, Sb, D, EVEN_N, TMA)
+            k_lo = _load_rows(kl_base, offs_n, skt, offs_d, Sb, D, EVEN_N)
+            s = split_dot(q, q_lo, tl.trans(k), tl.trans(k_lo))
+            if EVEN_N:
+                ks = tl.load(ks_base + offs_n)
+            else:
+                ks = tl.load(ks_base + offs_n, mask=offs_n < Sb, other=0.0)
+            s = s * (q_rs[:, None] * ks[None, :])
+        elif DOT_K > 0:  # q k^T in chunks of DOT_K columns, each accumulated into the last
             s = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
             for d0 in tl.static_range(0, BLOCK_D, DOT_K):
                 cols = d0 + tl.arange(0, DOT_K)
@@ -246,11 +264,21 @@ def _fold_tiles(m_i, l_i, acc, q, q_base, sqt, k_base, v_base, skt, svt, K_DESC,
             s = tl.where(seen, s, float("-inf"))
         m_i, l_i, p, alpha = online_softmax_step(m_i, l_i, s, s_scale)
         v = _tf32(_key_rows(V_DESC, v_base, bat, hk, n0, offs_n, svt, offs_dv, Sb, DV, EVEN_N, TMA), ROUND_TF32)
-        p = _tf32(p.to(v.dtype), ROUND_TF32)
-        if MASKED and (CAUSAL or WINDOW > 0):
-            acc = contained_dot(acc * alpha[:, None], p, v, seen, PREC)
+        if SPLIT:
+            v_lo = _load_rows(vl_base, offs_n, svt, offs_dv, Sb, DV, EVEN_N)
+            p = p * P_SCALE
+            p_hi = p.to(tl.float16)
+            p_lo = (p - p_hi.to(tl.float32)).to(tl.float16)
+            if MASKED and (CAUSAL or WINDOW > 0):
+                acc = contained_split_dot(acc * alpha[:, None], p_hi, p_lo, v, v_lo, seen)
+            else:
+                acc = acc * alpha[:, None] + split_dot(p_hi, p_lo, v, v_lo)
         else:
-            acc = tl.dot(p, v, acc * alpha[:, None], input_precision=PREC)
+            p = _tf32(p.to(v.dtype), ROUND_TF32)
+            if MASKED and (CAUSAL or WINDOW > 0):
+                acc = contained_dot(acc * alpha[:, None], p, v, seen, PREC)
+            else:
+                acc = tl.dot(p, v, acc * alpha[:, None], input_precision=PREC)
     return m_i, l_i, acc
 
 
@@ -283,21 +311,23 @@ def _parked_rows(O, WS_ACC, bat, h, row0, sob, soh, sot, rows, split, ws_stride,
     and a["DV"] == a["BLOCK_DV"],
 })
 @triton.jit
-def _fwd_kernel(Q, K, V, O, LSE, WS_M, WS_L, WS_ACC, CU, K_DESC, V_DESC,
+def _fwd_kernel(Q, K, V, O, LSE, WS_M, WS_L, WS_ACC, CU, K_DESC, V_DESC, QL, KL, VL, QS, KS, VS,
                 sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sob, sot, soh,
                 T, S, HQ, GROUP, qk_scale, ws_stride, SIZE_CLASS,
                 D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
                 VARLEN: tl.constexpr, NSPLIT: tl.constexpr, STORE_LSE: tl.constexpr, EVEN_N: tl.constexpr,
                 PREC: tl.constexpr, ROUND_TF32: tl.constexpr, CHUNK: tl.constexpr, DOT_K: tl.constexpr,
-                POS_SCALE: tl.constexpr, HAS_DESC: tl.constexpr, TMA: tl.constexpr = False):
+                POS_SCALE: tl.constexpr, HAS_DESC: tl.constexpr, SPLIT: tl.constexpr, TMA: tl.constexpr = False):
     """One program: ``BLOCK_M`` queries of one head against key slice ``program_id(2)`` of ``NSPLIT``.
 
     ``CHUNK > 0``: fold in two levels of ``CHUNK`` tiles;
     ``DOT_K > 0``: ``q k^T`` in column chunks (see :func:`_fold_tiles`); ``POS_SCALE``: ``qk_scale > 0``, which
     then multiplies the scores inside exp2's argument (a zero or negative one scales them first);
     ``HAS_DESC``: ``K_DESC``, ``V_DESC`` are tensor descriptors of k and v (else k and v again), through which
-    ``TMA`` loads the key and value tiles.
+    ``TMA`` loads the key and value tiles; ``SPLIT``: ``Q, K, V`` hold the fp16 high parts of fp32 operands,
+    ``QL, KL, VL`` their low parts, ``QS [B, HQ, T]``, ``KS [B, H, S]`` and ``VS [sequences, H, DV]`` their
+    scales (:mod:`regattn.ops.scan.split`; else these are any tensors).
     """
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -315,8 +345,16 @@ def _fwd_kernel(Q, K, V, O, LSE, WS_M, WS_L, WS_ACC, CU, K_DESC, V_DESC,
     k_base = _head_rows(K, bat, hk, row0, skb, skh, skt)
     v_base = _head_rows(V, bat, hk, row0, svb, svh, svt)
     q = _tf32(_load_rows(q_base, offs_m, sqt, offs_d, Tb, D, False), ROUND_TF32)
-
     rows = _stats_rows(bat, h, HQ, T, row0) + offs_m
+    if SPLIT:
+        q_lo = _load_rows(_head_rows(QL, bat, h, row0, sqb, sqh, sqt), offs_m, sqt, offs_d, Tb, D, False)
+        q_rs = tl.load(QS + rows, mask=offs_m < Tb, other=0.0)
+        kl_base = _head_rows(KL, bat, hk, row0, skb, skh, skt)
+        vl_base = _head_rows(VL, bat, hk, row0, svb, svh, svt)
+        ks_base = KS + (bat * (HQ // GROUP) + hk).to(tl.int64) * S + row0
+    else:
+        q_lo, q_rs, kl_base, vl_base, ks_base = q, qk_scale, k_base, v_base, KS
+
     lo, hi = _key_tiles(m0, Tb, Sb, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
     full_lo, full_hi = _full_keys(m0, Tb, Sb, BLOCK_M, CAUSAL, WINDOW)
     if NSPLIT > 1:
@@ -328,7 +366,10 @@ def _fwd_kernel(Q, K, V, O, LSE, WS_M, WS_L, WS_ACC, CU, K_DESC, V_DESC,
         m_i, l_i, acc = _fold_span(q, q_base, sqt, k_base, v_base, skt, svt, K_DESC, V_DESC, bat, hk, lo, hi, full_lo,
                                    full_hi, offs_m, offs_n0, offs_d, offs_dv, Tb, Sb, qk_scale, D, DV, BLOCK_M,
                                    BLOCK_N, BLOCK_D, BLOCK_DV, CAUSAL, WINDOW, EVEN_N, PREC, ROUND_TF32, DOT_K,
-                                   POS_SCALE, TMA)
+                                   POS_SCALE, TMA, q_lo, kl_base, vl_base, ks_base, q_rs, SPLIT)
+        if SPLIT:
+            vs = VS + ((pid_bh // HQ) * (HQ // GROUP) + hk).to(tl.int64) * DV + offs_dv
+            acc = acc * tl.load(vs, mask=offs_dv < DV, other=0.0)[None, :]
     else:
         # Two levels: CHUNK tiles fold into a chunk state, and the chunk states into the total, so that
         # no accumulator sees more than max(CHUNK * BLOCK_N, n / (CHUNK * BLOCK_N)) sequential additions.
@@ -342,7 +383,8 @@ def _fwd_kernel(Q, K, V, O, LSE, WS_M, WS_L, WS_ACC, CU, K_DESC, V_DESC,
             m_c, l_c, acc_c = _fold_span(q, q_base, sqt, k_base, v_base, skt, svt, K_DESC, V_DESC, bat, hk, c0,
                                          tl.minimum(hi, c0 + CHUNK * BLOCK_N), full_lo, full_hi, offs_m, offs_n0,
                                          offs_d, offs_dv, Tb, Sb, qk_scale, D, DV, BLOCK_M, BLOCK_N, BLOCK_D,
-                                         BLOCK_DV, CAUSAL, WINDOW, EVEN_N, PREC, ROUND_TF32, DOT_K, POS_SCALE, TMA)
+                                         BLOCK_DV, CAUSAL, WINDOW, EVEN_N, PREC, ROUND_TF32, DOT_K, POS_SCALE, TMA,
+                                         q_lo, kl_base, vl_base, ks_base, q_rs, SPLIT)
             tl.debug_barrier()
             m_i, l_i, w = _combine(m_i, l_i, tl.load(w_ptrs, mask=w_mask, other=0.0), m_c, l_c, acc_c)
             tl.store(w_ptrs, w, mask=w_mask)
@@ -607,6 +649,9 @@ FWD_CONFIGS = {
     "ieee": tile_configs([(64, 64, 8, 2), (128, 32, 8, 2), (64, 32, 4, 2), (32, 64, 4, 2), (32, 32, 4, 2),
                       (128, 32, 8, 3), (64, 32, 4, 3), (32, 64, 4, 3), (32, 32, 2, 2),
                       (64, 64, 4, 2), (128, 64, 8, 2), (64, 128, 8, 2)]),
+    # fp32 as fp16 parts (precision "fp16x3"): two fp16 tiles of each operand.
+    "split": tile_configs([(128, 64, 8, 3), (64, 64, 4, 3), (128, 64, 8, 2), (64, 64, 4, 2), (128, 128, 8, 2),
+                           (64, 128, 4, 2), (128, 32, 4, 3), (64, 32, 4, 3)]),
 }
 # fp16/bf16 backward: one stage. While the backward's loops chose each tile's product at run time, Triton 3.6
 # on the H100 gave the causal dk, dv (and dq at 64 x 64) 0.7 to 1.1 relative error with the loop software-
@@ -642,15 +687,20 @@ def usable(configs, meta: dict) -> list:
     return configs if meta.get("HAS_DESC") else [c for c in configs if not c.kwargs.get("TMA")]
 
 
+def _operand_bytes(q, meta: dict) -> int:
+    """Bytes an element of each operand takes in shared memory: two fp16 parts with ``SPLIT``."""
+    return q.element_size() * (2 if meta.get("SPLIT") else 1)
+
+
 def _pruner(streamed: str):
     def prune(configs, named_args, **kwargs):
-        return fitting(usable(configs, kwargs), kwargs["BLOCK_D"], kwargs["BLOCK_DV"], named_args["Q"].element_size(),
-                       streamed=streamed)
+        return fitting(usable(configs, kwargs), kwargs["BLOCK_D"], kwargs["BLOCK_DV"],
+                       _operand_bytes(named_args["Q"], kwargs), streamed=streamed)
     return {"early_config_prune": prune}
 
 
 _KEY = ["D", "DV", "CAUSAL", "WINDOW", "VARLEN", "PREC", "SIZE_CLASS"]
-_FWD_KEY = _KEY + ["NSPLIT", "STORE_LSE", "HAS_DESC"]
+_FWD_KEY = _KEY + ["NSPLIT", "STORE_LSE", "HAS_DESC", "SPLIT"]
 _FWD_TUNED = {family: triton.autotune(cfgs, key=_FWD_KEY, prune_configs_by=_pruner("N"))(_fwd_kernel)
               for family, cfgs in FWD_CONFIGS.items()}
 _DKDV_TUNED = {family: triton.autotune(cfgs, key=_KEY, prune_configs_by=_pruner("M"))(_bwd_dkdv_kernel)
@@ -664,12 +714,15 @@ AUTOTUNE = True  # False: every launch takes the first config of its list (no tu
 def _family(dtype: torch.dtype, precision: str) -> str:
     if dtype in (torch.float16, torch.bfloat16):
         return "half"
-    return "ieee" if precision == "ieee" else "tensor"
+    return {"ieee": "ieee", "fp16x3": "split"}.get(precision, "tensor")
 
 
 def dot_precision(dtype: torch.dtype, precision: str) -> str:
-    """The ``input_precision`` of every ``tl.dot``: the requested one for fp32, unused for fp16/bf16."""
-    return precision if dtype == torch.float32 else "tf32"
+    """The ``input_precision`` of every ``tl.dot``: the requested one for fp32 (``"tf32x3"`` for ``"fp16x3"``,
+    whose forward multiplies fp16 parts and whose backward takes tf32x3's products), unused for fp16/bf16."""
+    if dtype != torch.float32:
+        return "tf32"
+    return "tf32x3" if precision == "fp16x3" else precision
 
 
 DOT_K = 16  # columns of q and k per FMA dot of strict fp32's q k^T (triton 3.6 needs K >= 16)
@@ -700,7 +753,7 @@ def _launch(configs, tuned, plain, grid, *args, streamed, **meta):
             tiles["TMA"] = True
         plain[grid(tiles)](*args, **tiles, **meta)
     elif not AUTOTUNE:
-        c = fitting(usable(configs, meta), meta["BLOCK_D"], meta["BLOCK_DV"], args[0].element_size(),
+        c = fitting(usable(configs, meta), meta["BLOCK_D"], meta["BLOCK_DV"], _operand_bytes(args[0], meta),
                     streamed=streamed)[0]
         _set_boxes(args, c.kwargs["BLOCK_N"])
         plain[grid(c.kwargs)](*args, **c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages, **meta)
@@ -769,14 +822,19 @@ def forward(q, k, v, *, causal, window, scale, precision, cu_seqlens, num_splits
     descriptors = None
     if fam == "half" and not varlen:
         descriptors = kv_descriptors(k, v, BLOCK_D, BLOCK_DV, work=B * HQ * T * S * D)
+    (qk, kk, vk), parts = (q, k, v), (q, k, v, q, k, v)  # the kernel's operands; parts unused but by SPLIT
+    if fam == "split":
+        (qk, q_lo, q_scale), (kk, k_lo, k_scale) = row_parts(q), row_parts(k)
+        vk, v_lo, v_scale = column_parts(v, cu_seqlens)
+        parts = (q_lo, k_lo, v_lo, q_scale, k_scale, v_scale)
     _launch(FWD_CONFIGS[fam], _FWD_TUNED[fam], _fwd_kernel,
             lambda meta: (ceil_div(max_rows, meta["BLOCK_M"]), nseq * HQ, num_splits),
-            q, k, v, o, lse, ws_m, ws_l, ws_acc, cu, *(descriptors or (k, v)),
-            *_strides(q), *_strides(k), *_strides(v), *_strides(o),
+            qk, kk, vk, o, lse, ws_m, ws_l, ws_acc, cu, *(descriptors or (k, v)), *parts,
+            *_strides(qk), *_strides(kk), *_strides(vk), *_strides(o),
             rows, S, HQ, HQ // H, scale * LOG2E, ws_stride, size_class(B * HQ * T),
             D=D, DV=DV, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, CAUSAL=causal, WINDOW=window or 0,
             VARLEN=varlen, NSPLIT=num_splits, STORE_LSE=need_lse, PREC=prec, POS_SCALE=scale > 0,
-            HAS_DESC=descriptors is not None, streamed="N",
+            HAS_DESC=descriptors is not None, SPLIT=fam == "split", streamed="N",
             **_numerics(q.dtype, precision))
     if num_splits > 1:
         block = max(1, min(64, 8192 // (num_splits * BLOCK_DV)))

@@ -61,7 +61,7 @@ def exact_attention(*, precision: str = "ieee", backend: str = "auto"):
     """Run ``torch.nn.functional.scaled_dot_product_attention`` as the exact ELSA scan inside the block.
 
     Args:
-        precision: ``"ieee" | "tf32x3" | "tf32"`` for fp32 inputs (see ``regattn.scan_attention``).
+        precision: ``"ieee" | "tf32x3" | "fp16x3" | "tf32"`` for fp32 inputs (see ``regattn.scan_attention``).
         backend: ``"auto" | "torch" | "triton"``.
 
     Yields:

@@ -29,7 +29,7 @@ from regattn.ops.scan.api import PRECISIONS, scan_attention
 from regattn.reference.softmax import softmax_attention
 from regattn.usage import device
 
-UNIT_ROUNDOFF = {"ieee": 2.0 ** -24, "tf32x3": 2.0 ** -24, "tf32": 2.0 ** -11,
+UNIT_ROUNDOFF = {"ieee": 2.0 ** -24, "tf32x3": 2.0 ** -24, "fp16x3": 2.0 ** -24, "tf32": 2.0 ** -11,
                  "float16": 2.0 ** -11, "bfloat16": 2.0 ** -8, "float64": 2.0 ** -53}
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
