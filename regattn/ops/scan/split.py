@@ -24,10 +24,12 @@ import triton
 import triton.language as tl
 
 from regattn.ops._common.ints import ceil_div, next_pow2
+from regattn.ops._common.launch import launch
 
 TOP = 15  # each scaled group's largest magnitude lies in [2^(TOP - 1), 2^TOP)
 P_SHIFT = 14  # the kernel's weights p <= 1 are multiplied by 2^P_SHIFT before their split
 _TOP: tl.constexpr = tl.constexpr(TOP)
+_P_SHIFT: tl.constexpr = tl.constexpr(P_SHIFT)
 
 
 @triton.jit
@@ -85,47 +87,45 @@ def _sequence_of_rows(SEQ, rows, n_rows, S, H, VARLEN: tl.constexpr):
 
 @triton.jit
 def _column_max_kernel(X, MOST, SEQ, n_keys, S, H, D: tl.constexpr, VARLEN: tl.constexpr, BLOCK_R: tl.constexpr,
-                       BLOCK_D: tl.constexpr, BLOCKS: tl.constexpr):
+                       BLOCK_D: tl.constexpr):
     """``MOST [N, H, D]`` (int32 bits of fp32, zeros to start): the largest finite ``|v|`` of each column of head
     ``program_id(1)`` over each sequence's keys, by atomic maxima (the bits of non-negative floats order as
-    integers). A program reads ``BLOCKS`` blocks of keys: one atomic per column for its keys in its first key's
-    sequence, one per entry for the rest."""
+    integers; relaxed: only the launch's end orders them): one per column for the block's keys in its first
+    key's sequence, one per entry for the rest."""
     h = tl.program_id(1)
-    start = tl.program_id(0) * BLOCKS * BLOCK_R  # b * S + s
+    keys = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # b * S + s
     cols = tl.arange(0, BLOCK_D)
+    mask = (keys < n_keys)[:, None] & (cols < D)[None, :]
+    x = tl.abs(tl.load(X + (keys.to(tl.int64) * H + h)[:, None] * D + cols[None, :], mask=mask, other=0.0))
+    top = tl.where(x < float("inf"), x, 0.0).to(tl.int32, bitcast=True)
     if VARLEN:
-        first = tl.load(SEQ + start)
+        seq = tl.load(SEQ + keys, mask=keys < n_keys, other=0)
     else:
-        first = start // S
-    most = tl.zeros([BLOCK_D], tl.int32)
-    for i in range(BLOCKS):
-        keys = start + i * BLOCK_R + tl.arange(0, BLOCK_R)
-        mask = (keys < n_keys)[:, None] & (cols < D)[None, :]
-        x = tl.abs(tl.load(X + (keys.to(tl.int64) * H + h)[:, None] * D + cols[None, :], mask=mask, other=0.0))
-        top = tl.where(x < float("inf"), x, 0.0).to(tl.int32, bitcast=True)
-        if VARLEN:
-            seq = tl.load(SEQ + keys, mask=keys < n_keys, other=0)
-        else:
-            seq = keys // S
-        same = seq == first
-        most = tl.maximum(most, tl.max(tl.where(same[:, None], top, 0), 0))
-        tl.atomic_max(MOST + (seq * H + h).to(tl.int64)[:, None] * D + cols[None, :], top, mask=mask & ~same[:, None])
-    tl.atomic_max(MOST + (first * H + h).to(tl.int64) * D + cols, most, mask=cols < D)
+        seq = keys // S
+    first = tl.min(tl.where(keys < n_keys, seq, 2 ** 30))
+    same = seq == first
+    tl.atomic_max(MOST + (first * H + h).to(tl.int64) * D + cols, tl.max(tl.where(same[:, None], top, 0), 0),
+                  mask=cols < D, sem="relaxed")
+    tl.atomic_max(MOST + (seq * H + h).to(tl.int64)[:, None] * D + cols[None, :], top, mask=mask & ~same[:, None],
+                  sem="relaxed")
 
 
 @triton.jit
-def _column_parts_kernel(X, HI, LO, EXP, SEQ, n_rows, S, H, D: tl.constexpr, VARLEN: tl.constexpr,
+def _column_parts_kernel(X, HI, LO, MOST, SCALE, SEQ, n_rows, S, H, D: tl.constexpr, VARLEN: tl.constexpr,
                          BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Rows ``r = (b * S + s) * H + h`` of ``v [B, S, H, D]``: parts with the exponents ``EXP [N, H, D]`` of the
-    row's sequence (``SEQ [S]`` with ``VARLEN``, else its batch entry)."""
+    """Rows ``r = (b * S + s) * H + h`` of ``v [B, S, H, D]``: parts scaled by the column maxima ``MOST [N, H, D]``
+    of the row's sequence (``SEQ [S]`` with ``VARLEN``, else its batch entry), and their scales into ``SCALE``
+    (written alike by every row of a sequence)."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_D)
     mask = (rows < n_rows)[:, None] & (cols < D)[None, :]
     offs = rows.to(tl.int64)[:, None] * D + cols[None, :]
     x = tl.load(X + offs, mask=mask, other=0.0)
     seq = _sequence_of_rows(SEQ, rows, n_rows, S, H, VARLEN)
-    e = tl.load(EXP + (seq * H + rows % H).to(tl.int64)[:, None] * D + cols[None, :], mask=mask, other=0)
+    at = (seq * H + rows % H).to(tl.int64)[:, None] * D + cols[None, :]
+    e = exponent_above(tl.load(MOST + at, mask=mask, other=0).to(tl.float32, bitcast=True))
     _store_parts(HI, LO, offs, x, -(e - _TOP), mask)
+    tl.store(SCALE + at, times_pow2(tl.full([BLOCK_R, BLOCK_D], 1.0, tl.float32), e - _TOP - _P_SHIFT), mask=mask)
 
 
 def _blocks(n_rows: int, D: int):
@@ -147,7 +147,7 @@ def row_parts(x: torch.Tensor):
     hi, lo = _empty_parts(x)
     scale = torch.empty(B, H, T, dtype=torch.float32, device=x.device)
     grid, meta = _blocks(B * T * H, D)
-    _row_parts_kernel[grid](x, hi, lo, scale, B * T * H, T, H, **meta)
+    launch(_row_parts_kernel, grid, x, hi, lo, scale, B * T * H, T, H, **meta)
     return hi, lo, scale
 
 
@@ -167,12 +167,10 @@ def column_parts(v: torch.Tensor, cu_seqlens: torch.Tensor | None):
     varlen = cu_seqlens is not None
     seq = _sequence_of_keys(cu_seqlens, S) if varlen else v
     most = torch.zeros(cu_seqlens.numel() - 1 if varlen else B, H, D, dtype=torch.int32, device=v.device)
-    _, meta = _blocks(B * S, D)
-    blocks = 16
-    _column_max_kernel[(ceil_div(B * S, blocks * meta["BLOCK_R"]), H)](v, most, seq, B * S, S, H, VARLEN=varlen,
-                                                                       BLOCKS=blocks, **meta)
-    exps = torch.frexp(most.view(torch.float32)).exponent.to(torch.int32)
+    grid, meta = _blocks(B * S, D)
+    launch(_column_max_kernel, grid + (H,), v, most, seq, B * S, S, H, VARLEN=varlen, **meta)
     hi, lo = _empty_parts(v)
+    scale = torch.full(most.shape, 2.0 ** -(TOP + P_SHIFT), device=v.device)  # that of a sequence with no keys
     grid, meta = _blocks(B * S * H, D)
-    _column_parts_kernel[grid](v, hi, lo, exps, seq, B * S * H, S, H, VARLEN=varlen, **meta)
-    return hi, lo, torch.exp2((exps - TOP - P_SHIFT).double()).float()
+    launch(_column_parts_kernel, grid, v, hi, lo, most, scale, seq, B * S * H, S, H, VARLEN=varlen, **meta)
+    return hi, lo, scale
