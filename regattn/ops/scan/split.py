@@ -62,14 +62,20 @@ def _store_parts(HI, LO, offs, x, shift, mask):
 
 
 @triton.jit
-def _row_parts_kernel(X, HI, LO, SCALE, n_rows, T, H, D: tl.constexpr, BLOCK_R: tl.constexpr,
-                      BLOCK_D: tl.constexpr):
-    """Rows ``r = (b * T + t) * H + h`` of ``x [B, T, H, D]``: parts, and ``scale [B, H, T]``."""
+def _row_block(X, n_rows, D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Rows ``program_id(0) * BLOCK_R + arange`` of ``X [n_rows, D]``: ``(rows, cols, offsets, mask, x)``."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_D)
     mask = (rows < n_rows)[:, None] & (cols < D)[None, :]
     offs = rows.to(tl.int64)[:, None] * D + cols[None, :]
-    x = tl.load(X + offs, mask=mask, other=0.0)
+    return rows, cols, offs, mask, tl.load(X + offs, mask=mask, other=0.0)
+
+
+@triton.jit
+def _row_parts_kernel(X, HI, LO, SCALE, n_rows, T, H, D: tl.constexpr, BLOCK_R: tl.constexpr,
+                      BLOCK_D: tl.constexpr):
+    """Rows ``r = (b * T + t) * H + h`` of ``x [B, T, H, D]``: parts, and ``scale [B, H, T]``."""
+    rows, cols, offs, mask, x = _row_block(X, n_rows, D, BLOCK_R, BLOCK_D)
     e = exponent_above(tl.max(tl.where(tl.abs(x) < float("inf"), tl.abs(x), 0.0), 1))
     _store_parts(HI, LO, offs, x, -(e - _TOP)[:, None], mask)
     bt = rows // H
@@ -78,11 +84,11 @@ def _row_parts_kernel(X, HI, LO, SCALE, n_rows, T, H, D: tl.constexpr, BLOCK_R: 
 
 
 @triton.jit
-def _sequence_of_rows(SEQ, rows, n_rows, S, H, VARLEN: tl.constexpr):
-    """The sequence of the rows ``r = (b * S + s) * H + h``: ``SEQ[s]`` with ``VARLEN`` (``B == 1``), else ``b``."""
+def _key_sequence(SEQ, keys, n_keys, S, VARLEN: tl.constexpr):
+    """The sequence of the keys ``b * S + s``: ``SEQ[s]`` with ``VARLEN`` (``B == 1``), else ``b``."""
     if VARLEN:
-        return tl.load(SEQ + rows // H, mask=rows < n_rows, other=0)
-    return rows // H // S
+        return tl.load(SEQ + keys, mask=keys < n_keys, other=0)
+    return keys // S
 
 
 @triton.jit
@@ -98,10 +104,7 @@ def _column_max_kernel(X, MOST, SEQ, n_keys, S, H, D: tl.constexpr, VARLEN: tl.c
     mask = (keys < n_keys)[:, None] & (cols < D)[None, :]
     x = tl.abs(tl.load(X + (keys.to(tl.int64) * H + h)[:, None] * D + cols[None, :], mask=mask, other=0.0))
     top = tl.where(x < float("inf"), x, 0.0).to(tl.int32, bitcast=True)
-    if VARLEN:
-        seq = tl.load(SEQ + keys, mask=keys < n_keys, other=0)
-    else:
-        seq = keys // S
+    seq = _key_sequence(SEQ, keys, n_keys, S, VARLEN)
     first = tl.min(tl.where(keys < n_keys, seq, 2 ** 30))
     same = seq == first
     tl.atomic_max(MOST + (first * H + h).to(tl.int64) * D + cols, tl.max(tl.where(same[:, None], top, 0), 0),
@@ -116,12 +119,8 @@ def _column_parts_kernel(X, HI, LO, MOST, SCALE, SEQ, n_rows, S, H, D: tl.conste
     """Rows ``r = (b * S + s) * H + h`` of ``v [B, S, H, D]``: parts scaled by the column maxima ``MOST [N, H, D]``
     of the row's sequence (``SEQ [S]`` with ``VARLEN``, else its batch entry), and their scales into ``SCALE``
     (written alike by every row of a sequence)."""
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = tl.arange(0, BLOCK_D)
-    mask = (rows < n_rows)[:, None] & (cols < D)[None, :]
-    offs = rows.to(tl.int64)[:, None] * D + cols[None, :]
-    x = tl.load(X + offs, mask=mask, other=0.0)
-    seq = _sequence_of_rows(SEQ, rows, n_rows, S, H, VARLEN)
+    rows, cols, offs, mask, x = _row_block(X, n_rows, D, BLOCK_R, BLOCK_D)
+    seq = _key_sequence(SEQ, rows // H, n_rows // H, S, VARLEN)
     at = (seq * H + rows % H).to(tl.int64)[:, None] * D + cols[None, :]
     e = exponent_above(tl.load(MOST + at, mask=mask, other=0).to(tl.float32, bitcast=True))
     _store_parts(HI, LO, offs, x, -(e - _TOP), mask)
