@@ -2,14 +2,15 @@
 12800 examples), the 2-layer d=128 model, batch 128, Muon, WSD without warm-up.
 
     PYTHONPATH=. python benchmarks/train_rate.py --mixer softmax --epochs 5 [--compile default] [--cuda-graph] \
-        [--runs N] [--profile K]
+        [--runs N] [--profile K] [--mixer-opt MIXER.KEY=VALUE]
 
 Prints one JSON line: ``run_steps_per_second``, the run's steps over the trainer's own ``seconds`` (its loop:
 the first steps, any compilation and the final evaluation included; every version of the trainer reports
 it, so it compares versions), and ``steps_per_second`` where the trainer measures it (from the first log
 point to the end, evaluations left out). ``--runs N`` trains N runs (seeds 0 to N-1) at once in this process,
-taking turns step by step on their own CUDA streams (:mod:`regattn.train.interleave`), and reports the sums
-over the runs, and the wall time from the first run's start to the last one's end. ``--profile K`` instead
+each at its own pace on its own CUDA stream (:mod:`regattn.train.interleave`), and reports the sums
+over the runs, and the wall time from the first run's start to the last one's end; ``--mixer a,b,...`` gives run i
+the list's entry i modulo its length (runs of different mixers in flight together). ``--profile K`` instead
 profiles the N runs in flight (after 50 steps each, over 40 more; CUDA) and prints the kernels a step, their
 summed time a step, the share of the window in which some kernel ran, the window a step, and the K kernels that
 took the most time.
@@ -22,19 +23,21 @@ import time
 
 import torch
 
+from regattn.train.cli import parse_pairs
 from regattn.train.interleave import Slot, interleave
 from regattn.train.trainer import TrainConfig, training
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--mixer", default="softmax")
+    p.add_argument("--mixer", default="softmax", help="a mixer, or a list: run i takes the i-th modulo its length")
+    p.add_argument("--mixer-opt", action="append", metavar="KEY=VALUE", help="a mixer option (MIXER.KEY: one mixer's)")
     p.add_argument("--epochs", type=float, default=5)
     p.add_argument("--num-train", type=int, default=12_800)
     p.add_argument("--compile", default=None, help="none, default or reduce-overhead (trainers that have it)")
     p.add_argument("--cuda-graph", action="store_true", help="replay each step as one CUDA graph (trainers that have it)")
     p.add_argument("--device", default="cuda")
-    p.add_argument("--runs", type=int, default=1, help="runs trained at once, taking turns on their own streams")
+    p.add_argument("--runs", type=int, default=1, help="runs trained at once, each on its own stream")
     p.add_argument("--profile", type=int, default=None, metavar="K", help="profile the runs in flight; show K kernels")
     args = p.parse_args()
     extra = {} if args.compile is None else {"compile": args.compile}
@@ -44,22 +47,26 @@ def main() -> None:
     for name in extra:
         if name not in known:
             p.error(f"--{name.replace('_', '-')}: this trainer has no {name} option")
-    config = TrainConfig(task="mad_recall", task_options=dict(num_train=args.num_train), mixer=args.mixer,
-                         optimizer="muon", schedule="wsd", warmup=0.0, decay_start=0.8, epochs=args.epochs,
-                         batch_size=128, device=args.device, progress=False, **extra)
+    mixers = args.mixer.split(",")
+    config = TrainConfig(task="mad_recall", task_options=dict(num_train=args.num_train), mixer=mixers[0],
+                         mixer_options=parse_pairs(args.mixer_opt, "--mixer-opt"), optimizer="muon", schedule="wsd",
+                         warmup=0.0, decay_start=0.8, epochs=args.epochs, batch_size=128, device=args.device,
+                         progress=False, **extra)
     if args.runs < 1:
         p.error(f"--runs: expected a value >= 1, got {args.runs}")
+    configs = [dataclasses.replace(config, seed=seed, mixer=mixers[seed % len(mixers)]) for seed in range(args.runs)]
     if args.profile is not None:
-        profile(config, args.runs, args.profile)
+        profile(configs, args.profile)
         return
-    starts = [(seed, functools.partial(training, dataclasses.replace(config, seed=seed))) for seed in range(args.runs)]
     began = time.perf_counter()
-    results = []
-    for seed, outcome in interleave(starts, args.runs, torch.device(args.device)):
+    ended = {}
+    for seed, outcome in interleave([(seed, functools.partial(training, c)) for seed, c in enumerate(configs)],
+                                    args.runs, torch.device(args.device)):
         if isinstance(outcome, BaseException):
             raise outcome
-        results.append(outcome)
+        ended[seed] = outcome
     wall = time.perf_counter() - began
+    results = [ended[seed] for seed in range(args.runs)]
     rates = [r.get("steps_per_second") for r in results]
     steps = sum(r["steps"] for r in results)
     device = torch.cuda.get_device_name() if config.device.startswith("cuda") else config.device
@@ -68,13 +75,15 @@ def main() -> None:
                           wall_seconds=round(wall, 2), wall_steps_per_second=round(steps / wall, 1),
                           run_steps_per_second=round(sum(r["steps"] / r["seconds"] for r in results), 1),
                           steps_per_second=None if None in rates else round(sum(rates), 1),
+                          run_rates=[r.get("steps_per_second") and round(r["steps_per_second"], 1) for r in results],
                           test_accuracy=[round(r["final"]["accuracy"], 4) for r in results], device=device)))
 
 
-def profile(config: TrainConfig, runs: int, shown: int, warm: int = 50, rounds: int = 40) -> None:
-    """Profile ``runs`` runs of ``config`` in flight, each on its own stream, over ``rounds`` steps each after
+def profile(configs: list[TrainConfig], shown: int, warm: int = 50, rounds: int = 40) -> None:
+    """Profile the runs of ``configs`` in flight, each on its own stream, over ``rounds`` steps each after
     ``warm``."""
-    slots = [Slot(seed, training(dataclasses.replace(config, seed=seed)), torch.cuda.Stream()) for seed in range(runs)]
+    slots = [Slot(seed, training(config), torch.cuda.Stream()) for seed, config in enumerate(configs)]
+    runs = len(configs)
 
     def turns(count: int) -> None:
         """``count`` steps of every run, in turns, and the device's end of them."""
@@ -96,7 +105,7 @@ def profile(config: TrainConfig, runs: int, shown: int, warm: int = 50, rounds: 
     busy += end - start
     steps = rounds * runs
     window = max(b for _, b in spans) - spans[0][0]
-    print(json.dumps(dict(mixer=config.mixer, compile=config.compile, runs=runs,
+    print(json.dumps(dict(mixer=",".join(c.mixer for c in configs), compile=configs[0].compile, runs=runs,
                           kernels_per_step=round(len(kernels) / steps),
                           kernel_us_per_step=round(sum(b - a for a, b in spans) / steps, 1),
                           busy_share=round(busy / window, 3), window_us_per_step=round(window / steps, 1),

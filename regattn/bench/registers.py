@@ -380,7 +380,7 @@ def attention_rows(head_dims=(128,), kinds=ATTENTION_KINDS, candidates=False, *,
         configs = [None] + (CANDIDATES[ATTENTION_LAYOUT[kind]] if candidates else [])
         for config in configs:
             kernel, args, kwargs = attention_launch(kind, D, config, gated=gated)
-            usage = launch_usage(kernel, args, kwargs)
+            usage = launch_usage(kernel, args, kwargs, loop=True)
             yield dict(head_dim=D, kind=kind, table=config is None, **launch_settings(kwargs), **usage)
 
 
@@ -432,9 +432,10 @@ def nsa_rows(head_dims=(128,), kinds=None, candidates=False, *, B=1, T=32768, HQ
 
 USAGE = ("REG", "STACK", "LOCAL", "SHARED")
 TMA_COLUMNS = COLUMNS[:4] + ("TMA",) + COLUMNS[4:]  # TMA: tiles loaded through tensor descriptors
+ATTENTION_COLUMNS = COLUMNS + ("loop", "FFMA", "MUFU", "MMA")
 OPS = {"parallax": (parallax_rows, KINDS, TMA_COLUMNS),
-       "gatedfwa": (functools.partial(attention_rows, gated=True), ATTENTION_KINDS, COLUMNS),
-       "softmax": (functools.partial(attention_rows, gated=False), ATTENTION_KINDS, COLUMNS),
+       "gatedfwa": (functools.partial(attention_rows, gated=True), ATTENTION_KINDS, ATTENTION_COLUMNS),
+       "softmax": (functools.partial(attention_rows, gated=False), ATTENTION_KINDS, ATTENTION_COLUMNS),
        "scan": (scan_rows, ("ieee", "tf32x3"),
                 TMA_COLUMNS + ("loop", "FFMA", "FFMA%", "FFMA/w", "MUFU", "LDS", "MMA", "LDL", "STL")),
        "lla": (lla_rows, tuple(LLA_KINDS), COLUMNS + ("loop", "MMA", "LDL", "STL")),

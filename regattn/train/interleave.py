@@ -1,4 +1,4 @@
-"""Several training runs in one process, taking turns step by step, each on its own CUDA stream.
+"""Several training runs in one process, each issuing its steps on its own CUDA stream at its own pace.
 
     for index, outcome in interleave(starts, width=3):
         ...                     # outcome: the run's result, or the exception it raised
@@ -6,29 +6,59 @@
 ``starts`` yields ``(index, make)``: ``make()`` returns a run as a generator (:func:`regattn.train.trainer.training`),
 whose ``next()`` issues one step and whose return value is the result. ``width`` runs are in flight at a time; each
 ``next()`` runs under its run's stream, so that the device runs one run's kernels beside another's (on the CPU the
-runs just take turns). Runs of one model shape share its compiled code and its kernels' tuning, where processes
-(``regattn sweep --jobs``) compile and tune each run for itself; one process compiles one model at a time, though,
-while the others wait. On an H200 six runs of the MAD model in flight kept the device busy 99% of the time, at
-1.4x the steps per second of one run alone (docs/EXPERIMENTS.md).
+runs just take turns). A run issues its next step once fewer than :data:`AHEAD` of its steps are unfinished on the
+device, so a run of short steps goes on at its own pace beside one of long steps, ends sooner and frees its stream
+for the next run, instead of taking one step per turn of the slowest. (Its steps do not come for free: on an H200
+six MAD runs of softmax beside six of MesaNet took 31.3 s, the two groups one after the other 30.3;
+benchmarks/results/h200/experiments/trainer-mixed-streams-paced.json.) Runs of one model shape
+share its compiled code and its kernels' tuning, where processes (``regattn sweep --jobs``) compile and tune each run
+for itself; one process compiles one model at a time, though, while the others wait. On an H200 six runs of the MAD
+model in flight kept the device busy 99% of the time, at 1.4x the steps per second of one run alone
+(docs/EXPERIMENTS.md).
 """
 from __future__ import annotations
 
+import collections
 import contextlib
+import time
 from collections.abc import Callable, Generator, Iterable, Iterator
 
 import torch
 
+AHEAD = 2  # steps of a run issued and not yet finished on the device, at most
+POLL_S = 5e-5  # the wait before looking again when no run may issue a step
+
+
+def _mark(stream):
+    """A CUDA event recorded on ``stream`` after the work issued to it so far; None without a stream."""
+    if stream is None:
+        return None
+    event = torch.cuda.Event()
+    event.record(stream)
+    return event
+
 
 class Slot:
-    """A run in flight: its index, its generator, and the stream its steps are issued on (None on the CPU)."""
+    """A run in flight: its index, its generator, the stream its steps are issued on (None on the CPU) and the
+    marks of its steps not yet seen finished."""
 
     def __init__(self, index: int, steps: Generator, stream):
         self.index, self.steps, self.stream = index, steps, stream
+        self.unfinished = collections.deque()
 
     def advance(self):
         """Issue the run's next step (``StopIteration`` with its result once it has ended)."""
         with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
             next(self.steps)
+        mark = _mark(self.stream)
+        if mark is not None:
+            self.unfinished.append(mark)
+
+    def ready(self) -> bool:
+        """Whether the run may issue a step: fewer than :data:`AHEAD` of its steps unfinished on the device."""
+        while self.unfinished and self.unfinished[0].query():
+            self.unfinished.popleft()
+        return len(self.unfinished) < AHEAD
 
 
 def interleave(starts: Iterable[tuple[int, Callable[[], Generator]]], width: int,
@@ -45,7 +75,11 @@ def interleave(starts: Iterable[tuple[int, Callable[[], Generator]]], width: int
             slots.append(Slot(index, make(), torch.cuda.Stream(device) if cuda else None))
         if not slots:
             return
+        issued = False
         for slot in list(slots):
+            if not slot.ready():
+                continue
+            issued = True
             try:
                 slot.advance()
             except StopIteration as end:
@@ -54,3 +88,5 @@ def interleave(starts: Iterable[tuple[int, Callable[[], Generator]]], width: int
             except Exception as error:                   # noqa: BLE001 (the run's outcome; the others go on)
                 slots.remove(slot)
                 yield slot.index, error
+        if not issued:
+            time.sleep(POLL_S)

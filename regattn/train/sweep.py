@@ -14,7 +14,7 @@ the model widths of gatedfwa Figure 8). A preset (:data:`PRESETS`) writes a pape
 override it (a ``--vary`` of the same key replaces the preset's).
 
 ``--jobs N`` runs N runs at a time, each in its own process (spawned; the small task models leave room for
-several on one GPU); ``--streams N`` runs N at a time in this process, taking turns step by step, each on its
+several on one GPU); ``--streams N`` runs N at a time in this process, each at its own pace on its
 own CUDA stream (:mod:`regattn.train.interleave`): the runs of one model shape then share its compilation and
 its kernels' tuning, and no process starts. A run that raises is recorded with its ``error`` (and no score) and
 is run again by ``--resume``; an interrupt (SIGINT) ends the runs in flight at once, and ``--resume`` runs them
@@ -169,7 +169,7 @@ def run_sweep(base: TrainConfig, *, mixers: list[str], lrs: list[float], seeds: 
     done: records of an earlier, interrupted sweep; their runs are kept, not repeated (a failed one, with an
     ``error``, is run again). on_run: called with the list of records after each run (to save partial
     results). jobs: runs at a time, each in its own process; with 1, in this process, the task data built
-    once per point and seed, ``streams`` runs at a time taking turns (:mod:`regattn.train.interleave`).
+    once per point and seed, ``streams`` runs at a time side by side (:mod:`regattn.train.interleave`).
     checkpoints: a folder where each run checkpoints (every ``base.checkpoint_every`` steps) and resumes from;
     a run's file is removed once ``on_run`` has its record. stop_after: seconds after which no run starts (the
     runs in flight end; the records hold the runs that ran).
@@ -210,7 +210,7 @@ def run_sweep(base: TrainConfig, *, mixers: list[str], lrs: list[float], seeds: 
 
 def execute(configs: list[TrainConfig], jobs: int, streams: int = 1, keep_starting=None):
     """The record of each run (:func:`run_config`, with its ``index`` in ``configs``) as it finishes: ``jobs``
-    processes, or with ``jobs`` 1 in this process, ``streams`` runs taking turns (:mod:`regattn.train.interleave`).
+    processes, or with ``jobs`` 1 in this process, ``streams`` runs side by side (:mod:`regattn.train.interleave`).
     keep_starting: asked before each run starts; once it says False no more start (None: every run starts)."""
     starts = enumerate(configs)
     if keep_starting is not None:
@@ -365,7 +365,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", choices=sorted(PRESETS), help="a paper's protocol (see PRESETS); give no TASK")
     p.add_argument("--jobs", type=int, default=1, help="runs at a time, each in its own process (default 1)")
     p.add_argument("--streams", type=int, default=1,
-                   help="with --jobs 1: runs at a time in this process, taking turns step by step, each on its own "
+                   help="with --jobs 1: runs at a time in this process, each at its own pace on its own "
                         "CUDA stream (default 1)")
     p.add_argument("--checkpoint-every", type=int, default=0, metavar="N",
                    help="each run checkpoints every N steps into OUT/checkpoints, and --resume continues an "
@@ -427,7 +427,7 @@ def main(argv=None) -> int:
     checks.at_least("--jobs", args.jobs, 1)
     checks.at_least("--streams", args.streams, 1)
     if args.jobs > 1 and args.streams > 1:
-        raise UsageError(f"--streams: runs take turns in one process; expected --jobs 1 with it, "
+        raise UsageError(f"--streams: runs go side by side in one process; expected --jobs 1 with it, "
                          f"got --jobs {args.jobs}")
     checks.at_least("--checkpoint-every", args.checkpoint_every, 0)
     if args.stop_after is not None:

@@ -173,7 +173,7 @@ def finish(steps):
 def training(config: TrainConfig, *, data: TaskData | None = None, stop_at: int | None = None):
     """A run (or its resumption) as a generator: each ``next()`` issues one optimizer step (the first also builds
     the model; log points, evaluations and checkpoints come with the step they follow), so that several runs can
-    take turns in one process (:mod:`regattn.train.interleave`). Its return value (``StopIteration.value``) is
+    go on side by side in one process (:mod:`regattn.train.interleave`). Its return value (``StopIteration.value``) is
     the result: config, final and best evaluation, history, and
     ``steps_per_second`` (optimizer steps per second from the first log point to the end, evaluations
     left out: the first steps, which compile, are not counted; None with a single log point), and

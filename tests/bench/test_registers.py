@@ -18,7 +18,7 @@ compiles = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1" or not o
 @compiles
 def test_decode_kernel_resource_usage():
     kernel, args, kwargs = registers.parallax_launch("decode", 32, B=1, T=256, HQ=4, H=2)
-    assert registers.launch_settings(kwargs) == dict(BLOCK_M=16, **TILES[32]["decode"])
+    assert registers.launch_settings(kwargs) == dict(BLOCK_M=16, TMA=False, **TILES[32]["decode"])
     usage = registers.resource_usage(registers.compile_launch(kernel, args, kwargs))
     assert 0 < usage["REG"] <= 255 and usage["STACK"] >= 0 and usage["SHARED"] > 0 and usage["SERIAL"] in (0, 1)
 
@@ -28,7 +28,7 @@ def test_command_prints_the_table_entry(capsys):
     assert registers.main(["parallax", "--head-dims", "32", "--kinds", "decode"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split()[:2] == ["head_dim", "kind"] and len(lines) == 2
-    assert lines[1].split()[:6] == ["32", "decode", "16", "128", "4", "3"] and lines[1].split()[11] == "*"
+    assert lines[1].split()[:7] == ["32", "decode", "16", "128", "0", "4", "3"] and lines[1].split()[12] == "*"
 
 
 @compiles

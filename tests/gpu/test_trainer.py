@@ -128,3 +128,21 @@ def test_steps_per_second_on_the_mad_configuration(mode, graph):
     print(f"\nmad_recall softmax compile={mode} cuda_graph={graph}: {r['steps_per_second']:.0f} steps/s over "
           f"{r['steps']} steps, test accuracy {r['final']['accuracy']:.3f}")
     assert r["skipped_steps"] == 0 and r["steps"] == 500
+
+
+def test_runs_side_by_side_on_streams_end_as_runs_alone():
+    """Runs of different mixers in flight together, each at its own pace on its own stream, every step a CUDA graph:
+    each ends with the losses, scores and parameters it has alone."""
+    import functools
+
+    from regattn.train.interleave import interleave
+    from regattn.train.trainer import training
+    configs = [tiny(mixer=mixer, seed=seed, cuda_graph=True, steps=24)
+               for seed, mixer in enumerate(["softmax", "mesanet", "decay", "softmax"])]
+    alone = [train(config) for config in configs]
+    together = dict(interleave([(i, functools.partial(training, c)) for i, c in enumerate(configs)], 4, "cuda"))
+    for i, a in enumerate(alone):
+        b = together[i]
+        assert a["history"]["train"] == b["history"]["train"] and a["final"] == b["final"]
+        for p, q in zip(a["model"].parameters(), b["model"].parameters()):
+            assert torch.equal(p, q)

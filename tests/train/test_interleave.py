@@ -49,3 +49,39 @@ def test_runs_taking_turns_end_as_runs_alone():
         assert a["history"]["train"] == b["history"]["train"] and a["best"] == b["best"]
         for p, q in zip(a["model"].parameters(), b["model"].parameters()):
             assert torch.equal(p, q)
+
+
+class _Event:
+    """A stand-in for a CUDA event: finished once it has been asked ``after`` times."""
+
+    def __init__(self, after: int):
+        self.left = after
+
+    def query(self) -> bool:
+        self.left -= 1
+        return self.left < 0
+
+
+def test_each_run_goes_at_its_own_pace(monkeypatch):
+    """A run whose steps take the device long waits for them (at most AHEAD unfinished), while a run of quick steps
+    goes on issuing its own: it is not held to one step per turn of the slow one."""
+    from regattn.train import interleave as module
+    queries = {"slow": 6, "quick": 0}  # until a step's event reads finished
+    log, unfinished = [], []
+
+    def mark(stream):
+        return _Event(queries[log[-1]])
+
+    monkeypatch.setattr(module, "_mark", mark)
+    real_advance = module.Slot.advance
+
+    def advance(slot):
+        real_advance(slot)
+        unfinished.append((log[-1], len(slot.unfinished)))
+    monkeypatch.setattr(module.Slot, "advance", advance)
+    starts = [(0, functools.partial(counting, "slow", 3, log)), (1, functools.partial(counting, "quick", 6, log))]
+    ended = dict(interleave(starts, 2))
+    assert ended == {0: "slow done", 1: "quick done"}
+    third_slow = [i for i, name in enumerate(log) if name == "slow"][2]
+    assert log[:third_slow].count("quick") >= 3  # in turns it would be 2
+    assert max(n for name, n in unfinished if name == "slow") <= module.AHEAD
