@@ -6,6 +6,7 @@
 ``python -m regattn.bench.registers lla [--head-dims 128] [--kinds pairs diag cg cg-g16] [--candidates]``
 ``python -m regattn.bench.registers lla_bwd [--head-dims 128] [--kinds pairs diag cg] [--candidates]``
 ``python -m regattn.bench.registers gatedfwa [--kinds fwd bwd_kv bwd_q] [--candidates]`` (``softmax``: ungated)
+``python -m regattn.bench.registers mesanet [--kinds tf32x3 tf32] [--candidates]``
 
 prints, for each kernel configuration of an op at its goal shape, what ``cuobjdump --dump-resource-usage``
 reports for the cubin compiled for sm_90: ``REG`` (registers per thread, 255 at most), ``STACK`` (bytes of
@@ -56,6 +57,7 @@ SM90 = GPUTarget("cuda", 90, 32)
 SM90_SHARED = 232448  # bytes of shared memory a block may use on an H100 (227 KiB)
 KINDS = ("fwd", "dq", "dk", "decode", "decode_split")
 SCAN_KINDS = ("ieee", "tf32x3", "fp16x3", "tf32", "fp16")  # the scan's forward: fp32 precisions, fp16 inputs
+MESANET_KINDS = ("tf32x3", "tf32")  # MesaNet's chunk products: the op's precision, and one TF32 product (a bound)
 HEAD_DIMS = (32, 64, 128, 256)
 # Tile candidates screened with --candidates: (rows of a program, streamed tile, num_warps) x num_stages. A
 # program of fwd and dq holds BLOCK_M query rows and streams BLOCK_N keys; one of dk holds BLOCK_N keys and
@@ -430,6 +432,29 @@ def nsa_rows(head_dims=(128,), kinds=None, candidates=False, *, B=1, T=32768, HQ
                        **launch_settings(kwargs), **launch_usage(kernel, args, kwargs))
 
 
+def mesanet_rows(head_dims=(64,), kinds=MESANET_KINDS, candidates=False, *, N=512, C=64):
+    """One row per (head dim, precision, kernel, warps) of MesaNet's chunk kernels, forward and backward, at the
+    MAD model's shape (batch 128, 2 heads, 2 chunks of 64); ``candidates``: 8 warps as well as the table's."""
+    from regattn.ops.mesanet import kernels as mesanet
+    for D, precision in itertools.product(head_dims, kinds):
+        x = torch.empty(N, C, D, device="meta")
+        s, im = torch.empty(N, D, D, device="meta"), torch.empty(N, C, C, device="meta")
+        with captured_launches() as launches:
+            mesanet.sums_forward(x, x, 1.0, 2, precision)
+            mesanet.sums_backward(x, x, s, s, 2, precision)
+            mesanet.precondition_forward(x, x, s, precision)
+            mesanet.precondition_backward(x, x, s, x, x, im, precision)
+            mesanet.chunk_output_forward(x, x, x, x, s, im, precision)
+            mesanet.chunk_output_backward(x, x, x, x, s, im, x, im, im, im, x, precision)
+            mesanet.inverse_factor_backward(im, im, im, precision)
+            mesanet.lower_inverse(im, precision)
+        for (kernel, args, kwargs), warps in itertools.product(launches, [mesanet.WARPS] + [8] * candidates):
+            name = kernel.__name__.strip("_").removesuffix("_kernel").removeprefix("backward_")
+            kwargs = {**kwargs, "num_warps": warps}
+            yield dict(head_dim=D, kind=f"{precision}/{name}", table=warps == mesanet.WARPS,
+                       **launch_settings(kwargs), **launch_usage(kernel, args, kwargs))
+
+
 USAGE = ("REG", "STACK", "LOCAL", "SHARED")
 TMA_COLUMNS = COLUMNS[:4] + ("TMA",) + COLUMNS[4:]  # TMA: tiles loaded through tensor descriptors
 ATTENTION_COLUMNS = COLUMNS + ("loop", "FFMA", "MUFU", "MMA")
@@ -441,6 +466,7 @@ OPS = {"parallax": (parallax_rows, KINDS, TMA_COLUMNS),
        "lla": (lla_rows, tuple(LLA_KINDS), COLUMNS + ("loop", "MMA", "LDL", "STL")),
        "lla_bwd": (lla_backward_rows, LLA_BACKWARD_KINDS, COLUMNS + ("loop", "MMA", "LDL", "STL")),
        "nsa": (nsa_rows, (), COLUMNS),
+       "mesanet": (mesanet_rows, MESANET_KINDS, COLUMNS),
        "gatedfwa_gate": (gate_rows, (), ("shape", "kernel", "BLOCK_T", "BLOCK_H", "num_warps") + USAGE)}
 
 

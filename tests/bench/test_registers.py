@@ -160,3 +160,14 @@ def test_lla_backward_rows_name_both_kernels_of_each_tile():
     assert [r["kind"] for r in rows] == ["diag/q", "diag/kv"] * len(BACKWARD_TILES[True])
     assert [(r["BLOCK_M"], r["BLOCK_N"]) for r in rows[::2]] == [(m, n) for m, n, _, _ in BACKWARD_TILES[True]]
     assert all(r["table"] and 0 < r["REG"] <= 255 and "error" not in r for r in rows), rows
+
+
+@compiles
+def test_mesanet_kernels_fit_an_h100():
+    """MesaNet's nine launches at the MAD shape compile for sm_90 within an H100's shared memory."""
+    rows = list(registers.mesanet_rows(kinds=("tf32x3",)))
+    kernels = ("sums", "sums_backward", "precondition", "precondition_backward", "forward", "values", "factors",
+               "inverse_factor_backward", "lower_inverse")
+    assert [r["kind"] for r in rows] == [f"tf32x3/{k}" for k in kernels] and all(r["table"] for r in rows)
+    for r in rows:
+        assert r["SHARED"] <= registers.SM90_SHARED and 0 < r["REG"] <= 255, r

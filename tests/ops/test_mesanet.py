@@ -7,10 +7,13 @@ from regattn import reference
 from tests.helpers import no_host_reads, randn, rel_err
 
 
-def _inputs(B, T, S, HQ, H, D, Dv, dtype=torch.float64):
-    q = randn(B, T, HQ, D, dtype=dtype, requires_grad=True)
-    k = torch.nn.functional.normalize(randn(B, S, H, D, dtype=dtype), dim=-1).requires_grad_(True)
-    v = randn(B, S, H, Dv, dtype=dtype, requires_grad=True)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # of the Triton kernels' tests (CPU: the interpreter)
+
+
+def _inputs(B, T, S, HQ, H, D, Dv, dtype=torch.float64, device="cpu"):
+    q = randn(B, T, HQ, D, dtype=dtype, device=device, requires_grad=True)
+    k = torch.nn.functional.normalize(randn(B, S, H, D, dtype=dtype, device=device), dim=-1).requires_grad_(True)
+    v = randn(B, S, H, Dv, dtype=dtype, device=device, requires_grad=True)
     return q, k, v
 
 
@@ -42,16 +45,56 @@ def test_matches_reference_forward_backward(case):
         assert rel_err(a, b) < 1e-11, name
 
 
-def test_fp32_against_float64_on_learned_like_keys():
+# Not the one token: its one output entry is (q.k / 2) v, and where q.k nearly cancels, the error of three TF32
+# products (about 1e-6 |q| |k|) is 1e-4 of it at some seeds.
+TRITON_CASES = [case for case in CASES if case[1] > 1] + [(1, 70, 70, 2, 1, 64, 48, 64, 1.0)]
+
+
+@pytest.mark.parametrize("case", TRITON_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_triton_chunks_match_reference_forward_backward(case, interpret):
+    """fp32 through the Triton kernels (each product three TF32 products) against float64."""
+    B, T, S, HQ, H, D, Dv, chunk, lam = case
+    x = _inputs(B, T, S, HQ, H, D, Dv, device=DEVICE)
+    do = randn(B, T, HQ, Dv, device=DEVICE)
+    want = _outputs(lambda *a: reference.mesanet(*a, lam=lam), x, do)
+    x32 = [t.detach().float().requires_grad_(True) for t in x]
+    got = _outputs(lambda *a: regattn.mesanet(*a, lam=lam, chunk=chunk, backend="triton"), x32, do.float())
+    for name, a, b in zip(["o", "dq", "dk", "dv"], got, want):
+        assert a.dtype == torch.float32
+        assert rel_err(a.double(), b) < 2e-5, name
+
+
+def test_triton_path_takes_head_dims_and_chunks_up_to_64(interpret):
+    x = [t.detach() for t in _inputs(1, 80, 80, 1, 1, 8, 80, dtype=torch.float32, device=DEVICE)]
+    with pytest.raises(ValueError, match="backend: the Triton path of mesanet takes .* got D=8, Dv=80, chunk=64"):
+        regattn.mesanet(*x, backend="triton")
+    with pytest.raises(ValueError, match="chunk=80"):
+        regattn.mesanet(x[0], x[1], x[1], chunk=128, backend="triton")
+    want = regattn.mesanet(*x, backend="torch")
+    assert torch.equal(regattn.mesanet(*x, backend="auto"), want)      # auto: the torch path there
+
+
+def test_triton_refuses_float64(interpret):
+    x = [t.detach() for t in _inputs(1, 8, 8, 2, 2, 4, 4, device=DEVICE)]
+    with pytest.raises(TypeError, match="q: backend='triton' expects"):
+        regattn.mesanet(*x, backend="triton")
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_fp32_against_float64_on_learned_like_keys(backend, request):
     """Keys along few directions make ``H`` ill-conditioned (eigenvalues from lam to about T)."""
+    if backend == "triton":
+        request.getfixturevalue("interpret")
     B, T, H, D = 2, 200, 2, 32
-    basis = torch.nn.functional.normalize(randn(4, D), dim=-1)
-    k = torch.nn.functional.normalize(randn(B, T, H, 4) @ basis + 0.05 * randn(B, T, H, D), dim=-1)
-    q, v, do = randn(B, T, H, D), randn(B, T, H, D), randn(B, T, H, D)
+    device = DEVICE if backend == "triton" else "cpu"
+    basis = torch.nn.functional.normalize(randn(4, D, device=device), dim=-1)
+    k = randn(B, T, H, 4, device=device) @ basis + 0.05 * randn(B, T, H, D, device=device)
+    k = torch.nn.functional.normalize(k, dim=-1)
+    q, v, do = (randn(B, T, H, D, device=device) for _ in range(3))
     x64 = [t.clone().requires_grad_(True) for t in (q, k, v)]
     x32 = [t.float().requires_grad_(True) for t in (q, k, v)]
     want = _outputs(lambda *a: reference.mesanet(*a, lam=1.0), x64, do)
-    got = _outputs(lambda *a: regattn.mesanet(*a, lam=1.0), x32, do.float())
+    got = _outputs(lambda *a: regattn.mesanet(*a, lam=1.0, backend=backend), x32, do.float())
     for name, a, b in zip(["o", "dq", "dk", "dv"], got, want):
         assert a.dtype == torch.float32
         assert rel_err(a.double(), b) < 1e-5, name
@@ -88,7 +131,6 @@ def test_reads_nothing_back():
     (dict(lam=torch.tensor(1.0)), TypeError, "lam"),
     (dict(chunk=0), ValueError, "chunk"),
     (dict(chunk=2.5), TypeError, "chunk"),
-    (dict(backend="triton"), NotImplementedError, "backend"),
     (dict(backend="cuda"), ValueError, "backend"),
 ])
 def test_bad_arguments(kwargs, error, match):
@@ -103,3 +145,17 @@ def test_bad_shapes():
         regattn.mesanet(q, k, v)
     with pytest.raises(ValueError, match="k: expected head dim"):
         regattn.mesanet(q[:, :6], k[..., :3], v)
+
+
+@pytest.mark.parametrize("K", [1, 7, 20, 33, 64, 100])
+@pytest.mark.parametrize("ridge", [1.0, 1e-3])
+def test_kernel_triangular_inverse_is_as_accurate_as_the_triangular_solve(K, ridge, interpret):
+    """``lower_inverse`` (blocks of 16, their rows through the rows above) against float64, beside fp32's
+    triangular solve; a small ridge on low-rank Gram matrices makes the factors ill-conditioned."""
+    from regattn.ops.mesanet.kernels import lower_inverse
+    x = randn(3, K, max(2, K // 4), device=DEVICE)
+    L = torch.linalg.cholesky(x @ x.mT + ridge * torch.eye(K, dtype=torch.float64, device=DEVICE))
+    want = torch.linalg.inv(L)
+    solve = torch.linalg.solve_triangular(L.float(), torch.eye(K, device=DEVICE), upper=False)
+    got = lower_inverse(L.float().contiguous())
+    assert rel_err(got.double(), want) <= 4 * rel_err(solve.double(), want) + 1e-7

@@ -87,11 +87,16 @@ def _with_weight(norm: torch.nn.RMSNorm, weight: torch.Tensor) -> torch.nn.RMSNo
 
 
 def test_mesanet_and_the_torch_reference_paths():
-    _copies_match(lambda q, k, v: regattn.mesanet(q, k, v, chunk=16), (B, T, H, D), (B, T, H, D), (B, T, H, D),
-                  bound=1e-4)
+    _copies_match(lambda q, k, v: regattn.mesanet(q, k, v, chunk=16, backend="torch"), (B, T, H, D), (B, T, H, D),
+                  (B, T, H, D), bound=1e-4)
     _copies_match(lambda q, k, v: regattn.softmax_attention(q, k, v, backend="torch"),
                   (B, T, H, D), (B, T, H, D), (B, T, H, D), dtype=torch.float64, bound=1e-12)
 
+
+
+def test_mesanet_triton(interpret):
+    _copies_match(lambda q, k, v: regattn.mesanet(q, k, v, chunk=16, backend="triton"), (B, T, H, D), (B, T, H, D),
+                  (B, T, H, D), bound=1e-4)
 
 
 @pytest.mark.parametrize("mixer", ["softmax", "swa", "parallax", "gatedfwa", "decay", "mesanet", "linear"])

@@ -1,6 +1,7 @@
 """MesaNet (lla eq. 2): the exact op in chunks (``regattn.mesanet``) against the per-query solve of the
 reference in the same precision, at the MAD model's shape (parallax Table 1a) and at longer sequences.
-The op is torch (batched Cholesky factors); it has no Triton kernel, so ``--backend triton`` does not apply."""
+Ours takes ``--backend`` (on CUDA: the chunks' outputs in Triton); ``regattn:torch`` beside it is the same op with
+every product a batched cuBLAS call (its factorisations are torch's on either path)."""
 from __future__ import annotations
 
 import torch.nn.functional as F
@@ -9,10 +10,9 @@ import regattn
 from regattn import reference
 from regattn.bench import counts
 from regattn.bench.check import Check, Slice
-from regattn.bench.runner import backward, ours, randn, reference_case
+from regattn.bench.runner import backward, build, ours, randn, reference_case
 
 NAME = "mesanet"
-TRITON = False
 PEERS = ("reference",)
 QUICK_PEERS = ("reference",)
 MAIN = {"fwd": ("reference",), "fwd+bwd": ("reference",)}
@@ -43,6 +43,9 @@ def cases(shape: dict, setup):
         yield mode, ours(regattn.mesanet, q, setup,
                          lambda: regattn.mesanet(q, k, v, lam=LAM, chunk=chunk, backend=setup.backend), leaves,
                          check=truth, **n)
+        if setup.backend != "torch" and q.is_cuda:
+            yield mode, build("regattn:torch", lambda: (
+                lambda: regattn.mesanet(q, k, v, lam=LAM, chunk=chunk, backend="torch"), leaves), check=truth, **n)
         # the reference in fp32, the precision ours computes in (torch has no half-precision LU on CUDA)
         q32, k32, v32 = (x.detach().float().requires_grad_(bwd) for x in (q, k, v))
         yield from reference_case(setup, mode, lambda: reference.mesanet(q32, k32, v32, lam=LAM),

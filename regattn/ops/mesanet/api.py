@@ -13,14 +13,20 @@ served by products with one triangular inverse and a causal mask. A non-finite k
 reaches only the rows that see it (they give NaN). Per chunk: one ``D x D`` and one ``C x C`` Cholesky
 factorisation and the factors' inverses (``B T H / C`` of each), batched matrix products, no host
 read; the numbers are the reference's up to rounding (``H`` and ``M`` are positive definite for ``lam > 0``).
+On CUDA the same algebra runs in the Triton kernels of :mod:`regattn.ops.mesanet.kernels` (the factorisations
+stay torch's).
 """
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from regattn.ops._common.checks import check_attention_inputs, check_int, check_positive, resolve_backend
+from regattn.ops._common.checks import check_attention_inputs, check_int, check_positive, resolve_kernel_backend
+from regattn.ops._common.vmap import fold_rule
+from regattn.ops.mesanet.kernels import ChunkOutput, ChunkSums, Precondition, inverse_factor_backward, lower_inverse
 from regattn.reference.common import accumulation_dtype, repeat_kv
+
+HAS_TRITON = True
+KERNEL_MAX = 64  # the largest head dims and chunk of the Triton path (larger tiles spill and overflow shared memory)
 
 
 def mesanet(q, k, v, *, lam: float = 1.0, chunk: int = 64, backend="auto"):
@@ -31,7 +37,9 @@ def mesanet(q, k, v, *, lam: float = 1.0, chunk: int = 64, backend="auto"):
         k: ``[B, S, H, D]`` keys (``HQ % H == 0``); v: ``[B, S, H, Dv]`` values.
         lam: the ridge ``lam > 0`` (a float, as the MesaNet layer has it).
         chunk: positions per chunk (cost, not numbers).
-        backend: ``"auto"`` or ``"torch"`` (this form is torch; there is no Triton kernel).
+        backend: ``"auto"`` (Triton on CUDA fp16, bf16 and fp32 inputs with head dims and chunk up to
+            :data:`KERNEL_MAX`, else torch), ``"torch"`` or ``"triton"``: the chunk algebra in the Triton kernels of
+            :mod:`regattn.ops.mesanet.kernels`, the Cholesky factorisations torch's either way.
 
     Matches :func:`regattn.reference.mesanet` with a float ``lam``. In fp32 ``lam`` must stay well above
     fp32's rounding of ``sum k k^T`` (about ``1e-7 T max|k|^2``): below it the chunk's starting matrix is
@@ -41,7 +49,8 @@ def mesanet(q, k, v, *, lam: float = 1.0, chunk: int = 64, backend="auto"):
     B, T, S, HQ, H, D, Dv = check_attention_inputs(q, k, v)
     lam = check_positive("lam", lam)
     check_int("chunk", chunk, minimum=1)
-    resolve_backend(backend, q, op="mesanet", has_triton=False)
+    backend = _kernels_take(resolve_kernel_backend(backend, q, op="mesanet", has_triton=HAS_TRITON), backend,
+                            D=D, Dv=Dv, chunk=min(chunk, S))
     if T > S:
         raise ValueError(f"q: expected at most as many queries as keys ({S}), got {T}")
     dtype = accumulation_dtype(q.dtype)
@@ -49,17 +58,30 @@ def mesanet(q, k, v, *, lam: float = 1.0, chunk: int = 64, backend="auto"):
     n = -(-S // C)
     pad = n * C - S
 
-    def chunks(x, front=0):          # [B, S', HQ, E] -> [B, HQ, n, C, E], zeros appended (and prepended)
-        x = F.pad(repeat_kv(x, HQ).to(dtype), (0, 0, 0, 0, front, pad))
-        return x.permute(0, 2, 1, 3).reshape(B, HQ, n, C, x.shape[-1])
+    def chunks(x, front=0):  # [B, S', H', E] -> [B, HQ, n, C, E] in dtype, zeros around, in one copy
+        heads, E = x.shape[2:]
+        out = (x.new_zeros if front or pad else x.new_empty)(B, heads, HQ // heads, n * C, E, dtype=dtype)
+        out[:, :, :, front:front + x.shape[1]] = x.transpose(1, 2).unsqueeze(2)   # each kv head to its group
+        return out.view(B, HQ, n, C, E)
 
     k_ok, v_ok = torch.isfinite(k), torch.isfinite(v)
     seen = _sees_nonfinite(k_ok, v_ok, HQ)[:, S - T:]
     k, v = torch.where(k_ok, k, 0.0), torch.where(v_ok, v, 0.0)
     with torch.autocast(q.device.type, enabled=False):
-        o = _chunked(chunks(q, front=S - T), chunks(k), chunks(v), lam)
+        o = _chunked(chunks(q, front=S - T), chunks(k), chunks(v), lam, triton=backend == "triton")
     o = o.reshape(B, HQ, n * C, Dv)[:, :, S - T:S].transpose(1, 2)
     return torch.where(seen[..., None], float("nan"), o).to(q.dtype)
+
+
+def _kernels_take(resolved: str, asked: str, **sizes) -> str:
+    """``resolved``, or ``"torch"`` where the Triton path was picked by ``"auto"`` and a size is over
+    :data:`KERNEL_MAX`; asked for by name there, a ValueError naming the sizes."""
+    if resolved != "triton" or max(sizes.values()) <= KERNEL_MAX:
+        return resolved
+    if asked == "auto":
+        return "torch"
+    raise ValueError(f"backend: the Triton path of mesanet takes head dims and a chunk up to {KERNEL_MAX}, got "
+                     + ", ".join(f"{key}={value}" for key, value in sizes.items()) + "; use backend='auto' or 'torch'")
 
 
 def _sees_nonfinite(k_ok, v_ok, HQ):
@@ -109,8 +131,30 @@ class _InverseFactor(torch.autograd.Function):
         return 0.5 * (gA + gA.mT), None
 
 
-def _chunked(Q, U, V, lam):
-    """``[B, H, n, C, D]`` chunks -> outputs ``[B, H, n, C, Dv]`` (see the module's text)."""
+class _KernelInverseFactor(_InverseFactor):
+    """:class:`_InverseFactor` on ``[N, K, K]`` matrices with the inverse and the backward in Triton
+    (:func:`lower_inverse`, :func:`inverse_factor_backward`), not cuBLAS's batched triangular solve and five batched
+    products with their masks."""
+
+    generate_vmap_rule = False
+
+    @staticmethod
+    def forward(A, eye):
+        L = torch.linalg.cholesky_ex(A)[0].contiguous()
+        return L, lower_inverse(L)
+
+    @staticmethod
+    def backward(ctx, _gL, gX):
+        return inverse_factor_backward(*ctx.saved_tensors, gX.contiguous()), None
+
+    vmap = staticmethod(fold_rule(lambda *a: _KernelInverseFactor.apply(*a), batched=(0,), outputs=(0, 0)))
+
+
+def _chunked(Q, U, V, lam, *, triton: bool):
+    """``[B, H, n, C, D]`` chunks -> outputs ``[B, H, n, C, Dv]`` (see the module's text); ``triton``: the products
+    in the Triton kernels of :mod:`regattn.ops.mesanet.kernels`."""
+    if triton:
+        return _chunked_kernels(Q, U, V, lam)
     C, D = U.shape[-2:]
     eye_d = torch.eye(D, dtype=U.dtype, device=U.device)
     eye_c = torch.eye(C, dtype=U.dtype, device=U.device)
@@ -122,3 +166,18 @@ def _chunked(Q, U, V, lam):
     Y = (QA @ U.mT @ Im.mT).tril() @ Im                        # row r: the leading (r+1) block of M^-1
     X = QA - Y @ UA                                            # H_i^-1 q_i, each row
     return X @ S.mT + (X @ U.mT).tril() @ V
+
+
+def _chunked_kernels(Q, U, V, lam):
+    """:func:`_chunked` through the Triton kernels on the chunks flattened to ``[B H n, ...]``: :class:`ChunkSums`,
+    :class:`Precondition` and :class:`ChunkOutput`, with :class:`_KernelInverseFactor` for the factors."""
+    n, C, D = U.shape[-3:]
+    eye_d = torch.eye(D, dtype=U.dtype, device=U.device)
+    eye_c = torch.eye(C, dtype=U.dtype, device=U.device)
+    shape = V.shape
+    Q, U, V = (x.flatten(0, 2).contiguous() for x in (Q, U, V))
+    G, S = ChunkSums.apply(U, V, lam, n)
+    Ig = _KernelInverseFactor.apply(G, eye_d)[1]
+    QA, UA, M = Precondition.apply(Q, U, Ig)
+    Im = _KernelInverseFactor.apply(M, eye_c)[1]
+    return ChunkOutput.apply(QA, UA, U, V, S, Im)[0].view(shape)
