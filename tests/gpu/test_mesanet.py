@@ -1,6 +1,6 @@
-"""MesaNet in chunks on a GPU (``-m gpu``), through torch's products and through the Triton chunk outputs: fp32
-and bf16 at the MAD model's size against the float64 spec, and one forward+backward captured in a CUDA graph (the
-batched Cholesky and triangular solves read nothing back)."""
+"""MesaNet in chunks on a GPU (``-m gpu``), through torch's products and through the Triton kernels: fp32 at the
+MAD model's size against the float64 spec, bf16 Triton against torch, and one forward+backward of each captured in a
+CUDA graph (nothing is read back)."""
 import pytest
 import torch
 

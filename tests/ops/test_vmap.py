@@ -93,7 +93,6 @@ def test_mesanet_and_the_torch_reference_paths():
                   (B, T, H, D), (B, T, H, D), (B, T, H, D), dtype=torch.float64, bound=1e-12)
 
 
-
 def test_mesanet_triton(interpret):
     _copies_match(lambda q, k, v: regattn.mesanet(q, k, v, chunk=16, backend="triton"), (B, T, H, D), (B, T, H, D),
                   (B, T, H, D), bound=1e-4)

@@ -1,6 +1,6 @@
 """MesaNet (lla eq. 2): the exact op in chunks (``regattn.mesanet``) against the per-query solve of the
 reference in the same precision, at the MAD model's shape (parallax Table 1a) and at longer sequences.
-Ours takes ``--backend`` (on CUDA: the chunks' outputs in Triton); ``regattn:torch`` beside it is the same op with
+Ours takes ``--backend`` (on CUDA: its chunk algebra in Triton); ``regattn:torch`` beside it is the same op with
 every product a batched cuBLAS call (its factorisations are torch's on either path)."""
 from __future__ import annotations
 
