@@ -139,15 +139,15 @@ class _KernelInverseFactor(_InverseFactor):
     generate_vmap_rule = False
 
     @staticmethod
-    def forward(A, eye):
+    def forward(A):
         L = torch.linalg.cholesky_ex(A)[0].contiguous()
         return L, lower_inverse(L)
 
     @staticmethod
     def backward(ctx, _gL, gX):
-        return inverse_factor_backward(*ctx.saved_tensors, gX.contiguous()), None
+        return inverse_factor_backward(*ctx.saved_tensors, gX.contiguous())
 
-    vmap = staticmethod(fold_rule(lambda *a: _KernelInverseFactor.apply(*a), batched=(0,), outputs=(0, 0)))
+    vmap = staticmethod(fold_rule(lambda A: _KernelInverseFactor.apply(A), batched=(0,), outputs=(0, 0)))
 
 
 def _chunked(Q, U, V, lam, *, triton: bool):
@@ -171,13 +171,10 @@ def _chunked(Q, U, V, lam, *, triton: bool):
 def _chunked_kernels(Q, U, V, lam):
     """:func:`_chunked` through the Triton kernels on the chunks flattened to ``[B H n, ...]``: :class:`ChunkSums`,
     :class:`Precondition` and :class:`ChunkOutput`, with :class:`_KernelInverseFactor` for the factors."""
-    n, C, D = U.shape[-3:]
-    eye_d = torch.eye(D, dtype=U.dtype, device=U.device)
-    eye_c = torch.eye(C, dtype=U.dtype, device=U.device)
-    shape = V.shape
+    shape, n_chunks = V.shape, V.shape[2]
     Q, U, V = (x.flatten(0, 2).contiguous() for x in (Q, U, V))
-    G, S = ChunkSums.apply(U, V, lam, n)
-    Ig = _KernelInverseFactor.apply(G, eye_d)[1]
+    G, S = ChunkSums.apply(U, V, lam, n_chunks)
+    Ig = _KernelInverseFactor.apply(G)[1]
     QA, UA, M = Precondition.apply(Q, U, Ig)
-    Im = _KernelInverseFactor.apply(M, eye_c)[1]
+    Im = _KernelInverseFactor.apply(M)[1]
     return ChunkOutput.apply(QA, UA, U, V, S, Im)[0].view(shape)
