@@ -13,7 +13,7 @@ over the runs, and the wall time from the first run's start to the last one's en
 the list's entry i modulo its length (runs of different mixers in flight together). ``--profile K`` instead
 profiles the N runs in flight (after 50 steps each, over 40 more; CUDA) and prints the kernels a step, their
 summed time a step, the share of the window in which some kernel ran, the window a step, and the K kernels that
-took the most time.
+took the most time (time and calls a step).
 """
 import argparse
 import dataclasses
@@ -112,9 +112,10 @@ def profile(configs: list[TrainConfig], shown: int, warm: int = 50, rounds: int 
                           device=torch.cuda.get_device_name())))
     totals: dict = {}
     for e in kernels:
-        totals[e.name] = totals.get(e.name, 0) + e.time_range.elapsed_us()
-    for name, us in sorted(totals.items(), key=lambda item: -item[1])[:shown]:
-        print(f"{us / steps:9.1f} us a step  {name[:100]}")
+        us, calls = totals.get(e.name, (0, 0))
+        totals[e.name] = (us + e.time_range.elapsed_us(), calls + 1)
+    for name, (us, calls) in sorted(totals.items(), key=lambda item: -item[1][0])[:shown]:
+        print(f"{us / steps:9.1f} us a step {calls / steps:6.1f} calls  {name[:100]}")
 
 
 if __name__ == "__main__":

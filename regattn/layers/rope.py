@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from regattn.layers.norm import L2Norm
 from regattn.ops._common.checks import (
     KERNEL_DTYPES, check_int, check_positive, check_shape, check_tensor, resolve_backend,
 )
@@ -52,25 +54,29 @@ class RotaryEmbedding(nn.Module):
 def norm_rope(x: torch.Tensor, norm: nn.Module | None, angles=None, *, backend: str = "auto") -> torch.Tensor:
     """``rope(norm(x))`` of ``x: [B, T, H, D]`` (queries or keys) in fp32 at least, rounded once to x's dtype.
 
-    ``norm``: an ``nn.RMSNorm`` over ``D``, or None or ``nn.Identity`` for none; ``angles``: the tokens'
-    ``(cos, sin)`` (:meth:`RotaryEmbedding.angles`), or None for no rotation. Where ``backend`` resolves to
-    Triton, one kernel does both (and one their backward); else, and under ``torch.compile`` (whose own
-    generated kernels fuse these ops with their neighbours), torch ops.
+    ``norm``: an ``nn.RMSNorm`` over ``D``, an :class:`regattn.layers.norm.L2Norm`, or None or ``nn.Identity``
+    for none; ``angles``: the tokens' ``(cos, sin)`` (:meth:`RotaryEmbedding.angles`), or None for no rotation.
+    Where ``backend`` resolves to Triton, one kernel does both (and one their backward); else, and under
+    ``torch.compile`` (whose own generated kernels fuse these ops with their neighbours), torch ops.
     """
-    norm = norm if isinstance(norm, nn.RMSNorm) else None
+    norm = norm if isinstance(norm, (nn.RMSNorm, L2Norm)) else None
     if norm is None and angles is None:
         return x
     _check_norm_rope(x, norm, angles)
+    l2 = isinstance(norm, L2Norm)
+    weight = None if norm is None or l2 else norm.weight
     eps = None if norm is None else norm.eps if norm.eps is not None else torch.finfo(x.dtype).eps
     if (resolve_backend(backend, x, op="norm_rope", has_triton=True) == "triton" and x.dtype in KERNEL_DTYPES
-            and x.shape[-1] % 2 == 0 and (norm is None or norm.weight is not None)
+            and x.shape[-1] % 2 == 0 and (norm is None or l2 or weight is not None)
             and not torch.compiler.is_compiling()):
         cos, sin = angles if angles is not None else (None, None)
-        return norm_rope_triton(x.contiguous(), None if norm is None else norm.weight, cos, sin, eps or 0.0)
+        return norm_rope_triton(x.contiguous(), weight, cos, sin, eps or 0.0, None, l2)
     y = x.to(torch.promote_types(x.dtype, torch.float32))
-    if norm is not None:  # written out (not F.rms_norm), so that torch.compile fuses it with the rotation
+    if l2:
+        y = F.normalize(y, dim=-1, eps=eps)
+    elif norm is not None:  # written out (not F.rms_norm), so that torch.compile fuses it with the rotation
         y = y * torch.rsqrt(y.square().mean(-1, keepdim=True) + eps)
-        y = y if norm.weight is None else y * norm.weight.to(y.dtype)
+        y = y if weight is None else y * weight.to(y.dtype)
     if angles is not None:
         cos, sin = (a[None, :, None, :] for a in angles)
         y1, y2 = y.chunk(2, -1)
@@ -82,7 +88,7 @@ def _check_norm_rope(x, norm, angles) -> None:
     """``x: [B, T, H, D]``; ``norm`` over ``D``; ``angles``: two ``[T, D/2]`` tensors on x's device."""
     check_tensor("x", x, 4)
     T, D = x.shape[1], x.shape[3]
-    if norm is not None and tuple(norm.normalized_shape) != (D,):
+    if isinstance(norm, nn.RMSNorm) and tuple(norm.normalized_shape) != (D,):
         raise ValueError(f"norm: expected an RMSNorm over the head dim ({D},), got {tuple(norm.normalized_shape)}")
     if angles is not None:
         if D % 2:

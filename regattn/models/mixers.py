@@ -27,13 +27,12 @@ in every mixer that rotates (the layers' default; the Parallax layer is given th
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import regattn
 from regattn import reference
 from regattn.layers import LLA, GatedFWA, Parallax, Retention, RotaryEmbedding
-from regattn.layers.norm import RMSNorm
+from regattn.layers.norm import L2Norm, RMSNorm
 from regattn.layers.rope import norm_rope
 from regattn.models.baselines import BASELINES, build_baseline
 
@@ -62,23 +61,19 @@ class Attention(nn.Module):
         self.qk_norm = qk_norm
         if qk_norm == "rms":
             self.q_norm, self.k_norm = RMSNorm(self.head_dim, eps=1e-6), RMSNorm(self.head_dim, eps=1e-6)
+        elif qk_norm == "l2":
+            self.q_norm, self.k_norm = L2Norm(), L2Norm()
         self.rotary = RotaryEmbedding(self.head_dim, base=ROPE_BASE) if rope else None
 
     def split(self, x: torch.Tensor) -> torch.Tensor:
         """``[B, T, dim] -> [B, T, heads, head_dim]``."""
         return x.view(*x.shape[:2], self.heads, self.head_dim)
 
-    def normalize(self, x: torch.Tensor, norm: nn.Module | None, angles) -> torch.Tensor:
-        """The q/k normalisation of ``[B, T, H, D]`` followed by RoPE by ``angles`` (None: no rotation)."""
-        if self.qk_norm == "l2":
-            x = F.normalize(x, dim=-1)
-        return norm_rope(x, norm if self.qk_norm == "rms" else None, angles)
-
     def qkv(self, x: torch.Tensor):
         """``q, k, v: [B, T, heads, head_dim]`` in v's dtype: q and k normalised and rotated (one ``cos, sin``)."""
         angles = None if self.rotary is None else self.rotary.angles(x.shape[1], 0, x.device)
-        q = self.normalize(self.split(self.q_proj(x)), getattr(self, "q_norm", None), angles)
-        k = self.normalize(self.split(self.k_proj(x)), getattr(self, "k_norm", None), angles)
+        q = norm_rope(self.split(self.q_proj(x)), getattr(self, "q_norm", None), angles)
+        k = norm_rope(self.split(self.k_proj(x)), getattr(self, "k_norm", None), angles)
         v = self.split(self.v_proj(x))
         return q.to(v.dtype), k.to(v.dtype), v        # a norm may leave fp32 under autocast
 

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from regattn.layers.norm import PreNorm
 from regattn.models.mixers import build_mixer
 
 
@@ -38,8 +39,8 @@ class Block(nn.Module):
 
     def __init__(self, mixer: nn.Module, dim: int, mlp_hidden: int | None):
         super().__init__()
-        self.mixer_norm, self.mixer = nn.RMSNorm(dim), mixer
-        self.mlp_norm = nn.RMSNorm(dim) if mlp_hidden else None
+        self.mixer_norm, self.mixer = PreNorm(dim), mixer
+        self.mlp_norm = PreNorm(dim) if mlp_hidden else None
         self.mlp = SwiGLU(dim, mlp_hidden) if mlp_hidden else None
 
     def forward(self, h):
@@ -82,7 +83,7 @@ class MixerStack(nn.Module):
         self.blocks = nn.ModuleList(
             Block(build_mixer(mixer, dim, heads, seq_len=seq_len, **(mixer_options or {})), dim, hidden)
             for _ in range(layers))
-        self.norm = nn.RMSNorm(dim)
+        self.norm = PreNorm(dim)
         self.head = nn.Linear(dim, dim_out if regression else vocab_size, bias=regression)
         if kind == "autoencode":
             self.register_buffer("positions", sinusoidal(seq_len, dim), persistent=False)

@@ -21,7 +21,8 @@ is run again by ``--resume``; an interrupt (SIGINT) ends the runs in flight at o
 again: from the start, or with ``--checkpoint-every N`` from the last of their checkpoints (every N steps, in
 ``OUT/checkpoints/``, each removed once its run is recorded). ``--stop-after S`` starts no run after S seconds: the
 runs in flight then end, and ``--resume`` does the rest (a sweep longer than a machine's time limit, in parts
-that lose no run).
+that lose no run). Each run's record keeps the wall-clock times it ``started`` and ``ended``; its printed line
+gives both in seconds into the sweep, so that a part's time shows where it went.
 """
 from __future__ import annotations
 
@@ -190,7 +191,8 @@ def run_sweep(base: TrainConfig, *, mixers: list[str], lrs: list[float], seeds: 
                                                  checkpoint=path, **model)
                     pending.append((config, dict(mixer=mixer, x=x, setting=setting, lr=lr, seed=seed)))
     order = {key: i for i, key in enumerate(grid)}
-    deadline = None if stop_after is None else time.time() + stop_after
+    began = time.time()
+    deadline = None if stop_after is None else began + stop_after
     ran = 0
     for run in execute([config for config, _ in pending], jobs, streams,
                        keep_starting=None if deadline is None else lambda: time.time() < deadline):
@@ -198,7 +200,7 @@ def run_sweep(base: TrainConfig, *, mixers: list[str], lrs: list[float], seeds: 
         run.update(pending[run.pop("index")][1])
         runs.append(run)
         runs.sort(key=lambda r: order.get(run_key(r["mixer"], r["x"], r["lr"], r["seed"]), len(order)))
-        print_run(run)
+        print_run(run, began)
         if on_run is not None:
             on_run(runs)
         if checkpoints and not run.get("error") and os.path.exists(run["config"]["checkpoint"]):
@@ -276,12 +278,15 @@ def run_config(config: TrainConfig) -> dict:
 
 
 def run_steps(config: TrainConfig):
-    """:func:`run_config` as a generator of the run's steps (:func:`regattn.train.trainer.training`)."""
+    """:func:`run_config` as a generator of the run's steps (:func:`regattn.train.trainer.training`); the record
+    carries the wall-clock times (``time.time()``) at which the run ``started`` (before its data and model are
+    built) and ``ended``."""
     started = time.time()
     try:
-        return record((yield from training(config, data=task_data(config))))
+        run = record((yield from training(config, data=task_data(config))))
     except Exception as e:                                   # noqa: BLE001 (recorded, and retried on --resume)
-        return failed(config, e, time.time() - started)
+        run = failed(config, e, time.time() - started)
+    return dict(run, started=started, ended=time.time())
 
 
 def failed(config: TrainConfig, error: BaseException, seconds: float) -> dict:
@@ -290,14 +295,17 @@ def failed(config: TrainConfig, error: BaseException, seconds: float) -> dict:
                 seconds=seconds)
 
 
-def print_run(run: dict) -> None:
+def print_run(run: dict, began: float) -> None:
+    """One line for a finished run: its score, its own time and rate, and when it started and ended, in seconds
+    since the sweep (or this part of it) ``began``."""
     head = f"{run['config']['task']} {label(run['setting'])} {run['mixer']} lr {run['lr']:g} seed {run['seed']}"
+    span = f"{run['started'] - began:.0f}-{run['ended'] - began:.0f} s into the sweep" if "started" in run else ""
     if run.get("error"):
-        print(f"{head}: failed: {run['error']}")
+        print(f"{head}: failed{f' ({span})' if span else ''}: {run['error']}")
         return
     best = run["best"][run["metric"]] if run["best"] else float("nan")
     print(f"{head}: best {run['metric']} {best:.4f}{' (diverged)' if run['diverged'] else ''} "
-          f"({run['seconds']:.0f} s, {rate(run)})")
+          f"({run['seconds']:.0f} s, {rate(run)}{f'; {span}' if span else ''})")
 
 
 def summarize_sweep(runs: list[dict]) -> dict:

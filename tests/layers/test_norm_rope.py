@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from regattn.layers import RotaryEmbedding
-from regattn.layers.norm import RMSNorm
+from regattn.layers.norm import L2Norm, RMSNorm
 from regattn.layers.rope import norm_rope
 from tests.helpers import TOL, randn, rel_err
 
@@ -63,6 +63,45 @@ def test_kernel_matches_definition_forward_and_backward(interpret, B, T, H, D, o
     if with_norm:
         assert norm.weight.grad.dtype == torch.float32
         assert rel_err(norm.weight.grad, w64.grad) < TOL[dtype]
+
+
+def _rotate(y, positions):
+    return _spec(y, None, positions, True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("B,T,H,D,offset,rotate", [(2, 7, 3, 16, 0, True), (1, 5, 2, 48, 3, True),
+                                                    (3, 9, 2, 8, 0, False)])
+def test_l2_norm_matches_definition_forward_and_backward(interpret, B, T, H, D, offset, rotate, dtype):
+    """``L2Norm``: ``F.normalize`` of each row (float64), then the rotation, through the kernels."""
+    rope = RotaryEmbedding(D, base=BASE) if rotate else None
+    x = randn(B, T, H, D, dtype=dtype, scale=3.0, requires_grad=True)
+    y = norm_rope(x, L2Norm(), rope.angles(T, offset, x.device) if rotate else None, backend="triton")
+    x64 = x.detach().double().requires_grad_(True)
+    truth = torch.nn.functional.normalize(x64, dim=-1)
+    truth = _rotate(truth, torch.arange(offset, offset + T)) if rotate else truth
+    assert y.dtype == dtype and rel_err(y, truth) < TOL[dtype]
+    dy = randn(B, T, H, D, dtype=dtype)
+    y.backward(dy)
+    truth.backward(dy.double())
+    assert rel_err(x.grad, x64.grad) < TOL[dtype]
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_l2_norm_of_a_zero_row_is_clamped_as_f_normalize(interpret, backend):
+    """A row whose norm is below ``eps`` is divided by ``eps``, and so is its gradient (no projection)."""
+    x = randn(1, 3, 2, 8, dtype=torch.float32)
+    x[0, 1, 0] = 0.0
+    x.requires_grad_(True)
+    y = norm_rope(x, L2Norm(), None, backend=backend)
+    x64 = x.detach().double().requires_grad_(True)
+    truth = torch.nn.functional.normalize(x64, dim=-1)
+    dy = randn(1, 3, 2, 8, dtype=torch.float32)
+    y.backward(dy)
+    truth.backward(dy.double())
+    assert torch.equal(y[0, 1, 0], torch.zeros(8)) and rel_err(y, truth) < TOL[torch.float32]
+    assert rel_err(x.grad[0, 1, 0], dy[0, 1, 0].double() * 1e12) < 1e-6
+    assert rel_err(x.grad[0, 0], x64.grad[0, 0]) < TOL[torch.float32]
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])

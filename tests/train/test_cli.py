@@ -1,5 +1,6 @@
 import dataclasses
 import json
+import re
 
 import matplotlib.axes
 import pytest
@@ -170,8 +171,9 @@ def test_sweep_jobs_and_streams_run_like_one_at_a_time(tmp_path, capsys):
                        for d in ("one", "two", "three"))
     key = (lambda r: (r["x"], r["lr"]))
     assert [key(r) for r in two] == [key(r) for r in three] == [key(r) for r in one] and len(two) == 6  # grid order
+    assert re.findall(r"\d+-\d+ s into the sweep\)", out) and len(re.findall("into the sweep", out)) == 18
     for a, b in zip(one + one, two + three):
-        assert not b.get("error") and b["steps"] == a["steps"] == 2
+        assert not b.get("error") and b["steps"] == a["steps"] == 2 and b["started"] <= b["ended"]
         assert abs(a["best"]["accuracy"] - b["best"]["accuracy"]) < 1e-3
         assert abs(a["history"]["train"][-1]["loss"] - b["history"]["train"][-1]["loss"]) < 1e-3
 
