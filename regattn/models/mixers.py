@@ -58,7 +58,6 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(dim, dim, bias=False)
         self.v_proj = nn.Linear(dim, dim, bias=False)
         self.o_proj = nn.Linear(dim, dim, bias=False)
-        self.qk_norm = qk_norm
         if qk_norm == "rms":
             self.q_norm, self.k_norm = RMSNorm(self.head_dim, eps=1e-6), RMSNorm(self.head_dim, eps=1e-6)
         elif qk_norm == "l2":
