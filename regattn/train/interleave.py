@@ -6,7 +6,10 @@
 ``starts`` yields ``(index, make)``: ``make()`` returns a run as a generator (:func:`regattn.train.trainer.training`),
 whose ``next()`` issues one step and whose return value is the result. ``width`` runs are in flight at a time; each
 ``next()`` runs under its run's stream, so that the device runs one run's kernels beside another's (on the CPU the
-runs just take turns). A run issues its next step once fewer than :data:`AHEAD` of its steps are unfinished on the
+runs just take turns). Each slot keeps one stream for the runs that hold it in turn (:func:`own_streams`): a run
+captures its CUDA graph on that stream and releases it as it ends (:class:`regattn.train.step.TrainStep`), so no
+two graphs alive at once share a stream, nor the cuBLAS workspace that torch keeps per stream and frees with any
+graph captured there (runs that captured on one shared stream stalled once the first of them ended). A run issues its next step once fewer than :data:`AHEAD` of its steps are unfinished on the
 device, so a run of short steps goes on at its own pace beside one of long steps, ends sooner and frees its stream
 for the next run, instead of taking one step per turn of the slowest. (Its steps do not come for free: on an H200
 six MAD runs of softmax beside six of MesaNet took 31.3 s, the two groups one after the other 30.3;
@@ -61,18 +64,31 @@ class Slot:
         return len(self.unfinished) < AHEAD
 
 
+def own_streams(width: int, device) -> list:
+    """``width`` distinct CUDA streams of ``device`` (``None`` each off CUDA), one per slot, each kept by the runs
+    that hold its slot in turn. torch hands streams out of a pool, round robin; taken together they differ, as
+    long as the pool holds that many."""
+    if device is None or torch.device(device).type != "cuda":
+        return [None] * width
+    streams = [torch.cuda.Stream(device) for _ in range(width)]
+    distinct = len({s.cuda_stream for s in streams})
+    if distinct < width:
+        raise ValueError(f"width: {width} runs in flight need as many CUDA streams; torch's pool has {distinct}")
+    return streams
+
+
 def interleave(starts: Iterable[tuple[int, Callable[[], Generator]]], width: int,
                device: torch.device | None = None) -> Iterator[tuple[int, object]]:
     """``(index, result or exception)`` of each run as it ends, ``width`` runs in flight, each on its own stream of
     ``device`` when it is a CUDA device. A run that raises ends with its exception; the others go on."""
     if width < 1:
         raise ValueError(f"width: expected a value >= 1, got {width}")
-    cuda = device is not None and torch.device(device).type == "cuda"
+    free = own_streams(width, device)
     pending, slots = iter(starts), []
     while True:
-        while len(slots) < width and (start := next(pending, None)) is not None:
+        while free and (start := next(pending, None)) is not None:
             index, make = start
-            slots.append(Slot(index, make(), torch.cuda.Stream(device) if cuda else None))
+            slots.append(Slot(index, make(), free.pop()))
         if not slots:
             return
         issued = False
@@ -82,11 +98,13 @@ def interleave(starts: Iterable[tuple[int, Callable[[], Generator]]], width: int
             issued = True
             try:
                 slot.advance()
+                continue
             except StopIteration as end:
-                slots.remove(slot)
-                yield slot.index, end.value
+                outcome = end.value
             except Exception as error:                   # noqa: BLE001 (the run's outcome; the others go on)
-                slots.remove(slot)
-                yield slot.index, error
+                outcome = error
+            slots.remove(slot)
+            free.append(slot.stream)
+            yield slot.index, outcome
         if not issued:
             time.sleep(POLL_S)

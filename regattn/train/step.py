@@ -13,7 +13,11 @@ update on the device when the loss or the gradient norm is not finite.
 
 ``cuda_graph`` (on CUDA) captures the whole step, forward, backward, clipping, guard, optimizer and sums, in one
 CUDA graph after ``WARMUP_STEPS`` eager steps, and replays it: a step then costs the host a copy of the batch
-into the graph's inputs and one launch. Small models are bound by the host's launches: on the H100 a step of
+into the graph's inputs and one launch. The warm-up and the capture run on the step's own stream: the current one
+when the step is made, unless that is the device's default stream (then a stream of its own). Graphs captured on
+one stream share that stream's cuBLAS workspace, which torch frees when any of them is destroyed; so runs side by
+side (:mod:`regattn.train.interleave`) each capture on their own stream and replay there, and :meth:`TrainStep.close`
+releases a run's graph when it ends, before the next run captures on that stream. Small models are bound by the host's launches: on the H100 a step of
 the MAD model (softmax) took 6.9 ms of host time with ``compile="reduce-overhead"``, 4.0 ms of it the
 optimizer's launches, for about 1.2 ms of kernels; compiled and captured whole it takes 1.26 ms (800 steps/s,
 docs/EXPERIMENTS.md). The learning rates become device tensors that :func:`regattn.train.optim.apply_schedule`
@@ -37,6 +41,12 @@ WARMUP_STEPS = 3          # eager steps before the capture: kernels tuned, optim
 # models compiled in one process: each model (mixer and shapes) is an entry of forward_loss's compiled code, and
 # past Dynamo's default limit of 8 a sweep's ninth model would train uncompiled, with a warning
 COMPILED_MODELS = 512
+
+
+def own_stream(device: torch.device) -> torch.cuda.Stream:
+    """The current stream of ``device``, or a new one where that is the default stream (no capture runs there)."""
+    current = torch.cuda.current_stream(device)
+    return torch.cuda.Stream(device) if current == torch.cuda.default_stream(device) else current
 
 
 def autocast(device: torch.device, amp: bool):
@@ -96,7 +106,9 @@ class TrainStep:
         self.skipped = torch.zeros((), device=device)
         self.steps = 0
         self.graph, self.inputs = None, None            # the captured step and the batch it reads
+        self.captured = False                           # whether the steps replay a graph (kept after close)
         self.warmed = 0                                 # eager steps run before the capture
+        self.stream = own_stream(device) if self.capture else None    # where warm-up and capture run
 
     def __call__(self, batch: Examples) -> None:
         if not self.capture:
@@ -107,7 +119,7 @@ class TrainStep:
                     into.copy_(value)
             self.graph.replay()
         elif self.warmed < WARMUP_STEPS:
-            self.on_side_stream(self.step, batch)
+            self.on_own_stream(self.step, batch)
             self.warmed += 1
         else:
             self.capture_step(batch)
@@ -127,15 +139,16 @@ class TrainStep:
         self.totals += torch.where(bad, 0.0, values)
         self.skipped += bad
 
-    @staticmethod
-    def on_side_stream(fn, *args) -> None:
-        """``fn(*args)`` on a side stream ordered after and before the current one (eager steps before a
-        capture run there, as CUDA graph capture asks)."""
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
+    def on_own_stream(self, fn, *args) -> None:
+        """``fn(*args)`` on the step's stream, ordered after and before the current one."""
+        current = torch.cuda.current_stream(self.stream.device)
+        if current == self.stream:
             fn(*args)
-        torch.cuda.current_stream().wait_stream(side)
+            return
+        self.stream.wait_stream(current)
+        with torch.cuda.stream(self.stream):
+            fn(*args)
+        current.wait_stream(self.stream)
 
     def capture_step(self, batch: Examples) -> None:
         """Capture :meth:`step` on a copy of ``batch`` (the graph's inputs from now on) and run it. A model
@@ -146,7 +159,7 @@ class TrainStep:
         self.optimizer.zero_grad(set_to_none=True)      # the gradients are made in the graph's memory
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph):
+            with torch.cuda.graph(graph, stream=self.stream):
                 self.step(self.inputs)
         except RuntimeError as error:                   # nothing ran: the parameters are as they were
             if "captur" not in str(error):
@@ -156,8 +169,16 @@ class TrainStep:
             self.capture, self.inputs = False, None
             self.step(batch)
             return
-        self.graph = graph
+        self.graph, self.captured = graph, True
         graph.replay()
+
+    def close(self) -> None:
+        """Release the captured graph: its memory, and its stream's cuBLAS workspace (torch frees it as the graph
+        goes), now rather than whenever the step is collected. Later calls step eagerly."""
+        if self.graph is not None:
+            torch.cuda.synchronize(self.stream.device)          # no replay still running on its memory
+            self.graph.reset()
+        self.graph, self.inputs, self.capture = None, None, False
 
     def read(self) -> dict:
         """The sums since the last read as means (one host read), and zero them."""

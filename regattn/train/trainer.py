@@ -214,35 +214,38 @@ def training(config: TrainConfig, *, data: TaskData | None = None, stop_at: int 
     started, clock = time.time(), Throughput(sync=sync)
     diverged = False
     model.train()
-    while step < end:
-        lr_scale = lr_factor(config.schedule, step, total, **sched)
-        apply_schedule(opt, lr_scale, wd_factor(config.schedule, step, total, gamma=config.wda_gamma, **sched))
-        train_step(batches(step))
-        step += 1
-        checkpoint_now = config.checkpoint and ((config.checkpoint_every and step % config.checkpoint_every == 0)
-                                                or step == end)
-        if checkpoint_now or step % config.log_every == 0 or step == end:
-            stats = train_step.read()
-            clock.mark(step)
-            if not log.add(step, config.lr * lr_scale, stats):
-                diverged = True
-                break
-        evaluate_now = (config.eval_every and step % config.eval_every == 0) or step == total
-        analyze_now = config.analyze_every and (step % config.analyze_every == 0 or step == total)
-        if evaluate_now or analyze_now or checkpoint_now:
-            with clock.paused():
-                if evaluate_now:
-                    log.evaluation(step, evaluate(model, data, data.test, batch_size=config.eval_batch_size,
-                                                  amp=config.amp))
-                if analyze_now:
-                    history.setdefault("analysis", []).append(diagnose(model, data, config.analyze_examples, step))
-                if checkpoint_now:
-                    save_checkpoint(config.checkpoint, config=config, model=model, optimizer=opt, step=step,
-                                    history=history)
-        yield
+    try:
+        while step < end:
+            lr_scale = lr_factor(config.schedule, step, total, **sched)
+            apply_schedule(opt, lr_scale, wd_factor(config.schedule, step, total, gamma=config.wda_gamma, **sched))
+            train_step(batches(step))
+            step += 1
+            checkpoint_now = config.checkpoint and ((config.checkpoint_every and step % config.checkpoint_every == 0)
+                                                    or step == end)
+            if checkpoint_now or step % config.log_every == 0 or step == end:
+                stats = train_step.read()
+                clock.mark(step)
+                if not log.add(step, config.lr * lr_scale, stats):
+                    diverged = True
+                    break
+            evaluate_now = (config.eval_every and step % config.eval_every == 0) or step == total
+            analyze_now = config.analyze_every and (step % config.analyze_every == 0 or step == total)
+            if evaluate_now or analyze_now or checkpoint_now:
+                with clock.paused():
+                    if evaluate_now:
+                        log.evaluation(step, evaluate(model, data, data.test, batch_size=config.eval_batch_size,
+                                                      amp=config.amp))
+                    if analyze_now:
+                        history.setdefault("analysis", []).append(diagnose(model, data, config.analyze_examples, step))
+                    if checkpoint_now:
+                        save_checkpoint(config.checkpoint, config=config, model=model, optimizer=opt, step=step,
+                                        history=history)
+            yield
+    finally:
+        train_step.close()             # its graph released before another run captures on its stream
     log.close()
     result = summarize(config, data, model, history, step, time.time() - started)
-    result.update(diverged=diverged, steps_per_second=clock.rate(), captured=train_step.graph is not None,
+    result.update(diverged=diverged, steps_per_second=clock.rate(), captured=train_step.captured,
                   resumed_from=resumed_from, skipped_steps=sum(row.get("skipped", 0) for row in history["train"]))
     return result
 

@@ -146,3 +146,33 @@ def test_runs_side_by_side_on_streams_end_as_runs_alone():
         assert a["history"]["train"] == b["history"]["train"] and a["final"] == b["final"]
         for p, q in zip(a["model"].parameters(), b["model"].parameters()):
             assert torch.equal(p, q)
+
+
+def test_runs_starting_as_others_end_keep_a_stream_each(monkeypatch):
+    """More runs than slots, of different lengths, every step a CUDA graph: runs start, capture and end while others
+    replay theirs. Each captures on its slot's stream (three streams for six runs), its graph is released as it
+    ends, and each ends with the losses, scores and parameters it has alone."""
+    import functools
+
+    from regattn.train.interleave import interleave
+    from regattn.train.trainer import training
+    made = []
+    init = TrainStep.__init__
+
+    def recorded(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        made.append(self)
+
+    configs = [tiny(mixer=mixer, seed=seed, cuda_graph=True, steps=steps) for seed, (mixer, steps) in
+               enumerate([("softmax", 24), ("softmax", 8), ("decay", 16), ("softmax", 12), ("mesanet", 8),
+                          ("softmax", 20)])]
+    alone = [train(config) for config in configs]
+    monkeypatch.setattr(TrainStep, "__init__", recorded)
+    together = dict(interleave([(i, functools.partial(training, c)) for i, c in enumerate(configs)], 3, "cuda"))
+    assert len(made) == 6 and all(s.captured and s.graph is None for s in made)
+    assert len({s.stream.cuda_stream for s in made}) == 3
+    for i, a in enumerate(alone):
+        b = together[i]
+        assert b["captured"] and a["history"]["train"] == b["history"]["train"] and a["final"] == b["final"]
+        for p, q in zip(a["model"].parameters(), b["model"].parameters()):
+            assert torch.equal(p, q)
