@@ -3,21 +3,21 @@
     for index, outcome in interleave(starts, width=3):
         ...                     # outcome: the run's result, or the exception it raised
 
-``starts`` yields ``(index, make)``: ``make()`` returns a run as a generator (:func:`regattn.train.trainer.training`),
-whose ``next()`` issues one step and whose return value is the result. ``width`` runs are in flight at a time; each
-``next()`` runs under its run's stream, so that the device runs one run's kernels beside another's (on the CPU the
-runs just take turns). Each slot keeps one stream for the runs that hold it in turn (:func:`own_streams`): a run
-captures its CUDA graph on that stream and releases it as it ends (:class:`regattn.train.step.TrainStep`), so no
-two graphs alive at once share a stream, nor the cuBLAS workspace that torch keeps per stream and frees with any
-graph captured there (runs that captured on one shared stream stalled once the first of them ended). A run issues its next step once fewer than :data:`AHEAD` of its steps are unfinished on the
-device, so a run of short steps goes on at its own pace beside one of long steps, ends sooner and frees its stream
-for the next run, instead of taking one step per turn of the slowest. (Its steps do not come for free: on an H200
-six MAD runs of softmax beside six of MesaNet took 31.3 s, the two groups one after the other 30.3;
-benchmarks/results/h200/experiments/trainer-mixed-streams-paced.json.) Runs of one model shape
-share its compiled code and its kernels' tuning, where processes (``regattn sweep --jobs``) compile and tune each run
-for itself; one process compiles one model at a time, though, while the others wait. On an H200 six runs of the MAD
-model in flight kept the device busy 99% of the time, at 1.4x the steps per second of one run alone
-(docs/EXPERIMENTS.md).
+``starts`` yields ``(index, make)``: ``make()`` returns a run as a generator
+(:func:`regattn.train.trainer.training`), whose ``next()`` issues one step and whose return value is the result.
+``width`` runs are in flight at a time; each ``next()`` runs under its run's stream, so that the device runs one
+run's kernels beside another's (on the CPU the runs just take turns). Each slot keeps one stream for the runs that
+hold it in turn (:func:`slot_streams`): a run captures its CUDA graph on that stream and releases it as it ends
+(:class:`regattn.train.step.TrainStep`), so no two graphs alive at once share a stream, nor the cuBLAS workspace
+that torch keeps per stream and frees with any graph captured there (runs that captured on one shared stream stalled
+once the first of them ended). A run issues its next step once fewer than :data:`AHEAD` of its steps are unfinished
+on the device, so a run of short steps goes on at its own pace beside one of long steps, ends sooner and frees its
+stream for the next run, instead of taking one step per turn of the slowest. (Its steps do not come for free: on an
+H200 six MAD runs of softmax beside six of MesaNet took 31.3 s, the two groups one after the other 30.3;
+benchmarks/results/h200/experiments/trainer-mixed-streams-paced.json.) Runs of one model shape share its compiled
+code and its kernels' tuning, where processes (``regattn sweep --jobs``) compile and tune each run for itself; one
+process compiles one model at a time, though, while the others wait. On an H200 six runs of the MAD model in flight
+kept the device busy 99% of the time, at 1.4x the steps per second of one run alone (docs/EXPERIMENTS.md).
 """
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ class Slot:
         return len(self.unfinished) < AHEAD
 
 
-def own_streams(width: int, device) -> list:
+def slot_streams(width: int, device) -> list:
     """``width`` distinct CUDA streams of ``device`` (``None`` each off CUDA), one per slot, each kept by the runs
     that hold its slot in turn. torch hands streams out of a pool, round robin; taken together they differ, as
     long as the pool holds that many."""
@@ -83,7 +83,7 @@ def interleave(starts: Iterable[tuple[int, Callable[[], Generator]]], width: int
     ``device`` when it is a CUDA device. A run that raises ends with its exception; the others go on."""
     if width < 1:
         raise ValueError(f"width: expected a value >= 1, got {width}")
-    free = own_streams(width, device)
+    free = slot_streams(width, device)
     pending, slots = iter(starts), []
     while True:
         while free and (start := next(pending, None)) is not None:

@@ -12,16 +12,16 @@ eagerly; the guard hands it ``found_inf`` (:meth:`regattn.train.optim.Optimizers
 update on the device when the loss or the gradient norm is not finite.
 
 ``cuda_graph`` (on CUDA) captures the whole step, forward, backward, clipping, guard, optimizer and sums, in one
-CUDA graph after ``WARMUP_STEPS`` eager steps, and replays it: a step then costs the host a copy of the batch
-into the graph's inputs and one launch. The warm-up and the capture run on the step's own stream: the current one
-when the step is made, unless that is the device's default stream (then a stream of its own). Graphs captured on
-one stream share that stream's cuBLAS workspace, which torch frees when any of them is destroyed; so runs side by
-side (:mod:`regattn.train.interleave`) each capture on their own stream and replay there, and :meth:`TrainStep.close`
-releases a run's graph when it ends, before the next run captures on that stream. Small models are bound by the host's launches: on the H100 a step of
-the MAD model (softmax) took 6.9 ms of host time with ``compile="reduce-overhead"``, 4.0 ms of it the
-optimizer's launches, for about 1.2 ms of kernels; compiled and captured whole it takes 1.26 ms (800 steps/s,
-docs/EXPERIMENTS.md). The learning rates become device tensors that :func:`regattn.train.optim.apply_schedule`
-sets in place; the weight decay is held as captured.
+CUDA graph after ``WARMUP_STEPS`` eager steps, and replays it: a step then costs the host a copy of the batch into
+the graph's inputs and one launch. The warm-up and the capture run on the step's own stream: the current one when
+the step is made, unless that is the device's default stream (then a stream of its own). Graphs captured on one
+stream share that stream's cuBLAS workspace, which torch frees when any of them is destroyed; so runs side by side
+(:mod:`regattn.train.interleave`) each capture on their own stream and replay there, and :meth:`TrainStep.close`
+releases a run's graph when it ends, before the next run captures on that stream. Small models are bound by the
+host's launches: on the H100 a step of the MAD model (softmax) took 6.9 ms of host time with
+``compile="reduce-overhead"``, 4.0 ms of it the optimizer's launches, for about 1.2 ms of kernels; compiled and
+captured whole it takes 1.26 ms (800 steps/s, docs/EXPERIMENTS.md). The learning rates become device tensors that
+:func:`regattn.train.optim.apply_schedule` sets in place; the weight decay is held as captured.
 """
 from __future__ import annotations
 

@@ -54,7 +54,10 @@ SUITES = ("mad", "mad_benchmark", "mad_hard")
 # on CUDA each step is compiled and replayed as one CUDA graph (the MAD model: 52 -> 800 steps/s on the H100)
 _FAST = "--compile default --cuda-graph"
 _ADAMW = f"--optimizer adamw --betas 0.9,0.999 --weight-decay 0.1 --batch-size 256 --schedule constant --seeds 0,1,2 {_FAST}"
-_MUON = f"--optimizer muon --schedule wsd --warmup 0 --decay-start 0.8 --epochs 60 --batch-size 128 --lrs 5e-3,1e-3,5e-4 {_FAST}"
+_MUON = "--optimizer muon --schedule wsd --warmup 0 --decay-start 0.8 --epochs 60 --batch-size 128 --lrs 5e-3,1e-3,5e-4"
+# uncompiled, six runs at a time on CUDA streams: no run waits while another model shape compiles (Table 1a has 36),
+# and six in flight keep the device busy (Table 1a's six columns on an H200 in 20 minutes, docs/EXPERIMENTS.md)
+_STREAMS = "--compile none --cuda-graph --streams 6 --checkpoint-every 1000"
 PRESETS = {
     # lla Appendix F.2 (AdamW (0.9, 0.999), weight decay 0.1, batch 256; the paper names no schedule: constant)
     "lla-icr": f"icr --no-mlp --vary length=64,128,256,512 --vary segments=8,4,2,1 --lrs 5e-5,1e-4,5e-4,1e-3 "
@@ -78,10 +81,10 @@ PRESETS = {
     # machine is skipped, with its reason in the sweep's JSON. Mamba's state size is the MAD release's (its
     # Mamba layer's d_state 4; the paper takes the release's settings), in chunks of 16 (the same result, per-chunk
     # products a quarter of 64's)
-    "parallax-mad": f"mad --mixers softmax,parallax,gatedfwa,decay,mesanet,mamba2,gdn,gla {_MUON} "
+    "parallax-mad": f"mad --mixers softmax,parallax,gatedfwa,decay,mesanet,mamba2,gdn,gla {_MUON} {_STREAMS} "
                     f"--mixer-opt mamba2.state_size=4 --mixer-opt mamba2.chunk_size=16",
-    "parallax-mad-benchmark": f"mad_benchmark --mixers softmax,parallax,gatedfwa,decay {_MUON}",
-    "parallax-mad-hard": f"mad_hard --mixers softmax,parallax,gatedfwa,decay {_MUON}",
+    "parallax-mad-benchmark": f"mad_benchmark --mixers softmax,parallax,gatedfwa,decay {_MUON} {_FAST}",
+    "parallax-mad-hard": f"mad_hard --mixers softmax,parallax,gatedfwa,decay {_MUON} {_FAST}",
 }
 
 
@@ -436,7 +439,7 @@ def main(argv=None) -> int:
     checks.at_least("--streams", args.streams, 1)
     if args.jobs > 1 and args.streams > 1:
         raise UsageError(f"--streams: runs go side by side in one process; expected --jobs 1 with it, "
-                         f"got --jobs {args.jobs}")
+                         f"got --jobs {args.jobs} (give --streams 1 with --jobs, also after a preset that sets it)")
     checks.at_least("--checkpoint-every", args.checkpoint_every, 0)
     if args.stop_after is not None:
         checks.positive("--stop-after", args.stop_after)

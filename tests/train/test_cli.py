@@ -132,6 +132,8 @@ def test_presets_parse_into_valid_sweeps():
                                          dict(length=64, pairs_per_length=8, num_train=40000),
                                          dict(length=64, pairs_per_length=4, num_train=60000)]
     assert args.epochs == 32 and args.batch_size == 256 and args.optimizer == "adamw"
+    args = sweep.build_parser().parse_args(sweep.expand_preset(["--preset", "parallax-mad"]))
+    assert (args.compile, args.cuda_graph, args.jobs, args.streams, args.checkpoint_every) == ("none", True, 1, 6, 1000)
 
 
 def test_sweep_refuses_an_option_for_no_mixer(tmp_path):
@@ -162,8 +164,8 @@ def test_sweep_jobs_and_streams_run_like_one_at_a_time(tmp_path, capsys):
     # a tiny version of a preset: the six MAD tasks, in two processes, and three at a time in this one
     tiny = ["--preset", "parallax-mad", "--mixers", "softmax", "--lrs", "1e-2", "--epochs", "1",
             "--batch-size", "8", "--set", "num_train=16", "--set", "num_test=8", "--dim", "16", "--quiet"]
-    assert sweep.main(tiny + ["--out", str(tmp_path / "one")]) == 0
-    assert sweep.main(tiny + ["--out", str(tmp_path / "two"), "--jobs", "2"]) == 0
+    assert sweep.main(tiny + ["--out", str(tmp_path / "one"), "--streams", "1"]) == 0
+    assert sweep.main(tiny + ["--out", str(tmp_path / "two"), "--jobs", "2", "--streams", "1"]) == 0
     assert sweep.main(tiny + ["--out", str(tmp_path / "three"), "--streams", "3"]) == 0
     out = capsys.readouterr().out
     assert "6 runs" in out and "(3 at a time)" in out
