@@ -38,7 +38,9 @@ import re
 import statistics
 import sys
 import time
+from collections.abc import Iterable
 
+from regattn.models.baselines import BASELINES
 from regattn.models.mixers import MIXER_NAMES
 from regattn.tasks import MAD_TASKS, TASKS, mad_benchmark_settings, mad_hard_settings, make_task
 from regattn.train import checks
@@ -167,7 +169,7 @@ def checkpoint_name(task: str, key: tuple) -> str:
 def run_sweep(base: TrainConfig, *, mixers: list[str], lrs: list[float], seeds: list[int],
               points: list[tuple[str, dict, object]], done: list[dict] | None = None, on_run=None,
               jobs: int = 1, streams: int = 1, checkpoints: str | None = None,
-              stop_after: float | None = None) -> list[dict]:
+              stop_after: float | None = None, check: BaselineCheck | None = None) -> list[dict]:
     """Every run of the grid; each record carries ``mixer, x, setting, lr, seed``, in the grid's order.
 
     done: records of an earlier, interrupted sweep; their runs are kept, not repeated (a failed one, with an
@@ -176,7 +178,8 @@ def run_sweep(base: TrainConfig, *, mixers: list[str], lrs: list[float], seeds: 
     once per point and seed, ``streams`` runs at a time side by side (:mod:`regattn.train.interleave`).
     checkpoints: a folder where each run checkpoints (every ``base.checkpoint_every`` steps) and resumes from;
     a run's file is removed once ``on_run`` has its record. stop_after: seconds after which no run starts (the
-    runs in flight end; the records hold the runs that ran).
+    runs in flight end; the records hold the runs that ran). check: the baselines still being checked; their
+    runs start last, those of a baseline it refuses not at all.
     """
     runs = [r for r in done or [] if not r.get("error")]
     finished = {run_key(r["mixer"], r["x"], r["lr"], r["seed"]) for r in runs}
@@ -197,8 +200,7 @@ def run_sweep(base: TrainConfig, *, mixers: list[str], lrs: list[float], seeds: 
     began = time.time()
     deadline = None if stop_after is None else began + stop_after
     ran = 0
-    for run in execute([config for config, _ in pending], jobs, streams,
-                       keep_starting=None if deadline is None else lambda: time.time() < deadline):
+    for run in execute(starts(pending, deadline, check), jobs, streams, base.device):
         ran += 1
         run.update(pending[run.pop("index")][1])
         runs.append(run)
@@ -208,22 +210,85 @@ def run_sweep(base: TrainConfig, *, mixers: list[str], lrs: list[float], seeds: 
             on_run(runs)
         if checkpoints and not run.get("error") and os.path.exists(run["config"]["checkpoint"]):
             os.remove(run["config"]["checkpoint"])
-    if ran < len(pending):
-        print(f"--stop-after: {len(pending) - ran} of {len(pending)} runs not started (--resume runs them)")
+    refused = sum(1 for _, meta in pending if check is not None and meta["mixer"] in check.answered())
+    if ran + refused < len(pending):
+        print(f"--stop-after: {len(pending) - ran - refused} of {len(pending)} runs not started (--resume runs them)")
     return runs
 
 
-def execute(configs: list[TrainConfig], jobs: int, streams: int = 1, keep_starting=None):
-    """The record of each run (:func:`run_config`, with its ``index`` in ``configs``) as it finishes: ``jobs``
-    processes, or with ``jobs`` 1 in this process, ``streams`` runs side by side (:mod:`regattn.train.interleave`).
-    keep_starting: asked before each run starts; once it says False no more start (None: every run starts)."""
-    starts = enumerate(configs)
-    if keep_starting is not None:
-        starts = itertools.takewhile(lambda _: keep_starting(), starts)
+def starts(pending: list[tuple[TrainConfig, dict]], deadline: float | None = None,
+           check: BaselineCheck | None = None):
+    """``(index, config)`` of each run of ``pending`` to start, in its order but the runs of the mixers ``check``
+    is still checking, which come last, once it has answered, without those it refuses. None starts after
+    ``deadline`` (``time.time()``)."""
+    waiting = set() if check is None else check.mixers
+    for i in sorted(range(len(pending)), key=lambda i: pending[i][1]["mixer"] in waiting):
+        if deadline is not None and time.time() >= deadline:
+            return
+        config, meta = pending[i]
+        if meta["mixer"] not in waiting or meta["mixer"] not in check.refused():
+            yield i, config
+
+
+class BaselineCheck:
+    """Which baselines FLA refuses on this machine (:func:`regattn.train.cli.refused_mixers`), asked in a spawned
+    process of its own while the sweep's other runs go. The check runs each baseline once, so FLA compiles and tunes
+    its kernels there (about 150 s for Mamba2 on a cold machine); this process then finds the compiled kernels on
+    disk (Triton's cache) and, as FLA's tuning there keeps none of its choices (``FLA_CACHE_RESULTS=0``: they were
+    timed beside the other runs), tunes its own as the first baseline run starts. ``refused()`` waits for the
+    answer."""
+
+    def __init__(self, args, mixers: list[str]):
+        self.mixers = set(mixers)
+        self.began = time.time()
+        self._answer = None
+        pool = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
+                                                      initializer=keep_no_tuning)
+        self._future = pool.submit(timed, refused_mixers, args, mixers)
+        pool.shutdown(wait=False)
+
+    @staticmethod
+    def of(args, mixers: list[str]) -> BaselineCheck | None:
+        """The check of the baselines among ``mixers``, started, where it goes beside the other runs: on CUDA, with
+        both among ``mixers``; else None (off CUDA the check is quick: FLA's kernels need CUDA)."""
+        baselines = [m for m in mixers if m in BASELINES]
+        beside = resolve_device(args.device).type == "cuda" and 0 < len(baselines) < len(mixers)
+        return BaselineCheck(args, baselines) if beside else None
+
+    def refused(self) -> dict[str, str]:
+        """``{mixer: reason}`` (waits for the check the first time; says how long it took, and when it was asked)."""
+        if self._answer is None:
+            self._answer, seconds = self._future.result()
+            print(f"checked {sorted(self.mixers)} in a process of its own in {seconds:.0f} s "
+                  f"(asked for at {time.time() - self.began:.0f} s)")
+            for mixer, reason in self._answer.items():
+                print(f"skipping {mixer}: {reason}")
+        return self._answer
+
+    def answered(self) -> dict[str, str]:
+        """:meth:`refused` once it has answered, else ``{}`` (does not wait)."""
+        return self._answer or {}
+
+
+def timed(function, *args) -> tuple[object, float]:
+    """``(function(*args), the seconds it took)``."""
+    began = time.time()
+    return function(*args), time.time() - began
+
+
+def keep_no_tuning() -> None:
+    """The baseline check's process keeps none of FLA's tuning choices on disk."""
+    os.environ["FLA_CACHE_RESULTS"] = "0"
+
+
+def execute(starts: Iterable[tuple[int, TrainConfig]], jobs: int, streams: int = 1, device: str = "cpu"):
+    """The record of each run (:func:`run_config`, with its ``index``) as it finishes, the runs started as
+    ``starts`` yields ``(index, config)``: ``jobs`` processes, or with ``jobs`` 1 in this process, ``streams`` runs
+    side by side on ``device`` (:mod:`regattn.train.interleave`)."""
+    starts = iter(starts)
     if jobs == 1:
-        device = resolve_device(configs[0].device) if configs else None
         steps = ((i, functools.partial(run_steps, config)) for i, config in starts)
-        for i, run in interleave(steps, streams, device):
+        for i, run in interleave(steps, streams, resolve_device(device)):
             yield dict(run, index=i)
         return
     context = multiprocessing.get_context("spawn")           # CUDA does not survive a fork
@@ -232,16 +297,16 @@ def execute(configs: list[TrainConfig], jobs: int, streams: int = 1, keep_starti
     try:
         while True:
             while len(running) < jobs and (start := next(starts, None)) is not None:
-                running[pool.submit(run_config, start[1])] = start[0]
+                running[pool.submit(run_config, start[1])] = start
             if not running:
                 break
             finished, _ = concurrent.futures.wait(running, return_when=concurrent.futures.FIRST_COMPLETED)
             for future in finished:
-                i = running.pop(future)
+                i, config = running.pop(future)
                 try:
                     run = future.result()
                 except Exception as e:                       # noqa: BLE001 (a worker that died: recorded as failed)
-                    run = failed(configs[i], e, 0.0)
+                    run = failed(config, e, 0.0)
                 yield dict(run, index=i)
     except BaseException:                                    # interrupted: stop the runs in flight, not wait for them
         stop_workers(pool)
@@ -444,7 +509,8 @@ def main(argv=None) -> int:
     if args.stop_after is not None:
         checks.positive("--stop-after", args.stop_after)
     check_points(points)
-    skipped = refused_mixers(args, mixers)
+    check = BaselineCheck.of(args, mixers)
+    skipped = {} if check else refused_mixers(args, mixers)
     for mixer, reason in skipped.items():
         print(f"skipping {mixer}: {reason}")
     mixers = [m for m in mixers if m not in skipped]
@@ -460,7 +526,10 @@ def main(argv=None) -> int:
                 skipped=skipped)  # the rates and seeds of every run kept, then this call's
 
     def save(runs):
-        payload = dict(head, summary=summarize_sweep(runs), runs=runs)
+        later = check.answered() if check else {}         # the baselines refused by the check beside the runs
+        shown = [m for m in head["mixers"] if m not in later or any(r["mixer"] == m for r in runs)]
+        payload = dict(head, mixers=shown, skipped={**head["skipped"], **later}, summary=summarize_sweep(runs),
+                       runs=runs)
         if args.task in SUITES:
             payload["average"] = suite_average(payload["summary"])
         write_json(stem + ".json", payload)
@@ -468,7 +537,7 @@ def main(argv=None) -> int:
 
     started = time.time()
     runs = run_sweep(base, mixers=mixers, lrs=lrs, seeds=seeds, points=points, done=done,
-                     on_run=save, jobs=args.jobs, streams=args.streams, stop_after=args.stop_after,
+                     on_run=save, jobs=args.jobs, streams=args.streams, stop_after=args.stop_after, check=check,
                      checkpoints=os.path.join(args.out, "checkpoints") if args.checkpoint_every else None)
     wall = time.time() - started
     payload = save(runs)

@@ -4,6 +4,7 @@ import re
 
 import matplotlib.axes
 import pytest
+import torch
 
 from regattn.cli import COMMANDS
 from regattn.train import cli, plots, sweep
@@ -181,13 +182,63 @@ def test_sweep_jobs_and_streams_run_like_one_at_a_time(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("jobs, streams", [(1, 2), (2, 1)], ids=["streams", "processes"])
-def test_a_sweep_told_to_stop_starts_no_more_runs(jobs, streams):
-    """The runs in flight end; none starts after ``keep_starting`` says False (asked once a start)."""
+def test_a_sweep_runs_what_its_starts_give_and_no_more(jobs, streams):
     base = cli.base_config(sweep.build_parser().parse_args(["mqar", "--mixers", "softmax"] + TINY))
     configs = [dataclasses.replace(base, lr=lr) for lr in (1e-3, 2e-3, 3e-3, 4e-3)]
-    answers = iter([True, True, False])
-    runs = list(sweep.execute(configs, jobs, streams, keep_starting=lambda: next(answers)))
-    assert sorted(r["index"] for r in runs) == [0, 1] and not any(r.get("error") for r in runs)
+    runs = list(sweep.execute([(3, configs[3]), (1, configs[1])], jobs, streams, base.device))
+    assert sorted(r["index"] for r in runs) == [1, 3] and not any(r.get("error") for r in runs)
+    assert sorted(r["config"]["lr"] for r in runs) == [2e-3, 4e-3]
+
+
+class Check:
+    """A baseline check that has answered: ``mixers`` checked, ``reasons`` those refused."""
+    def __init__(self, mixers, reasons):
+        self.mixers, self.reasons, self.asked = set(mixers), reasons, 0
+
+    def refused(self):
+        self.asked += 1
+        return self.reasons
+
+
+def test_runs_of_baselines_being_checked_start_last_and_a_refused_ones_not_at_all():
+    pending = [(f"config{i}", dict(mixer=m)) for i, m in enumerate(["a", "b", "c", "a", "b", "c"])]
+    assert [i for i, _ in sweep.starts(pending)] == [0, 1, 2, 3, 4, 5]
+    check = Check(["b", "c"], {"c": "refused"})
+    started = sweep.starts(pending, check=check)
+    assert [next(started)[0] for _ in range(2)] == [0, 3] and check.asked == 0    # no wait before b's turn
+    assert [i for i, _ in started] == [1, 4] and [c for _, c in sweep.starts(pending, check=check)][-1] == "config4"
+    assert list(sweep.starts(pending, deadline=0.0)) == []                        # past the deadline: none starts
+
+
+def refuse_decay(args, mixers):
+    """A baseline check for the spawned process (importable there): decay refused, with a setting of ``args``."""
+    return {m: f"RuntimeError: not at dim {args.dim}" for m in mixers if m == "decay"}
+
+
+def test_baselines_checked_in_a_process_of_their_own(tmp_path, monkeypatch, capsys):
+    # as on CUDA, with decay and parallax standing for baselines (FLA's need CUDA), and the check above
+    monkeypatch.setattr(sweep, "BASELINES", ("decay", "parallax"))
+    monkeypatch.setattr(sweep, "refused_mixers", refuse_decay)
+    args = sweep.build_parser().parse_args(["mqar", "--mixers", "decay,softmax"])
+    assert sweep.BaselineCheck.of(args, ["decay", "softmax"]) is None                      # the CPU: checked first
+    with monkeypatch.context() as m:
+        m.setattr(sweep, "resolve_device", lambda device: torch.device("cuda"))
+        assert sweep.BaselineCheck.of(args, ["decay", "parallax"]) is None                # nothing to go beside
+        real = sweep.BaselineCheck.of(args, ["decay", "softmax"])
+    assert real.mixers == {"decay"} and real.refused() == {"decay": "RuntimeError: not at dim 128"}
+    capsys.readouterr()
+    monkeypatch.setattr(sweep.BaselineCheck, "of",
+                        lambda args, mixers: sweep.BaselineCheck(args, ["decay", "parallax"]))
+    out = tmp_path / "c"
+    assert sweep.main(["mqar", "--mixers", "decay,softmax,parallax", "--out", str(out)] + TINY) == 0
+    payload = json.loads((out / "sweep-mqar.json").read_text())
+    assert payload["mixers"] == ["softmax", "parallax"]
+    assert [r["mixer"] for r in payload["runs"]] == ["softmax", "parallax"]
+    assert payload["skipped"] == {"decay": "RuntimeError: not at dim 16"}
+    printed = capsys.readouterr().out
+    assert "checked ['decay', 'parallax'] in a process of its own" in printed
+    assert "skipping decay: RuntimeError: not at dim 16" in printed and "not started" not in printed
+    assert printed.index("softmax") < printed.index("checked") < printed.index("parallax")   # softmax did not wait
 
 
 def test_stop_after_leaves_the_rest_to_resume(tmp_path, capsys):
