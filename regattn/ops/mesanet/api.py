@@ -14,7 +14,8 @@ reaches only the rows that see it (they give NaN). Per chunk: one ``D x D`` and 
 factorisation and the factors' inverses (``B T H / C`` of each), batched matrix products, no host
 read; the numbers are the reference's up to rounding (``H`` and ``M`` are positive definite for ``lam > 0``).
 On CUDA the same algebra runs in the Triton kernels of :mod:`regattn.ops.mesanet.kernels` (the factorisations
-stay torch's).
+stay torch's), and the rows go into and out of the chunks in one pass each way, the non-finite entries' masks
+with them (:mod:`regattn.ops.mesanet.layout`).
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ import torch
 from regattn.ops._common.checks import check_attention_inputs, check_int, check_positive, resolve_kernel_backend
 from regattn.ops._common.vmap import fold_rule
 from regattn.ops.mesanet.kernels import ChunkOutput, ChunkSums, Precondition, inverse_factor_backward, lower_inverse
+from regattn.ops.mesanet.layout import FromChunks, ToChunks
 from regattn.reference.common import accumulation_dtype, repeat_kv
 
 HAS_TRITON = True
@@ -58,6 +60,10 @@ def mesanet(q, k, v, *, lam: float = 1.0, chunk: int = 64, backend="auto"):
     n = -(-S // C)
     pad = n * C - S
 
+    if backend == "triton":
+        with torch.autocast(q.device.type, enabled=False):
+            return _mesanet_kernels(q, k, v, lam, C, n)
+
     def chunks(x, front=0):  # [B, S', H', E] -> [B, HQ, n, C, E] in dtype, zeros around, in one copy
         heads, E = x.shape[2:]
         out = (x.new_zeros if front or pad else x.new_empty)(B, heads, HQ // heads, n * C, E, dtype=dtype)
@@ -68,7 +74,7 @@ def mesanet(q, k, v, *, lam: float = 1.0, chunk: int = 64, backend="auto"):
     seen = _sees_nonfinite(k_ok, v_ok, HQ)[:, S - T:]
     k, v = torch.where(k_ok, k, 0.0), torch.where(v_ok, v, 0.0)
     with torch.autocast(q.device.type, enabled=False):
-        o = _chunked(chunks(q, front=S - T), chunks(k), chunks(v), lam, triton=backend == "triton")
+        o = _chunked(chunks(q, front=S - T), chunks(k), chunks(v), lam)
     o = o.reshape(B, HQ, n * C, Dv)[:, :, S - T:S].transpose(1, 2)
     return torch.where(seen[..., None], float("nan"), o).to(q.dtype)
 
@@ -150,11 +156,8 @@ class _KernelInverseFactor(_InverseFactor):
     vmap = staticmethod(fold_rule(lambda A: _KernelInverseFactor.apply(A), batched=(0,), outputs=(0, 0)))
 
 
-def _chunked(Q, U, V, lam, *, triton: bool):
-    """``[B, H, n, C, D]`` chunks -> outputs ``[B, H, n, C, Dv]`` (see the module's text); ``triton``: the products
-    in the Triton kernels of :mod:`regattn.ops.mesanet.kernels`."""
-    if triton:
-        return _chunked_kernels(Q, U, V, lam)
+def _chunked(Q, U, V, lam):
+    """``[B, H, n, C, D]`` chunks -> outputs ``[B, H, n, C, Dv]`` (see the module's text)."""
     C, D = U.shape[-2:]
     eye_d = torch.eye(D, dtype=U.dtype, device=U.device)
     eye_c = torch.eye(C, dtype=U.dtype, device=U.device)
@@ -166,6 +169,18 @@ def _chunked(Q, U, V, lam, *, triton: bool):
     Y = (QA @ U.mT @ Im.mT).tril() @ Im                        # row r: the leading (r+1) block of M^-1
     X = QA - Y @ UA                                            # H_i^-1 q_i, each row
     return X @ S.mT + (X @ U.mT).tril() @ V
+
+
+def _mesanet_kernels(q, k, v, lam, C, n):
+    """:func:`mesanet` in ``n`` chunks of ``C`` through the Triton kernels: the rows into and out of the chunks in one
+    pass each way (:mod:`regattn.ops.mesanet.layout`), the chunk algebra in :func:`_chunked_kernels`."""
+    T, HQ, S = q.shape[1], q.shape[2], k.shape[1]
+    Q = ToChunks.apply(q, HQ, n * C, S - T, False)[0]
+    U, bad_k = ToChunks.apply(k, HQ, n * C, 0, True)
+    V, bad_v = ToChunks.apply(v, HQ, n * C, 0, True)
+    seen = (bad_k | bad_v).cumsum(1) > 0                      # [B, S, H]: sees a non-finite key or value entry
+    O = _chunked_kernels(*(x.unflatten(2, (n, C)) for x in (Q, U, V)), lam)
+    return FromChunks.apply(O.flatten(2, 3), seen, T, q.dtype)
 
 
 def _chunked_kernels(Q, U, V, lam):
