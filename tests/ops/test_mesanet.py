@@ -159,3 +159,19 @@ def test_kernel_triangular_inverse_is_as_accurate_as_the_triangular_solve(K, rid
     solve = torch.linalg.solve_triangular(L.float(), torch.eye(K, device=DEVICE), upper=False)
     got = lower_inverse(L.float().contiguous())
     assert rel_err(got.double(), want) <= 4 * rel_err(solve.double(), want) + 1e-7
+
+
+def test_triton_path_keeps_the_inputs_dtype(interpret):
+    """fp16 rows into the chunks and back (``regattn.ops.mesanet.layout``): the output and each gradient in fp16,
+    each the fp32 path's rounded (strided inputs, GQA, fewer queries than keys, a partial last chunk)."""
+    B, T, S, HQ, H, D, Dv = 2, 21, 27, 4, 2, 16, 8
+    q, k, v = (t.detach().half() for t in _inputs(B, T, S, HQ, H, D, Dv, dtype=torch.float32, device=DEVICE))
+    k = torch.cat([k, k], -1)[..., :D]                        # a view: rows 2 D apart
+    do = randn(B, T, HQ, Dv, device=DEVICE).half()
+    half = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    full = [t.float().requires_grad_(True) for t in (q, k, v)]
+    got = _outputs(lambda *a: regattn.mesanet(*a, chunk=8, backend="triton"), half, do)
+    want = _outputs(lambda *a: regattn.mesanet(*a, chunk=8, backend="triton"), full, do.float())
+    for name, a, b in zip(["o", "dq", "dk", "dv"], got, want):
+        assert a.dtype == torch.float16, name
+        torch.testing.assert_close(a.float(), b.half().float(), rtol=0, atol=0, msg=name)
