@@ -24,13 +24,19 @@ WARPS = 4
 
 
 @triton.jit
+def _heads(bq, HQ, H):
+    """``(b, hq, h)`` of program ``bq = b HQ + hq``: its sequence, query head and kv head."""
+    b, hq = bq // HQ, bq % HQ
+    return b, hq, hq // (HQ // H)
+
+
+@triton.jit
 def _to_chunks_kernel(X, OUT, BAD, L, H, HQ, P, E, FRONT, sxb, sxl, sxh,
                       BLOCK: tl.constexpr, BE: tl.constexpr, ZERO: tl.constexpr):
     """Rows ``p`` of ``OUT[b, hq]`` from ``X[b, p - FRONT, hq // (HQ // H)]``; ``BAD[b, l, h]``: a non-finite entry."""
     p = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     bq = tl.program_id(1)
-    b, hq = bq // HQ, bq % HQ
-    h = hq // (HQ // H)
+    b, hq, h = _heads(bq, HQ, H)
     s = p - FRONT
     e = tl.arange(0, BE)[None, :]
     inside = (s >= 0) & (s < L)
@@ -71,8 +77,7 @@ def _from_chunks_kernel(O, SEEN, OUT, T, S, H, HQ, P, E, FRONT, BLOCK: tl.conste
     """``OUT[b, t, hq]`` from row ``FRONT + t`` of ``O[b, hq]``; NaN where ``SEEN[b, FRONT + t, hq // (HQ // H)]``."""
     t = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     bq = tl.program_id(1)
-    b, hq = bq // HQ, bq % HQ
-    h = hq // (HQ // H)
+    b, hq, h = _heads(bq, HQ, H)
     e = tl.arange(0, BE)[None, :]
     rows = t < T
     mask = rows[:, None] & (e < E)
@@ -87,8 +92,7 @@ def _from_chunks_backward_kernel(G, SEEN, DO, T, S, H, HQ, P, E, FRONT, BLOCK: t
     """Row ``p`` of ``DO[b, hq]``: ``G[b, p - FRONT, hq]``, zero at the padding and where the row is NaN."""
     p = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     bq = tl.program_id(1)
-    b, hq = bq // HQ, bq % HQ
-    h = hq // (HQ // H)
+    b, hq, h = _heads(bq, HQ, H)
     e = tl.arange(0, BE)[None, :]
     t = p - FRONT
     inside = (t >= 0) & (t < T)
