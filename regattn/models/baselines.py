@@ -96,18 +96,20 @@ def mamba2_call() -> dict:
     return {"use_cache": True} if module.is_fast_path_available and module.causal_conv1d_fn is None else {}
 
 
-def refusal(name: str, dim: int, heads: int, device, **options) -> str | None:
+def refusal(name: str, dim: int, heads: int, device, *, batch: int = 2, **options) -> str | None:
     """Why the baseline ``name`` does not run on ``device`` at these sizes, or None when it does.
 
     On CUDA: one forward and backward of the layer under bf16 autocast (as the trainer runs it) on
-    ``[2, PROBE_LENGTH, dim]``; the RuntimeError FLA raises for a kernel it will not run there is the
-    reason. Elsewhere: FLA's kernels need a CUDA device.
+    ``[batch, PROBE_LENGTH, dim]``; the RuntimeError FLA raises for a kernel it will not run there is the
+    reason. Elsewhere: FLA's kernels need a CUDA device. Give ``batch`` the training's batch size, so that the
+    kernels FLA compiles and tunes here are the ones its runs take (Triton compiles a kernel apart for a batch
+    of 2 and one of 128).
     """
     device = torch.device(device)
     if device.type != "cuda":
         return f"flash-linear-attention's kernels need a CUDA device, got {device}"
     layer = build_baseline(name, dim, heads, **options).to(device)
-    x = torch.randn(2, PROBE_LENGTH, dim, device=device, requires_grad=True)
+    x = torch.randn(batch, PROBE_LENGTH, dim, device=device, requires_grad=True)
     try:
         with torch.autocast("cuda", dtype=torch.bfloat16):
             y = layer(x)
@@ -117,12 +119,13 @@ def refusal(name: str, dim: int, heads: int, device, **options) -> str | None:
     return None
 
 
-def refusals(mixers: list[str], *, dim: int, heads: int, device, options: dict[str, dict]) -> dict[str, str]:
-    """``{mixer: reason}`` for each baseline among ``mixers`` that does not run on ``device``; ``options``: each
-    mixer's own options (none where it is not a key)."""
+def refusals(mixers: list[str], *, dim: int, heads: int, device, options: dict[str, dict],
+             batch: int = 2) -> dict[str, str]:
+    """``{mixer: reason}`` for each baseline among ``mixers`` that does not run on ``device`` (:func:`refusal`);
+    ``options``: each mixer's own options (none where it is not a key)."""
     out = {}
     for name in mixers:
-        reason = refusal(name, dim, heads, device, **options.get(name, {})) if name in BASELINES else None
+        reason = refusal(name, dim, heads, device, batch=batch, **options.get(name, {})) if name in BASELINES else None
         if reason is not None:
             out[name] = reason
     return out

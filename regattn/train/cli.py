@@ -132,10 +132,10 @@ def check_common(args, tasks: list[str], mixers: list[str]) -> None:
 
 def refused_mixers(args, mixers: list[str]) -> dict[str, str]:
     """``{mixer: reason}`` for the baselines among ``mixers`` that FLA will not run on ``--device`` at these
-    sizes (:func:`regattn.models.baselines.refusal`)."""
+    sizes and the batch size (:func:`regattn.models.baselines.refusal`)."""
     options = parse_pairs(args.mixer_opt, "--mixer-opt")
     return refusals(mixers, dim=args.dim, heads=args.heads, device=resolve_device(args.device),
-                    options={m: options_for(m, options) for m in mixers})
+                    options={m: options_for(m, options) for m in mixers}, batch=args.batch_size)
 
 
 def base_config(args, **overrides) -> TrainConfig:
