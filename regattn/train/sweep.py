@@ -22,7 +22,10 @@ again: from the start, or with ``--checkpoint-every N`` from the last of their c
 ``OUT/checkpoints/``, each removed once its run is recorded). ``--stop-after S`` starts no run after S seconds: the
 runs in flight then end, and ``--resume`` does the rest (a sweep longer than a machine's time limit, in parts
 that lose no run). Each run's record keeps the wall-clock times it ``started`` and ``ended``; its printed line
-gives both in seconds into the sweep, so that a part's time shows where it went.
+gives both in seconds into the sweep, so that a part's time shows where it went. A baseline FLA refuses on the
+machine is skipped, its reason under ``skipped`` in the JSON; on CUDA, with other mixers beside them, the
+baselines are checked in a process of their own while the other runs go, and their runs start last
+(:class:`BaselineCheck`).
 """
 from __future__ import annotations
 
@@ -58,7 +61,7 @@ _FAST = "--compile default --cuda-graph"
 _ADAMW = f"--optimizer adamw --betas 0.9,0.999 --weight-decay 0.1 --batch-size 256 --schedule constant --seeds 0,1,2 {_FAST}"
 _MUON = "--optimizer muon --schedule wsd --warmup 0 --decay-start 0.8 --epochs 60 --batch-size 128 --lrs 5e-3,1e-3,5e-4"
 # uncompiled, six runs at a time on CUDA streams: no run waits while another model shape compiles (Table 1a has 36),
-# and six in flight keep the device busy (Table 1a's six columns on an H200 in 20 minutes, docs/EXPERIMENTS.md)
+# and six in flight keep the device busy (Table 1a's six columns on an H200 in 16.8 minutes, docs/EXPERIMENTS.md)
 _STREAMS = "--compile none --cuda-graph --streams 6 --checkpoint-every 1000"
 PRESETS = {
     # lla Appendix F.2 (AdamW (0.9, 0.999), weight decay 0.1, batch 256; the paper names no schedule: constant)
@@ -232,11 +235,12 @@ def starts(pending: list[tuple[TrainConfig, dict]], deadline: float | None = Non
 
 class BaselineCheck:
     """Which baselines FLA refuses on this machine (:func:`regattn.train.cli.refused_mixers`), asked in a spawned
-    process of its own while the sweep's other runs go. The check runs each baseline once, so FLA compiles and tunes
-    its kernels there (about 150 s for Mamba2 on a cold machine); this process then finds the compiled kernels on
-    disk (Triton's cache) and, as FLA's tuning there keeps none of its choices (``FLA_CACHE_RESULTS=0``: they were
-    timed beside the other runs), tunes its own as the first baseline run starts. ``refused()`` waits for the
-    answer."""
+    process of its own while the sweep's other runs go; the baselines' runs start last, the first once it has
+    answered (:func:`starts`). The check runs each baseline once at the runs' batch size, so FLA compiles its
+    kernels there (over 150 s for Mamba2 on a cold H200) into Triton's cache on disk, for this process to find as
+    it tunes them for its first baseline run (Triton compiled them apart for batches of 2 and 128: after a check at
+    2, a run at 128 compiled 135 of them again). FLA keeps none of the check's tuning
+    (``FLA_CACHE_RESULTS=0``): those timings ran beside the other runs. ``refused()`` waits for the answer."""
 
     def __init__(self, args, mixers: list[str]):
         self.mixers = set(mixers)
