@@ -41,6 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
+from regattn.ops._common.attention_tiles import head_block
 from regattn.ops._common.launch import launch
 from regattn.ops._common.vmap import fold_rule
 
@@ -284,7 +285,7 @@ def _backward_factors_kernel(QA, UA, U, IM, W, P, Y, DX, DQA, DUA, DU, DIM, C, D
 def _blocks(C: int, D: int, DV: int | None = None) -> dict:
     """Power-of-two tile sizes of at least 16 (``tl.dot``'s least): ``BC``, ``BD`` (and ``BV`` for ``DV``)."""
     sizes = dict(BC=C, BD=D) if DV is None else dict(BC=C, BD=D, BV=DV)
-    return {key: max(16, triton.next_power_of_2(size)) for key, size in sizes.items()}
+    return {key: head_block(size) for key, size in sizes.items()}
 
 
 def sums_forward(u, v, lam: float, n_chunks: int, precision: str = PRECISION) -> tuple:
@@ -337,7 +338,7 @@ def lower_inverse(L: torch.Tensor, precision: str = PRECISION) -> torch.Tensor:
     N, K, _ = L.shape
     X = torch.empty_like(L)
     if N:
-        BK = max(16, triton.next_power_of_2(K))
+        BK = head_block(K)
         launch(_lower_inverse_kernel, (N,), L, X, K, BK=BK, NB=BK // 16, PRECISION=precision, num_warps=WARPS)
     return X
 
@@ -347,7 +348,7 @@ def inverse_factor_backward(L, X, gX, precision: str = PRECISION) -> torch.Tenso
     N, K, _ = L.shape
     gA = torch.empty_like(gX)
     if N:
-        launch(_inverse_factor_backward_kernel, (N,), L, X, gX, gA, K, BK=max(16, triton.next_power_of_2(K)),
+        launch(_inverse_factor_backward_kernel, (N,), L, X, gX, gA, K, BK=head_block(K),
                PRECISION=precision, num_warps=WARPS)
     return gA
 

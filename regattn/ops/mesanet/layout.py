@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from regattn.ops._common.attention_tiles import head_block
+from regattn.ops._common.ints import ceil_div
 from regattn.ops._common.launch import launch
 from regattn.ops._common.vmap import fold_rule
 
@@ -102,10 +104,6 @@ def _from_chunks_backward_kernel(G, SEEN, DO, T, S, H, HQ, P, E, FRONT, BLOCK: t
     tl.store(DO + (bq.to(tl.int64) * P + p[:, None]) * E + e, g.to(tl.float32), mask=(p[:, None] < P) & (e < E))
 
 
-def _width(E: int) -> int:
-    return max(16, triton.next_power_of_2(E))
-
-
 def to_chunks(x: torch.Tensor, heads: int, positions: int, front: int, zero_nonfinite: bool) -> tuple:
     """``(rows [B, heads, positions, E] fp32, bad [B, L, H] int8)`` from ``x [B, L, H, E]``: row ``p`` of each head
     holds position ``p - front``."""
@@ -115,8 +113,8 @@ def to_chunks(x: torch.Tensor, heads: int, positions: int, front: int, zero_nonf
     rows = torch.empty(B, heads, positions, E, device=x.device, dtype=torch.float32)
     bad = torch.empty(B, L, H, device=x.device, dtype=torch.int8)
     if rows.numel():
-        launch(_to_chunks_kernel, (triton.cdiv(positions, BLOCK), B * heads), x, rows, bad, L, H, heads, positions,
-               E, front, *x.stride()[:3], BLOCK=BLOCK, BE=_width(E), ZERO=zero_nonfinite, num_warps=WARPS)
+        launch(_to_chunks_kernel, (ceil_div(positions, BLOCK), B * heads), x, rows, bad, L, H, heads, positions,
+               E, front, *x.stride()[:3], BLOCK=BLOCK, BE=head_block(E), ZERO=zero_nonfinite, num_warps=WARPS)
     return rows, bad
 
 
@@ -127,8 +125,8 @@ def to_chunks_backward(g, x, front: int, zero_nonfinite: bool) -> torch.Tensor:
     B, L, H, E = x.shape
     dx = torch.empty(B, L, H, E, device=x.device, dtype=x.dtype)
     if dx.numel():
-        launch(_to_chunks_backward_kernel, (triton.cdiv(L, BLOCK), B * H), g, x, dx, L, H, g.shape[1], g.shape[2],
-               E, front, *x.stride()[:3], BLOCK=BLOCK, BE=_width(E), ZERO=zero_nonfinite, num_warps=WARPS)
+        launch(_to_chunks_backward_kernel, (ceil_div(L, BLOCK), B * H), g, x, dx, L, H, g.shape[1], g.shape[2],
+               E, front, *x.stride()[:3], BLOCK=BLOCK, BE=head_block(E), ZERO=zero_nonfinite, num_warps=WARPS)
     return dx
 
 
@@ -139,8 +137,8 @@ def from_chunks(o, seen, T: int, dtype: torch.dtype) -> torch.Tensor:
     S, H = seen.shape[1:]
     out = torch.empty(B, T, HQ, E, device=o.device, dtype=dtype)
     if out.numel():
-        launch(_from_chunks_kernel, (triton.cdiv(T, BLOCK), B * HQ), o, seen, out, T, S, H, HQ, P, E, S - T,
-               BLOCK=BLOCK, BE=_width(E), num_warps=WARPS)
+        launch(_from_chunks_kernel, (ceil_div(T, BLOCK), B * HQ), o, seen, out, T, S, H, HQ, P, E, S - T,
+               BLOCK=BLOCK, BE=head_block(E), num_warps=WARPS)
     return out
 
 
@@ -150,8 +148,8 @@ def from_chunks_backward(g, seen, P: int) -> torch.Tensor:
     S, H = seen.shape[1:]
     do = torch.empty(B, HQ, P, E, device=g.device, dtype=torch.float32)
     if do.numel():
-        launch(_from_chunks_backward_kernel, (triton.cdiv(P, BLOCK), B * HQ), g, seen, do, T, S, H, HQ, P, E, S - T,
-               BLOCK=BLOCK, BE=_width(E), num_warps=WARPS)
+        launch(_from_chunks_backward_kernel, (ceil_div(P, BLOCK), B * HQ), g, seen, do, T, S, H, HQ, P, E, S - T,
+               BLOCK=BLOCK, BE=head_block(E), num_warps=WARPS)
     return do
 
 
