@@ -14,8 +14,8 @@ import os
 import statistics
 
 from regattn.models.baselines import refusals
-from regattn.models.mixers import MIXER_NAMES, options_for
-from regattn.tasks import TASKS
+from regattn.models.mixers import MIXER_NAMES, first_pass, options_for
+from regattn.tasks import TASKS, input_length
 from regattn.train import checks
 from regattn.train.optim import OPTIMIZERS
 from regattn.train.schedules import SCHEDULES
@@ -130,12 +130,22 @@ def check_common(args, tasks: list[str], mixers: list[str]) -> None:
         checks.mixer_options(mixer, options, dim=args.dim, heads=args.heads)
 
 
-def refused_mixers(args, mixers: list[str]) -> dict[str, str]:
+def refused_mixers(args, mixers: list[str], lengths: list[int]) -> dict[str, str]:
     """``{mixer: reason}`` for the baselines among ``mixers`` that FLA will not run on ``--device`` at these
-    sizes and the batch size (:func:`regattn.models.baselines.refusal`)."""
+    sizes, the batch sizes and the runs' input ``lengths`` (:func:`regattn.models.baselines.refusal`)."""
     options = parse_pairs(args.mixer_opt, "--mixer-opt")
     return refusals(mixers, dim=args.dim, heads=args.heads, device=resolve_device(args.device),
-                    options={m: options_for(m, options) for m in mixers}, batch=args.batch_size)
+                    options={m: options_for(m, options) for m in mixers}, batch=args.batch_size, lengths=lengths,
+                    eval_batch=args.eval_batch_size)
+
+
+def warm_mixer(args, mixer: str, lengths: list[int]) -> None:
+    """The first pass of ``mixer`` (:func:`regattn.models.mixers.first_pass`) on ``--device`` at these sizes, the
+    batch sizes and each of the runs' input ``lengths``."""
+    options = options_for(mixer, parse_pairs(args.mixer_opt, "--mixer-opt"))
+    for length in lengths:
+        first_pass(mixer, args.dim, args.heads, resolve_device(args.device), batch=args.batch_size, length=length,
+                   eval_batch=args.eval_batch_size, **options)
 
 
 def base_config(args, **overrides) -> TrainConfig:
@@ -196,7 +206,7 @@ def main(argv=None) -> int:
     checks.at_least("--checkpoint-every", args.checkpoint_every, 0)
     checks.at_least("--analyze-every", args.analyze_every, 0)
     check_common(args, [args.task], [args.mixer])
-    refused = refused_mixers(args, [args.mixer])
+    refused = refused_mixers(args, [args.mixer], [input_length(args.task, **parse_pairs(args.set, "--set"))])
     if refused:
         raise UsageError(f"--mixer {args.mixer}: {refused[args.mixer]}")
     runs = []

@@ -25,7 +25,8 @@ that lose no run). Each run's record keeps the wall-clock times it ``started`` a
 gives both in seconds into the sweep, so that a part's time shows where it went. A baseline FLA refuses on the
 machine is skipped, its reason under ``skipped`` in the JSON; on CUDA, with other mixers beside them, the
 baselines are checked in a process of their own while the other runs go, and their runs start last
-(:class:`BaselineCheck`).
+(:class:`BaselineCheck`). On CUDA each other mixer also makes its first pass at the runs' sizes in a process of its
+own as the sweep starts, so that the runs find its kernels compiled (:func:`warm_up`).
 """
 from __future__ import annotations
 
@@ -45,10 +46,10 @@ from collections.abc import Iterable
 
 from regattn.models.baselines import BASELINES
 from regattn.models.mixers import MIXER_NAMES
-from regattn.tasks import MAD_TASKS, TASKS, mad_benchmark_settings, mad_hard_settings, make_task
+from regattn.tasks import MAD_TASKS, TASKS, input_length, mad_benchmark_settings, mad_hard_settings, make_task
 from regattn.train import checks
-from regattn.train.cli import (add_common, base_config, check_common, parse_list, parse_value, rate, record,
-                               refused_mixers, write_json)
+from regattn.train.cli import (add_common, base_config, check_common, parse_list, parse_pairs, parse_value, rate,
+                               record, refused_mixers, warm_mixer, write_json)
 from regattn.train.plots import plot_curves, plot_sweep, x_order
 from regattn.train.interleave import interleave
 from regattn.train.trainer import TrainConfig, finish, resolve_device, score, training
@@ -61,7 +62,8 @@ _FAST = "--compile default --cuda-graph"
 _ADAMW = f"--optimizer adamw --betas 0.9,0.999 --weight-decay 0.1 --batch-size 256 --schedule constant --seeds 0,1,2 {_FAST}"
 _MUON = "--optimizer muon --schedule wsd --warmup 0 --decay-start 0.8 --epochs 60 --batch-size 128 --lrs 5e-3,1e-3,5e-4"
 # uncompiled, six runs at a time on CUDA streams: no run waits while another model shape compiles (Table 1a has 36),
-# and six in flight keep the device busy (Table 1a's six columns on an H200 in 16.8 minutes, docs/EXPERIMENTS.md)
+# and six in flight keep the device busy (Table 1a's six columns on an H200 in 16.8 and 17.7 minutes,
+# docs/EXPERIMENTS.md)
 _STREAMS = "--compile none --cuda-graph --streams 6 --checkpoint-every 1000"
 PRESETS = {
     # lla Appendix F.2 (AdamW (0.9, 0.999), weight decay 0.1, batch 256; the paper names no schedule: constant)
@@ -159,6 +161,19 @@ def by_first_key(summary: dict, runs: list[dict], key: str) -> dict:
 CONFIG_PREFIX = "cfg."
 
 
+def split_setting(setting: dict) -> tuple[dict, dict]:
+    """A point's settings as ``(task settings, TrainConfig fields)``: those named ``cfg.`` are the fields."""
+    fields = {k[len(CONFIG_PREFIX):]: v for k, v in setting.items() if k.startswith(CONFIG_PREFIX)}
+    return {k: v for k, v in setting.items() if not k.startswith(CONFIG_PREFIX)}, fields
+
+
+def input_lengths(points: list[tuple[str, dict, object]], task_options: dict) -> list[int]:
+    """The input lengths of the points' tasks, each with ``task_options`` under its own settings, in the order
+    the points first take them."""
+    lengths = (input_length(task, **{**task_options, **split_setting(setting)[0]}) for task, setting, _ in points)
+    return list(dict.fromkeys(lengths))
+
+
 def run_key(mixer: str, x, lr: float, seed: int) -> tuple:
     return (mixer, str(x), float(lr), int(seed))
 
@@ -188,8 +203,8 @@ def run_sweep(base: TrainConfig, *, mixers: list[str], lrs: list[float], seeds: 
     finished = {run_key(r["mixer"], r["x"], r["lr"], r["seed"]) for r in runs}
     grid, pending = [], []
     for task, setting, x in points:
-        model = {k[len(CONFIG_PREFIX):]: v for k, v in setting.items() if k.startswith(CONFIG_PREFIX)}
-        options = {**base.task_options, **{k: v for k, v in setting.items() if not k.startswith(CONFIG_PREFIX)}}
+        task_setting, model = split_setting(setting)
+        options = {**base.task_options, **task_setting}
         for seed in seeds:
             for mixer, lr in itertools.product(mixers, lrs):
                 key = run_key(mixer, x, lr, seed)
@@ -236,28 +251,29 @@ def starts(pending: list[tuple[TrainConfig, dict]], deadline: float | None = Non
 class BaselineCheck:
     """Which baselines FLA refuses on this machine (:func:`regattn.train.cli.refused_mixers`), asked in a spawned
     process of its own while the sweep's other runs go; the baselines' runs start last, the first once it has
-    answered (:func:`starts`). The check runs each baseline once at the runs' batch size, so FLA compiles its
-    kernels there (over 150 s for Mamba2 on a cold H200) into Triton's cache on disk, for this process to find as
-    it tunes them for its first baseline run (Triton compiled them apart for batches of 2 and 128: after a check at
-    2, a run at 128 compiled 135 of them again). FLA keeps none of the check's tuning
-    (``FLA_CACHE_RESULTS=0``): those timings ran beside the other runs. ``refused()`` waits for the answer."""
+    answered (:func:`starts`). The check runs each baseline at the runs' batch size and input ``lengths``, so FLA
+    compiles its kernels there (over 150 s for Mamba2 on a cold H200) into Triton's cache on disk, for this process
+    to find as it tunes them for its first baseline run (Triton compiles a kernel apart for each divisibility of its
+    integer arguments: after a check on 128 tokens, a run on MAD recall's 127 compiled 135 of them again). FLA keeps
+    none of the check's tuning (``FLA_CACHE_RESULTS=0``): those timings ran beside the other runs. ``refused()``
+    waits for the answer."""
 
-    def __init__(self, args, mixers: list[str]):
+    def __init__(self, args, mixers: list[str], lengths: list[int]):
         self.mixers = set(mixers)
         self.began = time.time()
         self._answer = None
         pool = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
                                                       initializer=keep_no_tuning)
-        self._future = pool.submit(timed, refused_mixers, args, mixers)
+        self._future = pool.submit(timed, refused_mixers, args, mixers, lengths)
         pool.shutdown(wait=False)
 
     @staticmethod
-    def of(args, mixers: list[str]) -> BaselineCheck | None:
+    def of(args, mixers: list[str], lengths: list[int]) -> BaselineCheck | None:
         """The check of the baselines among ``mixers``, started, where it goes beside the other runs: on CUDA, with
         both among ``mixers``; else None (off CUDA the check is quick: FLA's kernels need CUDA)."""
         baselines = [m for m in mixers if m in BASELINES]
         beside = resolve_device(args.device).type == "cuda" and 0 < len(baselines) < len(mixers)
-        return BaselineCheck(args, baselines) if beside else None
+        return BaselineCheck(args, baselines, lengths) if beside else None
 
     def refused(self) -> dict[str, str]:
         """``{mixer: reason}`` (waits for the check the first time; says how long it took, and when it was asked)."""
@@ -272,6 +288,29 @@ class BaselineCheck:
     def answered(self) -> dict[str, str]:
         """:meth:`refused` once it has answered, else ``{}`` (does not wait)."""
         return self._answer or {}
+
+
+def warm_up(args, mixers: list[str], lengths: list[int]) -> list[concurrent.futures.Future]:
+    """On CUDA, the first pass of each of ``mixers`` at the runs' batch size and input ``lengths``
+    (:func:`regattn.train.cli.warm_mixer`), in spawned processes of their own while the runs go: Triton compiles
+    their kernels into its cache on disk, where a run finds them, instead of compiling them at its start while this
+    process issues no step of the runs beside it. Each says how long it took. The futures of ``timed``; none off
+    CUDA (Triton compiles nothing there)."""
+    if resolve_device(args.device).type != "cuda" or not mixers:
+        return []
+    workers = max(1, min(len(mixers), (os.cpu_count() or 2) // 2))
+    pool = concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
+    futures = [pool.submit(timed, warm_mixer, args, mixer, lengths) for mixer in mixers]
+    for mixer, future in zip(mixers, futures):
+        future.add_done_callback(functools.partial(say_warmed, mixer))
+    pool.shutdown(wait=False)
+    return futures
+
+
+def say_warmed(mixer: str, future: concurrent.futures.Future) -> None:
+    error = future.exception()
+    print(f"warmed up {mixer}'s kernels in a process of its own in {future.result()[1]:.0f} s" if error is None
+          else f"warming up {mixer}'s kernels failed: {type(error).__name__}: {error}")
 
 
 def timed(function, *args) -> tuple[object, float]:
@@ -429,7 +468,7 @@ def check_points(points: list[tuple[str, dict, object]]) -> None:
         if unknown:
             raise UsageError(f"--vary: {', '.join(unknown)} is not a training setting; expected cfg. and one of "
                              f"{sorted(fields)}")
-        checks.task_settings(task, {k: v for k, v in setting.items() if not k.startswith(CONFIG_PREFIX)}, "--vary")
+        checks.task_settings(task, split_setting(setting)[0], "--vary")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -513,8 +552,10 @@ def main(argv=None) -> int:
     if args.stop_after is not None:
         checks.positive("--stop-after", args.stop_after)
     check_points(points)
-    check = BaselineCheck.of(args, mixers)
-    skipped = {} if check else refused_mixers(args, mixers)
+    lengths = input_lengths(points, parse_pairs(args.set, "--set"))
+    warm_up(args, [m for m in mixers if m not in BASELINES], lengths)
+    check = BaselineCheck.of(args, mixers, lengths)
+    skipped = {} if check else refused_mixers(args, mixers, lengths)
     for mixer, reason in skipped.items():
         print(f"skipping {mixer}: {reason}")
     mixers = [m for m in mixers if m not in skipped]

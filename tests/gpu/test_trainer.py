@@ -3,6 +3,9 @@ eager, the step captured in a CUDA graph against eager (every mixer, and a resum
 host against batches on the device, and the steps per second of each compile mode on the MAD configuration
 (printed with ``-s``, not judged against a clock)."""
 import dataclasses
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -176,3 +179,23 @@ def test_runs_starting_as_others_end_keep_a_stream_each(monkeypatch):
         assert b["captured"] and a["history"]["train"] == b["history"]["train"] and a["final"] == b["final"]
         for p, q in zip(a["model"].parameters(), b["model"].parameters()):
             assert torch.equal(p, q)
+
+
+WARMED = ["mad_recall", "--set", "num_train=64", "--set", "num_test=64", "--dim", "64", "--batch-size", "16",
+          "--eval-batch-size", "32", "--device", "cuda", "--cuda-graph", "--steps", "3", "--quiet"]
+
+
+@pytest.mark.parametrize("mixer", ["gatedfwa", "decay"])
+def test_a_run_finds_the_kernels_its_mixer_compiled_warming_up(mixer, tmp_path):
+    # the sweep's warm-up (regattn.train.cli.warm_mixer) in one process, then a run in another, both on an empty
+    # cache of their own: the run compiles no kernel (MAD recall's inputs are 127 tokens: the lengths from the task)
+    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "cache")}
+    warm = ("import sys; from regattn.train import sweep, cli; args = sweep.build_parser().parse_args(sys.argv[1:]); "
+            "cli.warm_mixer(args, args.mixers, sweep.input_lengths(sweep.sweep_points(args.task, None), "
+            "cli.parse_pairs(args.set, '--set')))")
+    subprocess.run([sys.executable, "-c", warm, "--mixers", mixer] + WARMED, env=env, check=True)
+    warmed = sorted((tmp_path / "cache").rglob("*.cubin"))
+    assert warmed
+    subprocess.run([sys.executable, "-m", "regattn", "train", "--mixer", mixer, "--out", str(tmp_path / "out")]
+                   + WARMED, env=env, check=True)
+    assert sorted((tmp_path / "cache").rglob("*.cubin")) == warmed

@@ -1,5 +1,7 @@
+import concurrent.futures
 import dataclasses
 import json
+import pathlib
 import re
 
 import matplotlib.axes
@@ -64,6 +66,14 @@ def test_sweep_points_for_suites():
     partial = sweep.suite_average({**summary, "n": {"recall:a": {"mean": 1.0}}})
     assert partial["m"]["average"] == 0.5
     assert partial["n"] == dict(tasks={"recall": 1.0}, average=None, missing=["copy"])
+
+
+def test_input_lengths_are_those_the_runs_take():
+    # MAD recall's inputs drop the sequence's last token; a point's own setting wins over --set's; cfg. is no task's
+    assert sweep.input_lengths(sweep.sweep_points("mad", None), {}) == [127, 128, 256, 32]   # as the runs go
+    points = sweep.sweep_points("mqar", [("length", [24, 48]), ("cfg.batch_size", [2])])
+    assert sweep.input_lengths(points, {"length": 16, "pairs": 2}) == [24, 48]
+    assert sweep.input_lengths(sweep.sweep_points("mqar", None), {"length": 40, "pairs": 2}) == [40]
 
 
 def test_sweep_resume_keeps_done_runs(tmp_path):
@@ -210,9 +220,10 @@ def test_runs_of_baselines_being_checked_start_last_and_a_refused_ones_not_at_al
     assert list(sweep.starts(pending, deadline=0.0)) == []                        # past the deadline: none starts
 
 
-def refuse_decay(args, mixers):
-    """A baseline check for the spawned process (importable there): decay refused, with a setting of ``args``."""
-    return {m: f"RuntimeError: not at dim {args.dim}" for m in mixers if m == "decay"}
+def refuse_decay(args, mixers, lengths):
+    """A baseline check for the spawned process (importable there): decay refused, with a setting of ``args``
+    and the runs' input lengths."""
+    return {m: f"RuntimeError: not at dim {args.dim} on {lengths}" for m in mixers if m == "decay"}
 
 
 def test_baselines_checked_in_a_process_of_their_own(tmp_path, monkeypatch, capsys):
@@ -220,25 +231,51 @@ def test_baselines_checked_in_a_process_of_their_own(tmp_path, monkeypatch, caps
     monkeypatch.setattr(sweep, "BASELINES", ("decay", "parallax"))
     monkeypatch.setattr(sweep, "refused_mixers", refuse_decay)
     args = sweep.build_parser().parse_args(["mqar", "--mixers", "decay,softmax"])
-    assert sweep.BaselineCheck.of(args, ["decay", "softmax"]) is None                      # the CPU: checked first
+    assert sweep.BaselineCheck.of(args, ["decay", "softmax"], [64]) is None                # the CPU: checked first
     with monkeypatch.context() as m:
         m.setattr(sweep, "resolve_device", lambda device: torch.device("cuda"))
-        assert sweep.BaselineCheck.of(args, ["decay", "parallax"]) is None                # nothing to go beside
-        real = sweep.BaselineCheck.of(args, ["decay", "softmax"])
-    assert real.mixers == {"decay"} and real.refused() == {"decay": "RuntimeError: not at dim 128"}
+        assert sweep.BaselineCheck.of(args, ["decay", "parallax"], [64]) is None          # nothing to go beside
+        real = sweep.BaselineCheck.of(args, ["decay", "softmax"], [64])
+    assert real.mixers == {"decay"} and real.refused() == {"decay": "RuntimeError: not at dim 128 on [64]"}
     capsys.readouterr()
     monkeypatch.setattr(sweep.BaselineCheck, "of",
-                        lambda args, mixers: sweep.BaselineCheck(args, ["decay", "parallax"]))
+                        lambda args, mixers, lengths: sweep.BaselineCheck(args, ["decay", "parallax"], lengths))
     out = tmp_path / "c"
     assert sweep.main(["mqar", "--mixers", "decay,softmax,parallax", "--out", str(out)] + TINY) == 0
     payload = json.loads((out / "sweep-mqar.json").read_text())
     assert payload["mixers"] == ["softmax", "parallax"]
     assert [r["mixer"] for r in payload["runs"]] == ["softmax", "parallax"]
-    assert payload["skipped"] == {"decay": "RuntimeError: not at dim 16"}
+    assert payload["skipped"] == {"decay": "RuntimeError: not at dim 16 on [16]"}     # TINY's length
     printed = capsys.readouterr().out
     assert "checked ['decay', 'parallax'] in a process of its own" in printed
-    assert "skipping decay: RuntimeError: not at dim 16" in printed and "not started" not in printed
+    assert "skipping decay: RuntimeError: not at dim 16 on [16]" in printed and "not started" not in printed
     assert printed.index("softmax") < printed.index("checked") < printed.index("parallax")   # softmax did not wait
+
+
+def warm_into_file(args, mixer, lengths):
+    """A warm-up for the spawned process (importable there): it writes what it was asked into ``--out``."""
+    (pathlib.Path(args.out) / f"{mixer}.warm").write_text(json.dumps([args.batch_size, lengths]))
+
+
+def test_mixers_warm_up_in_processes_of_their_own_on_cuda(tmp_path, monkeypatch):
+    args = sweep.build_parser().parse_args(["mqar", "--mixers", "softmax,decay", "--out", str(tmp_path)] + TINY)
+    assert sweep.warm_up(args, ["softmax", "decay"], [16]) == []                 # the CPU: Triton compiles nothing
+    monkeypatch.setattr(sweep, "warm_mixer", warm_into_file)
+    monkeypatch.setattr(sweep, "resolve_device", lambda device: torch.device("cuda"))
+    futures = sweep.warm_up(args, ["softmax", "decay"], [16, 8])
+    assert all(seconds >= 0 for _, seconds in (f.result(timeout=120) for f in futures))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["decay.warm", "softmax.warm"]
+    assert json.loads((tmp_path / "decay.warm").read_text()) == [4, [16, 8]]   # TINY's batch, the lengths given
+
+
+def test_a_warm_up_says_how_long_it_took_or_why_it_failed(capsys):
+    done, failed = concurrent.futures.Future(), concurrent.futures.Future()
+    done.set_result((None, 41.6))
+    failed.set_exception(RuntimeError("no kernel"))
+    sweep.say_warmed("mesanet", done)
+    sweep.say_warmed("decay", failed)
+    assert capsys.readouterr().out.splitlines() == ["warmed up mesanet's kernels in a process of its own in 42 s",
+                                                    "warming up decay's kernels failed: RuntimeError: no kernel"]
 
 
 def test_stop_after_leaves_the_rest_to_resume(tmp_path, capsys):
