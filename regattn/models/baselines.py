@@ -96,35 +96,37 @@ def mamba2_call() -> dict:
     return {"use_cache": True} if module.is_fast_path_available and module.causal_conv1d_fn is None else {}
 
 
-def refusal(name: str, dim: int, heads: int, device, *, batch: int = 2, lengths=(PROBE_LENGTH,),
+def refusal(name: str, dim: int, heads: int, device, *, batch: int = 2, inputs=(("tokens", PROBE_LENGTH),),
             eval_batch: int | None = None, **options) -> str | None:
     """Why the baseline ``name`` does not run on ``device`` at these sizes, or None when it does.
 
-    On CUDA: the layer's first pass (:func:`regattn.models.mixers.first_pass`) on ``[batch, length, dim]`` for
-    each of ``lengths``; the RuntimeError FLA raises for a kernel it will not run there is the reason. Elsewhere:
-    FLA's kernels need a CUDA device. Give ``batch``, ``lengths`` and ``eval_batch`` the training's batch size,
-    input lengths and evaluation batch size, so that the kernels FLA compiles and tunes here are the ones its runs
-    take: Triton compiles a kernel apart for each divisibility of its integer arguments (after a check on 128
-    tokens, a Mamba2 run on MAD recall's inputs of 127 compiled its 135 kernels again).
+    On CUDA: its first pass in a model (:func:`regattn.models.stack.first_pass`) on ``[batch, length]`` inputs for
+    each ``(kind, length)`` of ``inputs``; the RuntimeError FLA raises for a kernel it will not run there is the
+    reason. Elsewhere: FLA's kernels need a CUDA device. Give ``batch``, ``inputs`` and ``eval_batch`` the
+    training's batch size, its tasks' inputs (:func:`regattn.tasks.task_input`) and evaluation batch size, so that
+    the kernels FLA compiles and tunes here are the ones its runs take: Triton compiles a kernel apart for each
+    divisibility of its integer arguments and each dtype (after a check on 128 tokens, a Mamba2 run on MAD recall's
+    inputs of 127 compiled its 135 kernels again).
     """
-    from regattn.models.mixers import first_pass          # imported here: regattn.models.mixers imports this module
+    from regattn.models.stack import first_pass           # imported here: regattn.models.stack imports this module
     if torch.device(device).type != "cuda":
         return f"flash-linear-attention's kernels need a CUDA device, got {device}"
-    for length in lengths:
+    for kind, length in inputs:
         try:
-            first_pass(name, dim, heads, device, batch=batch, length=length, eval_batch=eval_batch, **options)
+            first_pass(name, dim, heads, device, batch=batch, length=length, kind=kind, eval_batch=eval_batch,
+                       **options)
         except RuntimeError as error:
             return f"{type(error).__name__}: {' '.join(str(error).split())}"
     return None
 
 
 def refusals(mixers: list[str], *, dim: int, heads: int, device, options: dict[str, dict],
-             batch: int = 2, lengths=(PROBE_LENGTH,), eval_batch: int | None = None) -> dict[str, str]:
+             batch: int = 2, inputs=(("tokens", PROBE_LENGTH),), eval_batch: int | None = None) -> dict[str, str]:
     """``{mixer: reason}`` for each baseline among ``mixers`` that does not run on ``device`` (:func:`refusal`);
     ``options``: each mixer's own options (none where it is not a key)."""
     out = {}
     for name in (m for m in mixers if m in BASELINES):
-        reason = refusal(name, dim, heads, device, batch=batch, lengths=lengths, eval_batch=eval_batch,
+        reason = refusal(name, dim, heads, device, batch=batch, inputs=inputs, eval_batch=eval_batch,
                          **options.get(name, {}))
         if reason is not None:
             out[name] = reason

@@ -186,21 +186,3 @@ def build_mixer(name: str, dim: int, heads: int, *, seq_len: int | None = None, 
             raise ValueError(f"seq_len: mixer {name!r} needs a window or seq_len to default it")
         options["window"] = max(1, seq_len // 2)
     return MIXERS[name](dim, heads, **options)
-
-
-def first_pass(name: str, dim: int, heads: int, device, *, batch: int, length: int, eval_batch: int | None = None,
-               **options) -> nn.Module:
-    """The mixer ``name`` after one forward and backward on random ``[batch, length, dim]`` under bf16 autocast, as
-    the trainer runs it (its window, if it has one, from ``length``), then with ``eval_batch`` one forward on
-    ``[eval_batch, length, dim]`` in eval mode without gradients, as its evaluation: on CUDA, what compiles and tunes
-    its kernels at those sizes."""
-    device = torch.device(device)
-    layer = build_mixer(name, dim, heads, seq_len=length, **options).to(device)
-    x = torch.randn(batch, length, dim, device=device, requires_grad=True)
-    with torch.autocast(device.type, dtype=torch.bfloat16):
-        y = layer(x)
-    y.float().square().mean().backward()
-    if eval_batch is not None:
-        with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16):
-            layer.eval()(torch.randn(eval_batch, length, dim, device=device))
-    return layer

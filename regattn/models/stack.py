@@ -117,3 +117,29 @@ def build_model(task, mixer: str, **options) -> MixerStack:
     """A :class:`MixerStack` for :class:`regattn.tasks.TaskData` ``task`` (its kind, sizes and length)."""
     return MixerStack(mixer, kind=task.kind, seq_len=task.seq_len, vocab_size=task.vocab_size, dim_in=task.dim_in,
                       dim_out=task.dim_out, **options)
+
+
+def first_pass(name: str, dim: int, heads: int, device, *, batch: int, length: int, kind: str = "tokens",
+               eval_batch: int | None = None, **options) -> MixerStack:
+    """A one-block :class:`MixerStack` with mixer ``name`` after one forward and backward on random ``[batch,
+    length]`` inputs of ``kind`` under bf16 autocast, as the trainer runs it (the mixer's window, if it has one,
+    from ``length``), then with ``eval_batch`` one forward on ``[eval_batch, length]`` in eval mode without
+    gradients, as its evaluation: on CUDA, what compiles and tunes its kernels at those sizes. The mixer takes its
+    input from the block's norm as in a run (in bf16, from fp32 token embeddings or from bf16 regression inputs'),
+    so its kernels are specialized alike."""
+    device = torch.device(device)
+    model = MixerStack(name, kind=kind, seq_len=length, vocab_size=16, dim_in=dim, dim_out=1, dim=dim, layers=1,
+                       heads=heads, mlp=False, mixer_options=options).to(device)
+
+    def inputs(rows: int) -> torch.Tensor:
+        if kind == "regression":
+            return torch.randn(rows, length, dim, device=device)
+        return torch.randint(16, (rows, length), device=device)
+
+    with torch.autocast(device.type, dtype=torch.bfloat16):
+        y = model(inputs(batch))
+    y.float().square().mean().backward()
+    if eval_batch is not None:
+        with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16):
+            model.eval()(inputs(eval_batch))
+    return model

@@ -26,10 +26,12 @@ def make_task(name: str, **kwargs) -> TaskData:
     return TASKS[name](**kwargs)
 
 
-def input_length(name: str, **settings) -> int:
-    """The length of task ``name``'s inputs with these settings (from one example of each split)."""
-    return make_task(name, **{**settings, "num_train": 1, "num_test": 1}).seq_len
+def task_input(name: str, **settings) -> tuple[str, int]:
+    """The kind (:class:`TaskData`'s) and the length of task ``name``'s inputs with these settings (from one example
+    of each split)."""
+    data = make_task(name, **{**settings, "num_train": 1, "num_test": 1})
+    return data.kind, data.seq_len
 
 
-__all__ = ["IGNORE", "Split", "TaskData", "TASKS", "make_task", "input_length", "in_context_regression", "mqar",
+__all__ = ["IGNORE", "Split", "TaskData", "TASKS", "make_task", "task_input", "in_context_regression", "mqar",
            "state_tracking", "mad_task", "MAD_TASKS", "mad_benchmark_settings", "mad_hard_settings"]

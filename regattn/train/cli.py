@@ -14,8 +14,9 @@ import os
 import statistics
 
 from regattn.models.baselines import refusals
-from regattn.models.mixers import MIXER_NAMES, first_pass, options_for
-from regattn.tasks import TASKS, input_length
+from regattn.models.mixers import MIXER_NAMES, options_for
+from regattn.models.stack import first_pass
+from regattn.tasks import TASKS, task_input
 from regattn.train import checks
 from regattn.train.optim import OPTIMIZERS
 from regattn.train.schedules import SCHEDULES
@@ -130,22 +131,23 @@ def check_common(args, tasks: list[str], mixers: list[str]) -> None:
         checks.mixer_options(mixer, options, dim=args.dim, heads=args.heads)
 
 
-def refused_mixers(args, mixers: list[str], lengths: list[int]) -> dict[str, str]:
+def refused_mixers(args, mixers: list[str], inputs: list[tuple[str, int]]) -> dict[str, str]:
     """``{mixer: reason}`` for the baselines among ``mixers`` that FLA will not run on ``--device`` at these
-    sizes, the batch sizes and the runs' input ``lengths`` (:func:`regattn.models.baselines.refusal`)."""
+    sizes, the batch sizes and the runs' ``inputs``, ``(kind, length)`` pairs
+    (:func:`regattn.models.baselines.refusal`)."""
     options = parse_pairs(args.mixer_opt, "--mixer-opt")
     return refusals(mixers, dim=args.dim, heads=args.heads, device=resolve_device(args.device),
-                    options={m: options_for(m, options) for m in mixers}, batch=args.batch_size, lengths=lengths,
+                    options={m: options_for(m, options) for m in mixers}, batch=args.batch_size, inputs=inputs,
                     eval_batch=args.eval_batch_size)
 
 
-def warm_mixer(args, mixer: str, lengths: list[int]) -> None:
-    """The first pass of ``mixer`` (:func:`regattn.models.mixers.first_pass`) on ``--device`` at these sizes, the
-    batch sizes and each of the runs' input ``lengths``."""
+def warm_mixer(args, mixer: str, inputs: list[tuple[str, int]]) -> None:
+    """The first pass of ``mixer`` in a model (:func:`regattn.models.stack.first_pass`) on ``--device`` at these
+    sizes, the batch sizes and each ``(kind, length)`` of the runs' ``inputs``."""
     options = options_for(mixer, parse_pairs(args.mixer_opt, "--mixer-opt"))
-    for length in lengths:
+    for kind, length in inputs:
         first_pass(mixer, args.dim, args.heads, resolve_device(args.device), batch=args.batch_size, length=length,
-                   eval_batch=args.eval_batch_size, **options)
+                   kind=kind, eval_batch=args.eval_batch_size, **options)
 
 
 def base_config(args, **overrides) -> TrainConfig:
@@ -206,7 +208,7 @@ def main(argv=None) -> int:
     checks.at_least("--checkpoint-every", args.checkpoint_every, 0)
     checks.at_least("--analyze-every", args.analyze_every, 0)
     check_common(args, [args.task], [args.mixer])
-    refused = refused_mixers(args, [args.mixer], [input_length(args.task, **parse_pairs(args.set, "--set"))])
+    refused = refused_mixers(args, [args.mixer], [task_input(args.task, **parse_pairs(args.set, "--set"))])
     if refused:
         raise UsageError(f"--mixer {args.mixer}: {refused[args.mixer]}")
     runs = []

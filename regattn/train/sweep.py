@@ -46,7 +46,7 @@ from collections.abc import Iterable
 
 from regattn.models.baselines import BASELINES
 from regattn.models.mixers import MIXER_NAMES
-from regattn.tasks import MAD_TASKS, TASKS, input_length, mad_benchmark_settings, mad_hard_settings, make_task
+from regattn.tasks import MAD_TASKS, TASKS, mad_benchmark_settings, mad_hard_settings, make_task, task_input
 from regattn.train import checks
 from regattn.train.cli import (add_common, base_config, check_common, parse_list, parse_pairs, parse_value, rate,
                                record, refused_mixers, warm_mixer, write_json)
@@ -62,8 +62,8 @@ _FAST = "--compile default --cuda-graph"
 _ADAMW = f"--optimizer adamw --betas 0.9,0.999 --weight-decay 0.1 --batch-size 256 --schedule constant --seeds 0,1,2 {_FAST}"
 _MUON = "--optimizer muon --schedule wsd --warmup 0 --decay-start 0.8 --epochs 60 --batch-size 128 --lrs 5e-3,1e-3,5e-4"
 # uncompiled, six runs at a time on CUDA streams: no run waits while another model shape compiles (Table 1a has 36),
-# and six in flight keep the device busy (Table 1a's six columns on an H200 in 16.8 and 17.7 minutes,
-# docs/EXPERIMENTS.md)
+# and six in flight keep the device busy (Table 1a's six columns on an H200 in 16.8 and 17.7 minutes, and 14.6
+# with FLA's check on the runs' lengths and the other mixers warmed up beside the runs: docs/EXPERIMENTS.md)
 _STREAMS = "--compile none --cuda-graph --streams 6 --checkpoint-every 1000"
 PRESETS = {
     # lla Appendix F.2 (AdamW (0.9, 0.999), weight decay 0.1, batch 256; the paper names no schedule: constant)
@@ -167,11 +167,11 @@ def split_setting(setting: dict) -> tuple[dict, dict]:
     return {k: v for k, v in setting.items() if not k.startswith(CONFIG_PREFIX)}, fields
 
 
-def input_lengths(points: list[tuple[str, dict, object]], task_options: dict) -> list[int]:
-    """The input lengths of the points' tasks, each with ``task_options`` under its own settings, in the order
-    the points first take them."""
-    lengths = (input_length(task, **{**task_options, **split_setting(setting)[0]}) for task, setting, _ in points)
-    return list(dict.fromkeys(lengths))
+def task_inputs(points: list[tuple[str, dict, object]], task_options: dict) -> list[tuple[str, int]]:
+    """The kinds and lengths of the points' tasks' inputs (:func:`regattn.tasks.task_input`), each with
+    ``task_options`` under its own settings, in the order the points first take them."""
+    inputs = (task_input(task, **{**task_options, **split_setting(setting)[0]}) for task, setting, _ in points)
+    return list(dict.fromkeys(inputs))
 
 
 def run_key(mixer: str, x, lr: float, seed: int) -> tuple:
@@ -251,29 +251,29 @@ def starts(pending: list[tuple[TrainConfig, dict]], deadline: float | None = Non
 class BaselineCheck:
     """Which baselines FLA refuses on this machine (:func:`regattn.train.cli.refused_mixers`), asked in a spawned
     process of its own while the sweep's other runs go; the baselines' runs start last, the first once it has
-    answered (:func:`starts`). The check runs each baseline at the runs' batch size and input ``lengths``, so FLA
-    compiles its kernels there (over 150 s for Mamba2 on a cold H200) into Triton's cache on disk, for this process
-    to find as it tunes them for its first baseline run (Triton compiles a kernel apart for each divisibility of its
-    integer arguments: after a check on 128 tokens, a run on MAD recall's 127 compiled 135 of them again). FLA keeps
-    none of the check's tuning (``FLA_CACHE_RESULTS=0``): those timings ran beside the other runs. ``refused()``
-    waits for the answer."""
+    answered (:func:`starts`). The check runs each baseline at the runs' batch size and ``inputs`` (kinds and
+    lengths), so FLA compiles its kernels there (over 150 s for Mamba2 on a cold H200) into Triton's cache on disk,
+    for this process to find as it tunes them for its first baseline run (Triton compiles a kernel apart for each
+    divisibility of its integer arguments and each dtype: after a check on 128 tokens, a run on MAD recall's 127
+    compiled 135 of them again). FLA keeps none of the check's tuning (``FLA_CACHE_RESULTS=0``): those timings ran
+    beside the other runs. ``refused()`` waits for the answer."""
 
-    def __init__(self, args, mixers: list[str], lengths: list[int]):
+    def __init__(self, args, mixers: list[str], inputs: list[tuple[str, int]]):
         self.mixers = set(mixers)
         self.began = time.time()
         self._answer = None
         pool = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
                                                       initializer=keep_no_tuning)
-        self._future = pool.submit(timed, refused_mixers, args, mixers, lengths)
+        self._future = pool.submit(timed, refused_mixers, args, mixers, inputs)
         pool.shutdown(wait=False)
 
     @staticmethod
-    def of(args, mixers: list[str], lengths: list[int]) -> BaselineCheck | None:
+    def of(args, mixers: list[str], inputs: list[tuple[str, int]]) -> BaselineCheck | None:
         """The check of the baselines among ``mixers``, started, where it goes beside the other runs: on CUDA, with
         both among ``mixers``; else None (off CUDA the check is quick: FLA's kernels need CUDA)."""
         baselines = [m for m in mixers if m in BASELINES]
         beside = resolve_device(args.device).type == "cuda" and 0 < len(baselines) < len(mixers)
-        return BaselineCheck(args, baselines, lengths) if beside else None
+        return BaselineCheck(args, baselines, inputs) if beside else None
 
     def refused(self) -> dict[str, str]:
         """``{mixer: reason}`` (waits for the check the first time; says how long it took, and when it was asked)."""
@@ -290,9 +290,9 @@ class BaselineCheck:
         return self._answer or {}
 
 
-def warm_up(args, mixers: list[str], lengths: list[int]) -> list[concurrent.futures.Future]:
-    """On CUDA, the first pass of each of ``mixers`` at the runs' batch size and input ``lengths``
-    (:func:`regattn.train.cli.warm_mixer`), in spawned processes of their own while the runs go: Triton compiles
+def warm_up(args, mixers: list[str], inputs: list[tuple[str, int]]) -> list[concurrent.futures.Future]:
+    """On CUDA, the first pass of each of ``mixers`` in a model at the runs' batch size and ``inputs`` (kinds and
+    lengths; :func:`regattn.train.cli.warm_mixer`), in spawned processes of their own while the runs go: Triton compiles
     their kernels into its cache on disk, where a run finds them, instead of compiling them at its start while this
     process issues no step of the runs beside it. Each says how long it took. The futures of ``timed``; none off
     CUDA (Triton compiles nothing there)."""
@@ -300,7 +300,7 @@ def warm_up(args, mixers: list[str], lengths: list[int]) -> list[concurrent.futu
         return []
     workers = max(1, min(len(mixers), (os.cpu_count() or 2) // 2))
     pool = concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
-    futures = [pool.submit(timed, warm_mixer, args, mixer, lengths) for mixer in mixers]
+    futures = [pool.submit(timed, warm_mixer, args, mixer, inputs) for mixer in mixers]
     for mixer, future in zip(mixers, futures):
         future.add_done_callback(functools.partial(say_warmed, mixer))
     pool.shutdown(wait=False)
@@ -552,10 +552,10 @@ def main(argv=None) -> int:
     if args.stop_after is not None:
         checks.positive("--stop-after", args.stop_after)
     check_points(points)
-    lengths = input_lengths(points, parse_pairs(args.set, "--set"))
-    warm_up(args, [m for m in mixers if m not in BASELINES], lengths)
-    check = BaselineCheck.of(args, mixers, lengths)
-    skipped = {} if check else refused_mixers(args, mixers, lengths)
+    inputs = task_inputs(points, parse_pairs(args.set, "--set"))
+    warm_up(args, [m for m in mixers if m not in BASELINES], inputs)
+    check = BaselineCheck.of(args, mixers, inputs)
+    skipped = {} if check else refused_mixers(args, mixers, inputs)
     for mixer, reason in skipped.items():
         print(f"skipping {mixer}: {reason}")
     mixers = [m for m in mixers if m not in skipped]

@@ -181,21 +181,22 @@ def test_runs_starting_as_others_end_keep_a_stream_each(monkeypatch):
             assert torch.equal(p, q)
 
 
-WARMED = ["mad_recall", "--set", "num_train=64", "--set", "num_test=64", "--dim", "64", "--batch-size", "16",
+WARMED = ["--set", "num_train=64", "--set", "num_test=64", "--dim", "64", "--batch-size", "16",
           "--eval-batch-size", "32", "--device", "cuda", "--cuda-graph", "--steps", "3", "--quiet"]
 
 
-@pytest.mark.parametrize("mixer", ["gatedfwa", "decay"])
-def test_a_run_finds_the_kernels_its_mixer_compiled_warming_up(mixer, tmp_path):
+@pytest.mark.parametrize("mixer,task", [("gatedfwa", "mad_recall"), ("decay", "mad_compression"), ("softmax", "icr")])
+def test_a_run_finds_the_kernels_its_mixer_compiled_warming_up(mixer, task, tmp_path):
     # the sweep's warm-up (regattn.train.cli.warm_mixer) in one process, then a run in another, both on an empty
-    # cache of their own: the run compiles no kernel (MAD recall's inputs are 127 tokens: the lengths from the task)
+    # cache of their own: the run compiles no kernel. The inputs come from the task: MAD recall's are 127 tokens;
+    # MAD compression's model decodes its code before the readout's norm, icr's reads vectors, both in bf16
     env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "cache")}
     warm = ("import sys; from regattn.train import sweep, cli; args = sweep.build_parser().parse_args(sys.argv[1:]); "
-            "cli.warm_mixer(args, args.mixers, sweep.input_lengths(sweep.sweep_points(args.task, None), "
+            "cli.warm_mixer(args, args.mixers, sweep.task_inputs(sweep.sweep_points(args.task, None), "
             "cli.parse_pairs(args.set, '--set')))")
-    subprocess.run([sys.executable, "-c", warm, "--mixers", mixer] + WARMED, env=env, check=True)
+    subprocess.run([sys.executable, "-c", warm, task, "--mixers", mixer] + WARMED, env=env, check=True)
     warmed = sorted((tmp_path / "cache").rglob("*.cubin"))
     assert warmed
-    subprocess.run([sys.executable, "-m", "regattn", "train", "--mixer", mixer, "--out", str(tmp_path / "out")]
+    subprocess.run([sys.executable, "-m", "regattn", "train", task, "--mixer", mixer, "--out", str(tmp_path / "out")]
                    + WARMED, env=env, check=True)
     assert sorted((tmp_path / "cache").rglob("*.cubin")) == warmed

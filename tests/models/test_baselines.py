@@ -51,12 +51,12 @@ def test_sweep_skips_a_refused_mixer_and_records_why(tmp_path, monkeypatch, caps
     asked = []
 
     def refuse_decay(mixers, **sizes):
-        asked.append((sizes["batch"], sizes["lengths"], sizes["eval_batch"]))
+        asked.append((sizes["batch"], sizes["inputs"], sizes["eval_batch"]))
         return {m: "RuntimeError: not on this machine" for m in mixers if m == "decay"}
     monkeypatch.setattr(cli, "refusals", refuse_decay)
     out = tmp_path / "s"
     assert sweep.main(["mqar", "--mixers", "softmax,decay", "--out", str(out)] + TINY) == 0
-    assert asked == [(4, [16], 256)]                      # checked at the runs' batch sizes and length (TINY's)
+    assert asked == [(4, [("tokens", 16)], 256)]          # checked at the runs' batch sizes and inputs (TINY's)
     payload = json.loads((out / "sweep-mqar.json").read_text())
     assert payload["skipped"] == {"decay": "RuntimeError: not on this machine"}
     assert payload["mixers"] == ["softmax"] and {r["mixer"] for r in payload["runs"]} == {"softmax"}

@@ -2,8 +2,8 @@ import pytest
 import torch
 
 from regattn.layers.norm import RMSNorm
-from regattn.models.mixers import MIXERS, build_mixer, first_pass, options_for
-from regattn.models.stack import MixerStack, build_model
+from regattn.models.mixers import MIXERS, build_mixer, options_for
+from regattn.models.stack import MixerStack, build_model, first_pass
 from regattn.tasks import mad_task, mqar, in_context_regression
 
 
@@ -40,11 +40,16 @@ def test_window_default_and_bad_name():
         build_mixer("softmax", 16, 3)
 
 
-def test_first_pass_runs_the_mixer_forward_and_backward_at_the_runs_sizes():
-    layer = first_pass("swa", 16, 2, "cpu", batch=3, length=20, **options_for("swa", {"parallax.window": 4}))
+def test_first_pass_runs_the_mixer_forward_and_backward_in_a_model_at_the_runs_sizes():
+    model = first_pass("swa", 16, 2, "cpu", batch=3, length=20, **options_for("swa", {"parallax.window": 4}))
+    layer = model.blocks[0].mixer
     assert layer.window == 10 and layer.training                     # the window from the length, as in the runs
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in layer.parameters())
-    assert not first_pass("decay", 16, 2, "cpu", batch=3, length=20, eval_batch=5).training   # then evaluated
+    assert model.blocks[0].mixer_norm.weight.grad is not None        # its input came through the block's norm
+    for kind in ("regression", "autoencode"):                        # the other kinds of task inputs
+        model = first_pass("decay", 16, 2, "cpu", batch=3, length=20, kind=kind, eval_batch=5)
+        assert model.kind == kind and not model.training             # then evaluated
+        assert all(p.grad is not None for p in model.blocks[0].mixer.parameters())
 
 
 def test_options_named_for_one_mixer_reach_it_alone():

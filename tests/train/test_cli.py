@@ -68,12 +68,14 @@ def test_sweep_points_for_suites():
     assert partial["n"] == dict(tasks={"recall": 1.0}, average=None, missing=["copy"])
 
 
-def test_input_lengths_are_those_the_runs_take():
+def test_task_inputs_are_those_the_runs_take():
     # MAD recall's inputs drop the sequence's last token; a point's own setting wins over --set's; cfg. is no task's
-    assert sweep.input_lengths(sweep.sweep_points("mad", None), {}) == [127, 128, 256, 32]   # as the runs go
+    assert sweep.task_inputs(sweep.sweep_points("mad", None), {}) == [                  # as the runs go
+        ("tokens", 127), ("tokens", 128), ("tokens", 256), ("autoencode", 32), ("tokens", 32)]
     points = sweep.sweep_points("mqar", [("length", [24, 48]), ("cfg.batch_size", [2])])
-    assert sweep.input_lengths(points, {"length": 16, "pairs": 2}) == [24, 48]
-    assert sweep.input_lengths(sweep.sweep_points("mqar", None), {"length": 40, "pairs": 2}) == [40]
+    assert sweep.task_inputs(points, {"length": 16, "pairs": 2}) == [("tokens", 24), ("tokens", 48)]
+    assert sweep.task_inputs(sweep.sweep_points("mqar", None), {"length": 40, "pairs": 2}) == [("tokens", 40)]
+    assert sweep.task_inputs(sweep.sweep_points("icr", None), {"length": 12}) == [("regression", 28)]  # and 16 queries
 
 
 def test_sweep_resume_keeps_done_runs(tmp_path):
@@ -220,10 +222,11 @@ def test_runs_of_baselines_being_checked_start_last_and_a_refused_ones_not_at_al
     assert list(sweep.starts(pending, deadline=0.0)) == []                        # past the deadline: none starts
 
 
-def refuse_decay(args, mixers, lengths):
+def refuse_decay(args, mixers, inputs):
     """A baseline check for the spawned process (importable there): decay refused, with a setting of ``args``
     and the runs' input lengths."""
-    return {m: f"RuntimeError: not at dim {args.dim} on {lengths}" for m in mixers if m == "decay"}
+    return {m: f"RuntimeError: not at dim {args.dim} on {[length for _, length in inputs]}" for m in mixers
+            if m == "decay"}
 
 
 def test_baselines_checked_in_a_process_of_their_own(tmp_path, monkeypatch, capsys):
@@ -231,15 +234,15 @@ def test_baselines_checked_in_a_process_of_their_own(tmp_path, monkeypatch, caps
     monkeypatch.setattr(sweep, "BASELINES", ("decay", "parallax"))
     monkeypatch.setattr(sweep, "refused_mixers", refuse_decay)
     args = sweep.build_parser().parse_args(["mqar", "--mixers", "decay,softmax"])
-    assert sweep.BaselineCheck.of(args, ["decay", "softmax"], [64]) is None                # the CPU: checked first
+    assert sweep.BaselineCheck.of(args, ["decay", "softmax"], [("tokens", 64)]) is None  # the CPU: checked first
     with monkeypatch.context() as m:
         m.setattr(sweep, "resolve_device", lambda device: torch.device("cuda"))
-        assert sweep.BaselineCheck.of(args, ["decay", "parallax"], [64]) is None          # nothing to go beside
-        real = sweep.BaselineCheck.of(args, ["decay", "softmax"], [64])
+        assert sweep.BaselineCheck.of(args, ["decay", "parallax"], [("tokens", 64)]) is None  # nothing to go beside
+        real = sweep.BaselineCheck.of(args, ["decay", "softmax"], [("tokens", 64)])
     assert real.mixers == {"decay"} and real.refused() == {"decay": "RuntimeError: not at dim 128 on [64]"}
     capsys.readouterr()
     monkeypatch.setattr(sweep.BaselineCheck, "of",
-                        lambda args, mixers, lengths: sweep.BaselineCheck(args, ["decay", "parallax"], lengths))
+                        lambda args, mixers, inputs: sweep.BaselineCheck(args, ["decay", "parallax"], inputs))
     out = tmp_path / "c"
     assert sweep.main(["mqar", "--mixers", "decay,softmax,parallax", "--out", str(out)] + TINY) == 0
     payload = json.loads((out / "sweep-mqar.json").read_text())
@@ -252,20 +255,20 @@ def test_baselines_checked_in_a_process_of_their_own(tmp_path, monkeypatch, caps
     assert printed.index("softmax") < printed.index("checked") < printed.index("parallax")   # softmax did not wait
 
 
-def warm_into_file(args, mixer, lengths):
+def warm_into_file(args, mixer, inputs):
     """A warm-up for the spawned process (importable there): it writes what it was asked into ``--out``."""
-    (pathlib.Path(args.out) / f"{mixer}.warm").write_text(json.dumps([args.batch_size, lengths]))
+    (pathlib.Path(args.out) / f"{mixer}.warm").write_text(json.dumps([args.batch_size, inputs]))
 
 
 def test_mixers_warm_up_in_processes_of_their_own_on_cuda(tmp_path, monkeypatch):
     args = sweep.build_parser().parse_args(["mqar", "--mixers", "softmax,decay", "--out", str(tmp_path)] + TINY)
-    assert sweep.warm_up(args, ["softmax", "decay"], [16]) == []                 # the CPU: Triton compiles nothing
+    assert sweep.warm_up(args, ["softmax", "decay"], [("tokens", 16)]) == []  # the CPU: Triton compiles nothing
     monkeypatch.setattr(sweep, "warm_mixer", warm_into_file)
     monkeypatch.setattr(sweep, "resolve_device", lambda device: torch.device("cuda"))
-    futures = sweep.warm_up(args, ["softmax", "decay"], [16, 8])
+    futures = sweep.warm_up(args, ["softmax", "decay"], [("tokens", 16), ("autoencode", 8)])
     assert all(seconds >= 0 for _, seconds in (f.result(timeout=120) for f in futures))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["decay.warm", "softmax.warm"]
-    assert json.loads((tmp_path / "decay.warm").read_text()) == [4, [16, 8]]   # TINY's batch, the lengths given
+    assert json.loads((tmp_path / "decay.warm").read_text()) == [4, [["tokens", 16], ["autoencode", 8]]]  # TINY's batch
 
 
 def test_a_warm_up_says_how_long_it_took_or_why_it_failed(capsys):
