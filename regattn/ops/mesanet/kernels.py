@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from regattn.ops._common.attention_tiles import head_block
+from regattn.ops._common.attention_tiles import head_block, split_dot
 from regattn.ops._common.launch import launch
 from regattn.ops._common.vmap import fold_rule
 
@@ -96,9 +96,7 @@ def _dot(a, b, PRECISION: tl.constexpr):
     if PRECISION == "tf32x3":
         a_hi, a_lo = _split(a)
         b_hi, b_lo = _split(b)
-        acc = tl.dot(a_lo, b_hi, input_precision="tf32")
-        acc = tl.dot(a_hi, b_lo, acc, input_precision="tf32")
-        return tl.dot(a_hi, b_hi, acc, input_precision="tf32")
+        return split_dot(a_hi, a_lo, b_hi, b_lo)
     return tl.dot(a, b, input_precision=PRECISION)
 
 
