@@ -125,8 +125,8 @@ def first_pass(name: str, dim: int, heads: int, device, *, batch: int, length: i
     length]`` inputs of ``kind`` under bf16 autocast, as the trainer runs it (the mixer's window, if it has one,
     from ``length``), then with ``eval_batch`` one forward on ``[eval_batch, length]`` in eval mode without
     gradients, as its evaluation: on CUDA, what compiles and tunes its kernels at those sizes. The mixer takes its
-    input from the block's norm as in a run (in bf16, from fp32 token embeddings or from bf16 regression inputs'),
-    so its kernels are specialized alike."""
+    input from the block's norm as in a run (bf16, from fp32 token embeddings or bf16 regression embeddings), so
+    Triton specializes its kernels, and the norm's, alike."""
     device = torch.device(device)
     model = MixerStack(name, kind=kind, seq_len=length, vocab_size=16, dim_in=dim, dim_out=1, dim=dim, layers=1,
                        heads=heads, mlp=False, mixer_options=options).to(device)
