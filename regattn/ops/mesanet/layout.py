@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from regattn.ops._common.attention_tiles import head_block
+from regattn.ops._common.checks import last_dim_contiguous
 from regattn.ops._common.ints import ceil_div
 from regattn.ops._common.launch import launch
 from regattn.ops._common.vmap import fold_rule
@@ -107,8 +108,7 @@ def _from_chunks_backward_kernel(G, SEEN, DO, T, S, H, HQ, P, E, FRONT, BLOCK: t
 def to_chunks(x: torch.Tensor, heads: int, positions: int, front: int, zero_nonfinite: bool) -> tuple:
     """``(rows [B, heads, positions, E] fp32, bad [B, L, H] int8)`` from ``x [B, L, H, E]``: row ``p`` of each head
     holds position ``p - front``."""
-    if x.stride(-1) != 1:
-        x = x.contiguous()
+    x = last_dim_contiguous(x)
     B, L, H, E = x.shape
     rows = torch.empty(B, heads, positions, E, device=x.device, dtype=torch.float32)
     bad = torch.empty(B, L, H, device=x.device, dtype=torch.int8)
@@ -120,8 +120,7 @@ def to_chunks(x: torch.Tensor, heads: int, positions: int, front: int, zero_nonf
 
 def to_chunks_backward(g, x, front: int, zero_nonfinite: bool) -> torch.Tensor:
     """``dx [B, L, H, E]`` in x's dtype from the rows' gradient ``g [B, HQ, P, E]`` (contiguous fp32)."""
-    if x.stride(-1) != 1:
-        x = x.contiguous()
+    x = last_dim_contiguous(x)
     B, L, H, E = x.shape
     dx = torch.empty(B, L, H, E, device=x.device, dtype=x.dtype)
     if dx.numel():
