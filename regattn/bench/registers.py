@@ -2,6 +2,7 @@
 
 ``python -m regattn.bench.registers parallax [--head-dims 128 256] [--kinds fwd dk] [--candidates]``
 ``python -m regattn.bench.registers scan [--head-dims 64] [--kinds ieee tf32x3 tf32 fp16] [--candidates]``
+``python -m regattn.bench.registers scan_bwd`` (the fp16 backward: fused dK/dV/dQ, and the two passes)
 ``python -m regattn.bench.registers gatedfwa_gate [--candidates]``
 ``python -m regattn.bench.registers lla [--head-dims 128] [--kinds pairs diag cg cg-g16] [--candidates]``
 ``python -m regattn.bench.registers lla_bwd [--head-dims 128] [--kinds pairs diag cg] [--candidates]``
@@ -274,6 +275,39 @@ def scan_rows(head_dims=(64,), kinds=("ieee", "tf32x3"), candidates=False):
             yield dict(head_dim=D, kind=kind, table=listed, **launch_settings(kwargs), **usage)
 
 
+def scan_backward_launches(config, fused: bool, *, B=1, T=16384, H=16, D=64, causal=False):
+    """The captured launches of the scan's fp16 backward (non-causal by default: the benchmark's call) with
+    ``config`` as its only tile: the fused dK/dV/dQ kernel (``fused``), or the dK/dV and dQ passes."""
+    from regattn.ops.scan import kernels
+
+    saved = kernels.FUSED_CONFIGS, kernels.BWD_CONFIGS, kernels.FUSED_DQ, kernels.AUTOTUNE
+    kernels.FUSED_CONFIGS, kernels.FUSED_DQ, kernels.AUTOTUNE = [config], fused, False
+    kernels.BWD_CONFIGS = dict(kernels.BWD_CONFIGS, half=[config])
+    try:
+        q = torch.empty(B, T, H, D, device="meta", dtype=torch.float16)
+        lse = torch.empty(B * H * T, device="meta", dtype=torch.float32)
+        with captured_launches() as launches:
+            kernels.backward(q, q, q, q, q, lse, causal=causal, window=None, scale=D ** -0.5, precision="ieee",
+                             cu_seqlens=None)
+    finally:
+        kernels.FUSED_CONFIGS, kernels.BWD_CONFIGS, kernels.FUSED_DQ, kernels.AUTOTUNE = saved
+    return [launch for launch in launches if launch[0].__name__.startswith("_bwd")]
+
+
+def scan_backward_rows(head_dims=(64,), kinds=None, candidates=False):
+    """One row per (head dim, kernel, tile) of the scan's fp16 backward: the fused kernel's autotune list
+    (through pointers and, TMA, with dq added by the tensor-memory reduction), then the two passes' tiles."""
+    from regattn.ops.scan import kernels
+
+    for D in head_dims:
+        runs = [(c, True) for c in kernels.FUSED_CONFIGS] + [(c, False) for c in kernels.BWD_CONFIGS["half"]]
+        for config, fused in runs:
+            for kernel, args, kwargs in scan_backward_launches(config, fused, D=D):
+                name = "fused" if kwargs.get("FUSED") else kernel.__name__.removeprefix("_bwd_").removesuffix("_kernel")
+                yield dict(head_dim=D, kind=name, table=True, **launch_settings(kwargs),
+                           **launch_usage(kernel, args, kwargs, loop=True))
+
+
 # kind -> blocks at D = 128 (scaled with D); cg-pre: cg with the preconditioner
 LLA_KINDS = {"pairs": 64, "diag": 128, "cg": None, "cg-pre": None, "cg-g16": 16}
 LLA_TILES = [(16, 32, 4), (32, 16, 8), (32, 32, 4), (32, 32, 8), (32, 64, 8), (64, 32, 4), (64, 64, 4), (64, 64, 8),
@@ -463,6 +497,7 @@ OPS = {"parallax": (parallax_rows, KINDS, TMA_COLUMNS),
        "softmax": (functools.partial(attention_rows, gated=False), ATTENTION_KINDS, ATTENTION_COLUMNS),
        "scan": (scan_rows, ("ieee", "tf32x3"),
                 TMA_COLUMNS + ("loop", "FFMA", "FFMA%", "FFMA/w", "MUFU", "LDS", "MMA", "LDL", "STL")),
+       "scan_bwd": (scan_backward_rows, (), TMA_COLUMNS + ("loop", "MUFU", "MMA", "LDL", "STL")),
        "lla": (lla_rows, tuple(LLA_KINDS), COLUMNS + ("loop", "MMA", "LDL", "STL")),
        "lla_bwd": (lla_backward_rows, LLA_BACKWARD_KINDS, COLUMNS + ("loop", "MMA", "LDL", "STL")),
        "nsa": (nsa_rows, (), COLUMNS),

@@ -120,6 +120,24 @@ def test_scan_forward_loop_uses_the_fma_pipe_only_in_strict_fp32(kind):
         assert mix["MMA"] > 0
 
 
+@compiles
+@pytest.mark.parametrize("tma", [False, True], ids=["atomics", "tma"])
+def test_scan_backward_fused_kernel_compiles_without_spills(monkeypatch, tma):
+    """The scan's fp16 backward with dq added in the dK/dV pass, one launch, through pointers and atomics or
+    through descriptors and the tensor-memory reduction (``TMA_REDUCE``: on a GPU target, not in the
+    interpreter); in two passes without it."""
+    from regattn.ops._common import attention_tiles
+    from regattn.ops.scan.kernels import BWD_CONFIGS, FUSED_CONFIGS
+    monkeypatch.setattr(attention_tiles, "TMA_WORK", 0)  # the descriptors at this small shape too
+    config = next(c for c in FUSED_CONFIGS if c.kwargs["TMA"] is tma)
+    [(kernel, args, kwargs)] = registers.scan_backward_launches(config, True, T=256, H=2)
+    assert kwargs["FUSED"] and kwargs["TMA"] is tma and kwargs["TMA_REDUCE"] is tma and kwargs["HAS_DESC"]
+    usage = registers.launch_usage(kernel, args, kwargs, loop=True)
+    assert usage["STACK"] == 0 and usage["MMA"] > 0, usage
+    passes = registers.scan_backward_launches(BWD_CONFIGS["half"][0], False, T=256, H=2)
+    assert [k.__name__ for k, _, _ in passes] == ["_bwd_dkdv_kernel", "_bwd_dq_kernel"]
+
+
 def fp64_launches():
     """Launches of kernels with float arguments, captured on the meta device: LLA's forward (CG, 2 x 2 and
     1 x 1 solves) and backward, and the gate scan forward and backward."""

@@ -71,6 +71,23 @@ def test_parallax_tile_variants_tiny(interpret):
         time_tile_variants([{"bwd": {}}], device="cpu")
 
 
+def test_scan_backward_variants_tiny(interpret):
+    """time_backward_variants: each backward form of ours with its error, then SDPA flash and cuDNN (on the CPU
+    refused), the kernels' switches back afterwards (in the interpreter this checks the plumbing)."""
+    from regattn.bench.suites.scan import BACKWARD_VARIANTS, time_backward_variants
+    from regattn.ops.scan import kernels
+    before = kernels.FUSED_DQ, kernels.TENSOR_DESCRIPTORS
+    shapes = [dict(B=1, H=2, T=40, D=16), dict(B=1, H=2, T=40, D=16, causal=True)]
+    rows = time_backward_variants(shapes, device="cpu", rep_ms=1, rounds=2)
+    assert (kernels.FUSED_DQ, kernels.TENSOR_DESCRIPTORS) == before
+    ops = [f"regattn:triton ({label})" for label, _, _ in BACKWARD_VARIANTS] + ["sdpa:flash", "sdpa:cudnn"]
+    assert [(row["shape"], row["op"]) for row in rows] == [(shape, op) for shape in shapes for op in ops]
+    json.dumps(rows)
+    for row in rows[:3] + rows[5:8]:
+        assert row["status"] == "ok" and len(row["rounds"]["fp16 fwd+bwd"]) == 2 and row["fp16 fwd+bwd_ms"] > 0
+        assert set(row["err"]) == {"o", "dq", "dk", "dv"} and max(row["err"].values()) < 2e-3, row
+
+
 def test_parallax_decode_variants_tiny(interpret):
     """time_decode_variants: ms, the ratio to SDPA of the same rounds and the error per (shape, variant) (in the
     interpreter this checks the plumbing and the numbers, not the launches' speed)."""

@@ -115,6 +115,25 @@ def test_tma_tiles(monkeypatch, config, dtype, shape, kw):
     check_scan(dtype, "ieee", *shape, **kw)
 
 
+@pytest.mark.parametrize("config", kernels.FUSED_CONFIGS,
+                         ids=lambda c: tile_id(c) + ("-tma" if c.kwargs["TMA"] else ""))
+@pytest.mark.parametrize("dtype,shape,kw", [
+    pytest.param(FP16, (2, 4096, 8, 4, 64), {}, id="fp16-gqa-d64"),
+    pytest.param(BF16, (1, 4000, 4, 2, 128), dict(causal=True, window=700), id="bf16-d128-causal-window-ragged"),
+    pytest.param(FP16, (1, 4096, 4, 2, 64), VARLEN, id="fp16-d64-causal-window-varlen"),
+])
+def test_fused_backward_tiles(monkeypatch, config, dtype, shape, kw):
+    """Each tile of the backward that adds dq in its dK/dV pass: through atomics, or the tensor-memory reduction
+    (TMA; not with cu_seqlens, whose calls add through atomics)."""
+    if config.kwargs["TMA"] and "cu_seqlens" in kw:
+        pytest.skip("calls with cu_seqlens add dq through atomics")
+    if kernels._smem_bytes(config, shape[-1], shape[-1], 2, streamed="fused") > kernels.SMEM_BUDGET:
+        pytest.skip("the autotuner's pruner drops this tile at this head dim (shared memory)")
+    monkeypatch.setattr(kernels, "FUSED_CONFIGS", [config])
+    monkeypatch.setattr(attention_tiles, "TMA_WORK", 0)
+    check_scan(dtype, "ieee", *shape, **kw)
+
+
 @pytest.mark.parametrize("config", kernels.FWD_CONFIGS["split"], ids=tile_id)
 def test_fp16x3_tiles(monkeypatch, config):
     """Each forward tile of fp32 as fp16 parts, causal with a window over a ragged length."""

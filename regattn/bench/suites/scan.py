@@ -6,6 +6,8 @@ fp16): ``--dtype`` does not apply. The reference scan is sequential (one step a 
 shapes only, asked for with ``--peers``."""
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 import regattn
@@ -85,3 +87,51 @@ def scan_call(q, k, v, cu_seqlens, **kwargs):
     flat = [x.reshape(1, B * T, *x.shape[2:]) for x in (q, k, v)]
     o = regattn.scan_attention(*flat, cu_seqlens=cu_seqlens, max_seqlen=T, **kwargs)
     return o.view(B, T, *o.shape[2:])
+
+
+# The fp16/bf16 backward's forms for time_backward_variants: (label, kernels.FUSED_DQ, kernels.TENSOR_DESCRIPTORS).
+BACKWARD_VARIANTS = (("two passes", False, True), ("fused, atomics", True, False), ("fused", True, True))
+
+
+def time_backward_variants(shapes=None, *, dtype=torch.float16, device="cuda", rep_ms=100, rounds=3) -> list[dict]:
+    """Time the scan's fp16 forward+backward in each form of :data:`BACKWARD_VARIANTS`, beside SDPA flash and
+    cuDNN, side by side in one process (:func:`regattn.bench.variants.time_in_rounds`); every form of ours
+    checked against float64 on the last rows. ``shapes``: dicts of B, H, T, D and optionally ``causal`` (default:
+    the goal shape). Returns one dict per (shape, contender): ``shape``, ``op`` and the timing's keys.
+
+    On a GPU: ``python -c "from regattn.bench.suites.scan import time_backward_variants as t; print(t())"``"""
+    from regattn.bench.runner import Setup, case_errors
+    from regattn.bench.variants import Contender, time_in_rounds
+    from regattn.ops.scan import kernels
+
+    def form(fused, descriptors):
+        @contextlib.contextmanager
+        def setting():
+            saved = kernels.FUSED_DQ, kernels.TENSOR_DESCRIPTORS
+            kernels.FUSED_DQ, kernels.TENSOR_DESCRIPTORS = fused, descriptors
+            try:
+                yield
+            finally:
+                kernels.FUSED_DQ, kernels.TENSOR_DESCRIPTORS = saved
+        return setting
+
+    setup = Setup(dtype=dtype, device=device, backend="triton", peers=("sdpa-flash", "sdpa-cudnn"), rep_ms=rep_ms)
+    rows, mode = [], "fp16 fwd+bwd"
+    for shape in shapes or GOAL:
+        causal = bool(shape.get("causal"))
+        q, k, v = (randn(setup, shape["B"], shape["T"], shape["H"], shape["D"], grad=True) for _ in range(3))
+        truth = check(mode, q, k, v, None, causal=causal, rows=CHECK_ROWS, batch=shape["B"] - 1)
+        case = ours(regattn.scan_attention, q, setup, lambda: regattn.scan_attention(q, k, v, causal=causal,
+                                                                                        backend="triton"),
+                    [q, k, v], check=truth)
+        labels, contenders = [], []
+        for label, fused, descriptors in BACKWARD_VARIANTS:
+            labels.append(f"regattn:triton ({label})")
+            contenders.append(Contender({mode: (case.call, case.leaves)}, form(fused, descriptors),
+                                        lambda: case_errors(case, mode)))
+        for _, peer in sdpa_cases(setup, mode, q, k, v, causal=causal, backends=("flash", "cudnn")):
+            labels.append(peer.op)
+            contenders.append(Contender({mode: (peer.call, peer.leaves)}))
+        for label, row in zip(labels, time_in_rounds(contenders, cuda=setup.cuda, rep_ms=rep_ms, rounds=rounds)):
+            rows.append(dict(shape=shape, op=label, **row))
+    return rows

@@ -32,7 +32,9 @@ def scan_attention(q, k, v, *, causal=False, scale=None, precision="ieee", windo
             parts at twice TF32's rate; values spanning more than 2^14 in one column of ``v`` lose bits below
             2^-38 of its largest: :mod:`regattn.ops.scan.split`; the backward is tf32x3's) or ``"tf32"``
             (operands rounded to the nearest TF32 value); fp16/bf16
-            inputs compute in their own precision with fp32 accumulation.
+            inputs compute in their own precision with fp32 accumulation. Their backward adds ``dq`` in fp32
+            atomically (its last bits may differ between runs); under
+            ``torch.use_deterministic_algorithms(True)`` it forms ``dq`` in a pass of its own instead.
         window: sliding window ``w``: keys ``i - w < j`` (and ``j <= i`` when causal).
         partition: ``w`` splits the sequence into consecutive non-overlapping windows of ``w``
             tokens (the last may be shorter), each attending only within itself — Swin's window

@@ -14,8 +14,10 @@ Forward, for one tile of queries and one slice of keys:
 Logits are kept in base 2 (``qk_scale = scale * log2(e)``); ``lse`` is stored in base 2 as well,
 ``+inf`` for a query that sees no key (its output is 0 and its gradient 0).
 
-The backward is the standard two-kernel form: ``dk, dv`` per key tile looping over queries, ``dq``
-per query tile looping over keys, both recomputing ``p = exp2(s - lse)``.
+The backward streams queries past each key tile for ``dk, dv``. For fp16/bf16 the same pass adds each
+query tile's share of ``dq`` into an fp32 buffer (atomics, or Hopper's tensor-memory reduction), so ``p``
+and ``ds`` are formed once per pair of tiles; fp32 inputs take the two-kernel form, ``dq`` per query tile
+looping over keys in a pass of its own (both passes recomputing ``p = exp2(s - lse)``).
 
 Precisions (fp32 inputs): ``"ieee"`` strict fp32 (FMA, no TF32), ``"tf32x3"`` (three TF32 products,
 fp32-accurate), ``"fp16x3"`` (three products of fp16 parts, as accurate at twice the rate:
@@ -134,11 +136,11 @@ def _load_rows(ptr, rows, stride_row, cols, n_rows, N_COLS: tl.constexpr, EVEN: 
 
 
 @triton.jit
-def _key_rows(desc, ptr, bat, head, n0, rows, stride_row, cols, n_rows, N_COLS: tl.constexpr, EVEN: tl.constexpr,
-              TMA: tl.constexpr):
-    """Tile ``[len(rows), len(cols)]`` of keys (or values), ``rows = n0 + arange``: through the tensor descriptor
-    ``desc`` of the ``[B, S, H, N_COLS]`` tensor (a Hopper TMA copy; rows past ``S`` read as 0) at ``(bat, n0,
-    head)``, or as :func:`_load_rows` from ``ptr`` (the head's first row)."""
+def _rows_at(desc, ptr, bat, head, n0, rows, stride_row, cols, n_rows, N_COLS: tl.constexpr, EVEN: tl.constexpr,
+             TMA: tl.constexpr):
+    """Tile ``[len(rows), len(cols)]`` of a ``[B, S, H, N_COLS]`` tensor (keys, values; the fused backward's queries
+    and output gradients), ``rows = n0 + arange``: through its tensor descriptor ``desc`` (a Hopper TMA copy; rows
+    past ``S`` read as 0) at ``(bat, n0, head)``, or as :func:`_load_rows` from ``ptr`` (the head's first row)."""
     if TMA:
         return desc.load([bat, n0, head, 0]).reshape(rows.shape[0], cols.shape[0])
     return _load_rows(ptr, rows, stride_row, cols, n_rows, N_COLS, EVEN)
@@ -237,7 +239,7 @@ def _fold_tiles(m_i, l_i, acc, q, q_base, sqt, k_base, v_base, skt, svt, K_DESC,
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + offs_n0
         if SPLIT:
-            k = _key_rows(K_DESC, k_base, bat, hk, n0, offs_n, skt, offs_d, Sb, D, EVEN_N, TMA)
+            k = _rows_at(K_DESC, k_base, bat, hk, n0, offs_n, skt, offs_d, Sb, D, EVEN_N, TMA)
             k_lo = _load_rows(kl_base, offs_n, skt, offs_d, Sb, D, EVEN_N)
             s = split_dot(q, q_lo, tl.trans(k), tl.trans(k_lo))
             if EVEN_N:
@@ -253,7 +255,7 @@ def _fold_tiles(m_i, l_i, acc, q, q_base, sqt, k_base, v_base, skt, svt, K_DESC,
                 k_c = _tf32(_load_rows(k_base, offs_n, skt, cols, Sb, D, EVEN_N), ROUND_TF32)
                 s = tl.dot(q_c, tl.trans(k_c), s, input_precision=PREC)
         else:
-            k = _tf32(_key_rows(K_DESC, k_base, bat, hk, n0, offs_n, skt, offs_d, Sb, D, EVEN_N, TMA), ROUND_TF32)
+            k = _tf32(_rows_at(K_DESC, k_base, bat, hk, n0, offs_n, skt, offs_d, Sb, D, EVEN_N, TMA), ROUND_TF32)
             s = tl.dot(q, tl.trans(k), input_precision=PREC)
         s_scale = qk_scale  # a positive scale rides in exp2's fused multiply-add (one multiply an entry less)
         if not POS_SCALE:
@@ -263,7 +265,7 @@ def _fold_tiles(m_i, l_i, acc, q, q_base, sqt, k_base, v_base, skt, svt, K_DESC,
             seen = _visible(offs_m, offs_n, Tb, Sb, CAUSAL, WINDOW)
             s = tl.where(seen, s, float("-inf"))
         m_i, l_i, p, alpha = online_softmax_step(m_i, l_i, s, s_scale)
-        v = _tf32(_key_rows(V_DESC, v_base, bat, hk, n0, offs_n, svt, offs_dv, Sb, DV, EVEN_N, TMA), ROUND_TF32)
+        v = _tf32(_rows_at(V_DESC, v_base, bat, hk, n0, offs_n, svt, offs_dv, Sb, DV, EVEN_N, TMA), ROUND_TF32)
         if SPLIT:
             v_lo = _load_rows(vl_base, offs_n, svt, offs_dv, Sb, DV, EVEN_N)
             p = p * P_SCALE
@@ -482,17 +484,21 @@ def _probs_t(k, q, lse, offs_n, offs_m, Tb, Sb, qk_scale, CAUSAL: tl.constexpr, 
 
 @triton.jit
 def _dkdv_tiles(dk, dv, k, v, q_base, do_base, sqt, sdot, LSE, DELTA, stats, lo, hi, offs_n, offs_m0, offs_d,
-                offs_dv, Tb, Sb, qk_scale, D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr,
-                CAUSAL: tl.constexpr, WINDOW: tl.constexpr, MASKED: tl.constexpr, PREC: tl.constexpr,
-                ROUND_TF32: tl.constexpr):
+                offs_dv, Tb, Sb, qk_scale, dq_base, sdqt, Q_DESC, DO_DESC, DQ_DESC, bat, h, row0, sm_scale,
+                D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr,
+                WINDOW: tl.constexpr, MASKED: tl.constexpr, PREC: tl.constexpr, ROUND_TF32: tl.constexpr,
+                FUSED: tl.constexpr, TMA: tl.constexpr, TMA_REDUCE: tl.constexpr):
     """Add the query tiles ``[lo, hi)`` to ``dk, dv`` of the key tile (keys on the rows). ``MASKED``: hidden
     pairs count 0, and in a causal or windowed backward (where every masked tile is partly hidden) the
     products over queries go through :func:`contained_dot`, so a non-finite query or dO row reaches only the
-    keys it sees. Returns ``(dk, dv)``."""
+    keys it sees. ``FUSED``: each query tile's share of ``dq`` is added to the fp32 rows at ``dq_base`` (atomics,
+    or with ``TMA_REDUCE`` the tensor-memory reduction through ``DQ_DESC``), a non-finite key reaching only the
+    queries that see it; with ``TMA`` the query and dO tiles come through ``Q_DESC`` and ``DO_DESC``. Returns
+    ``(dk, dv)``."""
     for m0 in range(lo, hi, BLOCK_M):
         offs_m = m0 + offs_m0
-        q = _tf32(_load_rows(q_base, offs_m, sqt, offs_d, Tb, D, False), ROUND_TF32)
-        do = _tf32(_load_rows(do_base, offs_m, sdot, offs_dv, Tb, DV, False), ROUND_TF32)
+        q = _tf32(_rows_at(Q_DESC, q_base, bat, h, m0, offs_m, sqt, offs_d, Tb, D, False, TMA), ROUND_TF32)
+        do = _tf32(_rows_at(DO_DESC, do_base, bat, h, m0, offs_m, sdot, offs_dv, Tb, DV, False, TMA), ROUND_TF32)
         lse, delta = _row_stats(LSE, DELTA, stats, offs_m, Tb)
         pt, seen = _probs_t(k, q, lse, offs_n, offs_m, Tb, Sb, qk_scale, CAUSAL, WINDOW, PREC, MASKED)
         dst = pt * (tl.dot(v, tl.trans(do), input_precision=PREC) - delta[None, :])
@@ -502,7 +508,29 @@ def _dkdv_tiles(dk, dv, k, v, q_base, do_base, sqt, sdot, LSE, DELTA, stats, lo,
         else:
             dv = tl.dot(_tf32(pt.to(do.dtype), ROUND_TF32), do, dv, input_precision=PREC)
             dk = tl.dot(_tf32(dst.to(q.dtype), ROUND_TF32), q, dk, input_precision=PREC)
+        if FUSED:
+            _add_dq(dq_base, sdqt, DQ_DESC, bat, h, row0, m0, offs_m, offs_d, Tb, tl.trans(dst), k, tl.trans(seen),
+                    sm_scale, D, MASKED and (CAUSAL or WINDOW > 0), PREC, TMA_REDUCE)
     return dk, dv
+
+
+@triton.jit
+def _add_dq(dq_base, sdqt, DQ_DESC, bat, h, row0, m0, offs_m, offs_d, Tb, ds, k, seen, sm_scale, D: tl.constexpr,
+            CONTAINED: tl.constexpr, PREC: tl.constexpr, REDUCE: tl.constexpr):
+    """Add ``sm_scale * ds @ k`` (``ds: [BLOCK_M, BLOCK_N]``) to the fp32 ``dq`` rows ``offs_m``, through
+    :func:`contained_dot` where ``CONTAINED``; by atomics, or with ``REDUCE`` by the tensor-memory reduction
+    through ``DQ_DESC`` (not for packed sequences: a row past its sequence would reach the next one's; past ``T``
+    the reduction drops it)."""
+    if CONTAINED:
+        part = contained_dot(tl.zeros([ds.shape[0], k.shape[1]], tl.float32), ds, k, seen, PREC)
+    else:
+        part = tl.dot(ds.to(k.dtype), k, input_precision=PREC)
+    part = part * sm_scale
+    if REDUCE:
+        DQ_DESC.atomic_add([bat, row0 + m0, h, 0], part.reshape(1, ds.shape[0], 1, k.shape[1]))
+    else:
+        ptrs = dq_base + offs_m[:, None].to(tl.int64) * sdqt + offs_d[None, :]
+        tl.atomic_add(ptrs, part, mask=(offs_m[:, None] < Tb) & (offs_d[None, :] < D), sem="relaxed")
 
 
 @triton.jit
@@ -524,19 +552,24 @@ def _dq_tiles(dq, q, do, lse, delta, k_base, v_base, skt, svt, lo, hi, offs_m, o
     return dq
 
 
+@triton.heuristics({"TMA_REDUCE": lambda a: a.get("TMA", False) and not interpreting()})  # (none there: atomics)
 @triton.jit
-def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DVV, CU,
+def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DVV, CU, DQ, Q_DESC, DO_DESC, DQ_DESC,
                      sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sdob, sdot, sdoh,
-                     sdkb, sdkt, sdkh, sdvb, sdvt, sdvh,
+                     sdkb, sdkt, sdkh, sdvb, sdvt, sdvh, sdqb, sdqt, sdqh,
                      T, S, HQ, GROUP, qk_scale, sm_scale, SIZE_CLASS,
                      D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
                      WINDOW: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr,
-                     ROUND_TF32: tl.constexpr):
-    """``dk, dv`` of ``BLOCK_N`` keys for one query head (summed over the group outside).
+                     ROUND_TF32: tl.constexpr, FUSED: tl.constexpr = False, HAS_DESC: tl.constexpr = False,
+                     TMA: tl.constexpr = False, TMA_REDUCE: tl.constexpr = False):
+    """``dk, dv`` of ``BLOCK_N`` keys for one query head (summed over the group outside); with ``FUSED`` also
+    each query tile's share of ``dq``, added to the zeroed fp32 ``DQ`` (see :func:`_dkdv_tiles`). ``HAS_DESC``:
+    ``Q_DESC, DO_DESC, DQ_DESC`` are tensor descriptors of q, dO and DQ (else any tensors), taken where the tile
+    says ``TMA`` (the interpreter, without Triton's TMA reduction, adds dq through atomics: ``TMA_REDUCE``).
 
     The tiles are formed with the keys on the rows (``p^T = exp2(k q^T - lse)``): no product result is
-    transposed on its way into the next product.
+    transposed on its way into the next product but ``dq``'s.
     """
     pid_n = tl.program_id(0)
     bat, h, row0, Tb, Sb = _sequence_head(CU, tl.program_id(1), T, S, HQ, VARLEN)
@@ -550,6 +583,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DVV, CU,
     offs_dv = tl.arange(0, BLOCK_DV)
     q_base = _head_rows(Q, bat, h, row0, sqb, sqh, sqt)
     do_base = _head_rows(DO, bat, h, row0, sdob, sdoh, sdot)
+    dq_base = _head_rows(DQ, bat, h, row0, sdqb, sdqh, sdqt)
     k = _tf32(_load_rows(_head_rows(K, bat, hk, row0, skb, skh, skt), offs_n, skt, offs_d, Sb, D, False), ROUND_TF32)
     v = _tf32(_load_rows(_head_rows(V, bat, hk, row0, svb, svh, svt), offs_n, svt, offs_dv, Sb, DV, False),
               ROUND_TF32)
@@ -560,11 +594,14 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DVV, CU,
     _, _, full_lo, full_hi = query_span(n0, tl.minimum(n0 + BLOCK_N, Sb) - 1, Tb, Sb - Tb, CAUSAL, WINDOW)
     _, a, b = tile_loop_bounds(lo, hi, full_lo, full_hi, BLOCK_M)  # lo is on a tile edge
     dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, sqt, sdot, LSE, DELTA, stats, lo, a, offs_n, offs_m0, offs_d,
-                         offs_dv, Tb, Sb, qk_scale, D, DV, BLOCK_M, CAUSAL, WINDOW, True, PREC, ROUND_TF32)
+                         offs_dv, Tb, Sb, qk_scale, dq_base, sdqt, Q_DESC, DO_DESC, DQ_DESC, bat, h, row0, sm_scale,
+                         D, DV, BLOCK_M, CAUSAL, WINDOW, True, PREC, ROUND_TF32, FUSED, TMA, TMA_REDUCE)
     dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, sqt, sdot, LSE, DELTA, stats, a, b, offs_n, offs_m0, offs_d,
-                         offs_dv, Tb, Sb, qk_scale, D, DV, BLOCK_M, CAUSAL, WINDOW, False, PREC, ROUND_TF32)
+                         offs_dv, Tb, Sb, qk_scale, dq_base, sdqt, Q_DESC, DO_DESC, DQ_DESC, bat, h, row0, sm_scale,
+                         D, DV, BLOCK_M, CAUSAL, WINDOW, False, PREC, ROUND_TF32, FUSED, TMA, TMA_REDUCE)
     dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, sqt, sdot, LSE, DELTA, stats, b, hi, offs_n, offs_m0, offs_d,
-                         offs_dv, Tb, Sb, qk_scale, D, DV, BLOCK_M, CAUSAL, WINDOW, True, PREC, ROUND_TF32)
+                         offs_dv, Tb, Sb, qk_scale, dq_base, sdqt, Q_DESC, DO_DESC, DQ_DESC, bat, h, row0, sm_scale,
+                         D, DV, BLOCK_M, CAUSAL, WINDOW, True, PREC, ROUND_TF32, FUSED, TMA, TMA_REDUCE)
     dk = dk * sm_scale
     _store_rows(_head_rows(DK, bat, h, row0, sdkb, sdkh, sdkt), dk, offs_n, sdkt, offs_d, Sb, D)
     _store_rows(_head_rows(DVV, bat, h, row0, sdvb, sdvh, sdvt), dv, offs_n, sdvt, offs_dv, Sb, DV)
@@ -621,11 +658,11 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, CU,
 # copies through descriptors of k and v (:func:`kv_descriptors`).
 
 
-def _set_boxes(args, block_n: int) -> None:
-    """Give the tensor descriptors among ``args`` a box of ``block_n`` rows of one head (all its columns)."""
+def _set_boxes(args, rows: int) -> None:
+    """Give the tensor descriptors among ``args`` a box of ``rows`` rows of one head (all its columns)."""
     for a in args:
         if isinstance(a, TensorDescriptor):
-            a.block_shape = [1, block_n, 1, a.block_shape[3]]
+            a.block_shape = [1, rows, 1, a.block_shape[3]]
 
 
 def _descriptor_boxes(nargs: dict) -> None:
@@ -633,9 +670,14 @@ def _descriptor_boxes(nargs: dict) -> None:
     _set_boxes(nargs.values(), nargs["BLOCK_N"])
 
 
-def _half_configs(pointer_tiles, tma_tiles) -> list:
+def _query_boxes(nargs: dict) -> None:
+    """Autotune pre-hook: the descriptors' boxes follow the config's query tile (the fused backward's q, dO, dq)."""
+    _set_boxes(nargs.values(), nargs["BLOCK_M"])
+
+
+def _half_configs(pointer_tiles, tma_tiles, boxes=_descriptor_boxes) -> list:
     return [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "TMA": tma}, num_warps=w, num_stages=s,
-                          pre_hook=_descriptor_boxes if tma else None)
+                          pre_hook=boxes if tma else None)
             for tma, tiles in ((False, pointer_tiles), (True, tma_tiles)) for m, n, w, s in tiles]
 
 
@@ -653,15 +695,28 @@ FWD_CONFIGS = {
     "split": tile_configs([(128, 64, 8, 3), (64, 64, 4, 3), (128, 64, 8, 2), (64, 64, 4, 2), (128, 128, 8, 2),
                            (64, 128, 4, 2), (128, 32, 4, 3), (64, 32, 4, 3)]),
 }
-# fp16/bf16 backward: one stage. While the backward's loops chose each tile's product at run time, Triton 3.6
-# on the H100 gave the causal dk, dv (and dq at 64 x 64) 0.7 to 1.1 relative error with the loop software-
-# pipelined (2 or 3 stages). With masked and unmasked tiles in loops of their own every tile is exact at 1 to
-# 3 stages, but pipelining was no faster at B1 H16 D64 causal (1.5% at T 16384 and 65536, slower at T 4096
-# and with a window): benchmarks/results/h100/tiles/scan-backward-stages.json.
+# The two-pass backward (fp32; fp16/bf16 with FUSED_DQ off): one stage. While the backward's loops chose each
+# tile's product at run time, Triton 3.6 on the H100 gave the causal dk, dv (and dq at 64 x 64) 0.7 to 1.1
+# relative error with the loop software-pipelined (2 or 3 stages). With masked and unmasked tiles in loops of
+# their own every tile is exact at 1 to 3 stages, but pipelining was no faster at B1 H16 D64 causal (1.5% at
+# T 16384 and 65536, slower at T 4096 and with a window): benchmarks/results/h100/tiles/scan-backward-stages.json.
 BWD_CONFIGS = {
     "half": tile_configs([(64, 64, 4, 1), (32, 64, 4, 1), (64, 64, 8, 1)]),
     "fp32": tile_configs([(32, 64, 4, 2), (64, 64, 4, 2), (64, 32, 4, 2)]),
 }
+# fp16/bf16 backward with dq added by the dK/dV pass (FUSED_DQ): each (key tile, query tile) pair forms p and ds
+# once, where the two passes form them twice (five products and one exp2 a pair against seven and two); dq's
+# fp32 rows take each query tile's share by atomics or, with TMA, by the tensor-memory reduction (the query and
+# dO tiles then load through descriptors too). On the H200, forward+backward in fp16 (benchmarks/results/h200/
+# tiles/scan-backward-fused.json, README there): B1 H16 T16384 D64 12.61 ms in two passes, 11.30 fused through
+# atomics, 10.52 through TMA (cuDNN 8.71); causal 6.73, 6.19, 5.65 (4.56); D128 causal at T8192 3.09, 3.19, 3.06.
+# The fp32 buffer costs 4 bytes a query-row column while a call runs.
+FUSED_DQ = True
+# The tiles without spills on sm_90 at D 64 (python -m regattn.bench.registers scan_bwd); 128 x 64 and 128 x 128 on
+# 8 warps, 64 x 128 and 32 x 128 on 4 spill. 4 stages (64 x 64 on 4 warps, 64 x 128 on 8) lost to 3 on the H200.
+_FUSED_TILES = [(64, 64, 4, 1), (64, 128, 8, 1), (64, 64, 4, 2), (64, 128, 8, 2), (64, 64, 4, 3), (64, 128, 8, 3),
+                (32, 128, 8, 2), (32, 64, 4, 2)]
+FUSED_CONFIGS = _half_configs(_FUSED_TILES, _FUSED_TILES, boxes=_query_boxes)
 SMEM_BUDGET = 180 * 1024  # bytes of shared memory a config may plan for (H100: 227 KiB per block)
 
 
@@ -669,11 +724,16 @@ def _smem_bytes(cfg, block_d: int, block_dv: int, elsize: int, *, streamed: str)
     """Estimated shared memory: the resident q (or k) tile plus ``num_stages`` copies of the streamed pair.
 
     ``streamed="N"``: key/value tiles stream past a query tile (forward, dq); ``"M"``: query/dO tiles
-    stream past a key/value tile (dk, dv).
+    stream past a key/value tile (dk, dv); ``"fused"``: as ``"M"``, with the value tile, the transposed ``ds``
+    tile and (TMA) the fp32 ``dq`` tile of the reduction (within 15% of what triton 3.6 gives the fused
+    backward's tiles on sm_90 at D 64 and 128).
     """
     m, n = cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"]
     resident, moving = (m, n) if streamed == "N" else (n, m)
-    return (resident * block_d + cfg.num_stages * moving * (block_d + block_dv)) * elsize
+    total = (resident * block_d + cfg.num_stages * moving * (block_d + block_dv)) * elsize
+    if streamed == "fused":
+        total += (resident * block_dv + m * n) * elsize + (4 * m * block_d if cfg.kwargs.get("TMA") else 0)
+    return total
 
 
 def fitting(configs, block_d: int, block_dv: int, elsize: int, *, streamed: str):
@@ -707,6 +767,8 @@ _DKDV_TUNED = {family: triton.autotune(cfgs, key=_KEY, prune_configs_by=_pruner(
                for family, cfgs in BWD_CONFIGS.items()}
 _DQ_TUNED = {family: triton.autotune(cfgs, key=_KEY, prune_configs_by=_pruner("N"))(_bwd_dq_kernel)
              for family, cfgs in BWD_CONFIGS.items()}
+_FUSED_TUNED = triton.autotune(FUSED_CONFIGS, key=_KEY + ["HAS_DESC"], prune_configs_by=_pruner("fused"),
+                               reset_to_zero=["DQ"])(_bwd_dkdv_kernel)  # each timed run adds into DQ
 INTERPRET_BLOCK = 16
 AUTOTUNE = True  # False: every launch takes the first config of its list (no tuning runs)
 
@@ -755,7 +817,7 @@ def _launch(configs, tuned, plain, grid, *args, streamed, **meta):
     elif not AUTOTUNE:
         c = fitting(usable(configs, meta), meta["BLOCK_D"], meta["BLOCK_DV"], _operand_bytes(args[0], meta),
                     streamed=streamed)[0]
-        _set_boxes(args, c.kwargs["BLOCK_N"])
+        _set_boxes(args, c.kwargs["BLOCK_N" if streamed == "N" else "BLOCK_M"])  # the streamed tile's rows
         plain[grid(c.kwargs)](*args, **c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages, **meta)
     else:
         tuned[grid](*args, **meta)
@@ -791,6 +853,15 @@ def kv_descriptors(k, v, block_d: int, block_dv: int, work: int):
     if not TENSOR_DESCRIPTORS or not tma_pays(work):
         return None
     return tma_descriptors((k, [1, 16, 1, block_d]), (v, [1, 16, 1, block_dv]))
+
+
+def query_descriptors(q, do, dq32, block_d: int, block_dv: int, work: int):
+    """Tensor descriptors of the fused backward's ``q``, ``do`` and fp32 ``dq`` (``[B, T, HQ, *]``; their boxes set
+    per launch), or None where the kernel loads through pointers and adds through atomics (as
+    :func:`kv_descriptors`)."""
+    if not TENSOR_DESCRIPTORS or not tma_pays(work):
+        return None
+    return tma_descriptors((q, [1, 16, 1, block_d]), (do, [1, 16, 1, block_dv]), (dq32, [1, 16, 1, block_d]))
 
 
 def forward(q, k, v, *, causal, window, scale, precision, cu_seqlens, num_splits, need_lse, max_seqlen=None):
@@ -852,7 +923,6 @@ def backward(do, q, k, v, o, lse, *, causal, window, scale, precision, cu_seqlen
     BLOCK_D, BLOCK_DV = _head_dims(D, DV)
     do = do.contiguous()
     delta = row_dot(o, do).transpose(1, 2).contiguous()  # [B, HQ, T]
-    dq = torch.empty_like(q)
     dk = torch.empty(B, S, HQ, D, dtype=torch.float32 if HQ != H else k.dtype, device=k.device)
     dv = torch.empty(B, S, HQ, DV, dtype=torch.float32 if HQ != H else v.dtype, device=v.device)
     varlen = cu_seqlens is not None
@@ -866,14 +936,24 @@ def backward(do, q, k, v, o, lse, *, causal, window, scale, precision, cu_seqlen
     meta = dict(D=D, DV=DV, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, CAUSAL=causal, WINDOW=window or 0,
                 VARLEN=varlen, PREC=prec, ROUND_TF32=_numerics(q.dtype, precision)["ROUND_TF32"])
     common = (T, S, HQ, HQ // H, scale * LOG2E, scale, size_class(B * HQ * T))
-    _launch(BWD_CONFIGS[bfam], _DKDV_TUNED[bfam], _bwd_dkdv_kernel,
-            lambda m: (ceil_div(max_s or S, m["BLOCK_N"]), nseq * HQ),
-            q, k, v, do, lse, delta, dk, dv, cu, *_strides(q), *_strides(k), *_strides(v), *_strides(do),
-            *_strides(dk), *_strides(dv), *common, streamed="M", **meta)
-    _launch(BWD_CONFIGS[bfam], _DQ_TUNED[bfam], _bwd_dq_kernel,
-            lambda m: (ceil_div(max_t or T, m["BLOCK_M"]), nseq * HQ),
-            q, k, v, do, lse, delta, dq, cu, *_strides(q), *_strides(k), *_strides(v), *_strides(do),
-            *_strides(dq), *common, streamed="N", **meta)
+    key_grid = lambda m: (ceil_div(max_s or S, m["BLOCK_N"]), nseq * HQ)  # noqa: E731
+    if bfam == "half" and FUSED_DQ and not torch.are_deterministic_algorithms_enabled():  # atomics: any order
+        dq32 = torch.zeros(B, T, HQ, D, dtype=torch.float32, device=q.device)
+        desc = None if varlen else query_descriptors(q, do, dq32, BLOCK_D, BLOCK_DV, work=B * HQ * T * S * D)
+        _launch(FUSED_CONFIGS, _FUSED_TUNED, _bwd_dkdv_kernel, key_grid, q, k, v, do, lse, delta, dk, dv, cu, dq32,
+                *(desc or (q, do, dq32)), *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk),
+                *_strides(dv), *_strides(dq32), *common, streamed="fused", FUSED=True, HAS_DESC=desc is not None,
+                **meta)
+        dq = dq32.to(q.dtype)
+    else:
+        dq = torch.empty_like(q)
+        _launch(BWD_CONFIGS[bfam], _DKDV_TUNED[bfam], _bwd_dkdv_kernel, key_grid, q, k, v, do, lse, delta, dk, dv,
+                cu, dq, q, do, dq, *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk),
+                *_strides(dv), *_strides(dq), *common, streamed="M", **meta)
+        _launch(BWD_CONFIGS[bfam], _DQ_TUNED[bfam], _bwd_dq_kernel,
+                lambda m: (ceil_div(max_t or T, m["BLOCK_M"]), nseq * HQ),
+                q, k, v, do, lse, delta, dq, cu, *_strides(q), *_strides(k), *_strides(v), *_strides(do),
+                *_strides(dq), *common, streamed="N", **meta)
     if HQ != H:
         dk = dk.view(B, S, H, HQ // H, D).sum(3).to(k.dtype)
         dv = dv.view(B, S, H, HQ // H, DV).sum(3).to(v.dtype)
