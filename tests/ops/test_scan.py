@@ -129,11 +129,11 @@ def test_fp16_backward_fused_and_in_two_passes(interpret, monkeypatch, case, for
 
 def test_fp16_backward_forms_dq_in_its_own_pass_under_deterministic_algorithms(interpret, monkeypatch):
     """Atomic additions of dq land in any order on a GPU: deterministic algorithms take the two passes."""
+    q, k, v = (x.detach().requires_grad_() for x in _inputs(1, 20, 20, 2, 1, 16, 16, dtype=torch.float16))
+    o = regattn.scan_attention(q, k, v, backend="triton")
     launched = []
     monkeypatch.setattr(kernels, "_launch", lambda configs, tuned, plain, *a, **kw: launched.append(
         getattr(plain, "fn", plain).__name__))  # (under its heuristics)
-    q, k, v = (x.detach().requires_grad_() for x in _inputs(1, 20, 20, 2, 1, 16, 16, dtype=torch.float16))
-    o = regattn.scan_attention(q, k, v, backend="triton")
     for deterministic in (False, True):
         launched.clear()
         monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda d=deterministic: d)
