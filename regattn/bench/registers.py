@@ -46,6 +46,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from unittest import mock
 
 import torch
 import triton
@@ -280,17 +281,12 @@ def scan_backward_launches(config, fused: bool, *, B=1, T=16384, H=16, D=64, cau
     ``config`` as its only tile: the fused dK/dV/dQ kernel (``fused``), or the dK/dV and dQ passes."""
     from regattn.ops.scan import kernels
 
-    saved = kernels.FUSED_CONFIGS, kernels.BWD_CONFIGS, kernels.FUSED_DQ, kernels.AUTOTUNE
-    kernels.FUSED_CONFIGS, kernels.FUSED_DQ, kernels.AUTOTUNE = [config], fused, False
-    kernels.BWD_CONFIGS = dict(kernels.BWD_CONFIGS, half=[config])
-    try:
-        q = torch.empty(B, T, H, D, device="meta", dtype=torch.float16)
-        lse = torch.empty(B * H * T, device="meta", dtype=torch.float32)
-        with captured_launches() as launches:
-            kernels.backward(q, q, q, q, q, lse, causal=causal, window=None, scale=D ** -0.5, precision="ieee",
-                             cu_seqlens=None)
-    finally:
-        kernels.FUSED_CONFIGS, kernels.BWD_CONFIGS, kernels.FUSED_DQ, kernels.AUTOTUNE = saved
+    q = torch.empty(B, T, H, D, device="meta", dtype=torch.float16)
+    lse = torch.empty(B * H * T, device="meta", dtype=torch.float32)
+    tiles = dict(FUSED_CONFIGS=[config], BWD_CONFIGS=dict(kernels.BWD_CONFIGS, half=[config]))
+    with captured_launches() as launches, mock.patch.multiple(kernels, FUSED_DQ=fused, AUTOTUNE=False, **tiles):
+        kernels.backward(q, q, q, q, q, lse, causal=causal, window=None, scale=D ** -0.5, precision="ieee",
+                         cu_seqlens=None)
     return [launch for launch in launches if launch[0].__name__.startswith("_bwd")]
 
 
@@ -325,8 +321,6 @@ def lla_rows(head_dims=(128,), kinds=tuple(LLA_KINDS), candidates=False, *, B=4,
     direct solves of 2 x 2 (``pairs``) and 1 x 1 blocks (``diag``), CG (``cg``, ``cg-pre`` preconditioned) and
     CG over 16 feature blocks (``cg-g16``); the autotune list's tiles, then :data:`LLA_CANDIDATES`; with the
     instruction mix (as for ``scan``) of the CG key loop, or of the hottest loop for the direct solves."""
-    from unittest import mock
-
     from regattn.ops.lla import forward
 
     for D, kind in itertools.product(head_dims, kinds):
@@ -353,8 +347,6 @@ def lla_backward_rows(head_dims=(128,), kinds=LLA_BACKWARD_KINDS, candidates=Fal
     backward at the bench's shape, bf16, cg_iters=8: the autotune list's tiles
     (``backward.BACKWARD_TILES``), then :data:`LLA_CANDIDATES` on one stage; with the hottest loop's
     instruction mix (for cg's q kernel, the adjoint CG's key loop)."""
-    from unittest import mock
-
     from regattn.ops.lla import backward, forward
 
     for D, kind in itertools.product(head_dims, kinds):
@@ -446,8 +438,6 @@ def nsa_rows(head_dims=(128,), kinds=None, candidates=False, *, B=1, T=32768, HQ
     """One row per (head dim, kernel) of NSA's block selection and selected attention, forward and backward,
     bf16, at the bench's shape (a group of 4 query heads, compressed blocks of 32 with stride 16, selection
     blocks of 64; ``kinds`` and ``candidates`` do not apply)."""
-    from unittest import mock
-
     from regattn.ops.nsa.compression import selected_blocks
     from regattn.ops.nsa.kernels import selected_backward, selected_forward
     for D in head_dims:

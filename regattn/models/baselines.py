@@ -100,7 +100,7 @@ def refusal(name: str, dim: int, heads: int, device, *, batch: int = 2, inputs=(
             eval_batch: int | None = None, **options) -> str | None:
     """Why the baseline ``name`` does not run on ``device`` at these sizes, or None when it does.
 
-    On CUDA: its first pass in a model (:func:`regattn.models.stack.first_pass`) on ``[batch, length]`` inputs for
+    On CUDA: its first pass in a model (:func:`regattn.models.stack.first_passes`) on ``[batch, length]`` inputs for
     each ``(kind, length)`` of ``inputs``; the RuntimeError FLA raises for a kernel it will not run there is the
     reason. Elsewhere: FLA's kernels need a CUDA device. Give ``batch``, ``inputs`` and ``eval_batch`` the
     training's batch size, its tasks' inputs (:func:`regattn.tasks.task_input`) and evaluation batch size, so that
@@ -108,15 +108,13 @@ def refusal(name: str, dim: int, heads: int, device, *, batch: int = 2, inputs=(
     divisibility of its integer arguments and each dtype (after a check on 128 tokens, a Mamba2 run on MAD recall's
     inputs of 127 compiled its 135 kernels again).
     """
-    from regattn.models.stack import first_pass           # imported here: regattn.models.stack imports this module
+    from regattn.models.stack import first_passes         # imported here: regattn.models.stack imports this module
     if torch.device(device).type != "cuda":
         return f"flash-linear-attention's kernels need a CUDA device, got {device}"
-    for kind, length in inputs:
-        try:
-            first_pass(name, dim, heads, device, batch=batch, length=length, kind=kind, eval_batch=eval_batch,
-                       **options)
-        except RuntimeError as error:
-            return f"{type(error).__name__}: {' '.join(str(error).split())}"
+    try:
+        first_passes(name, dim, heads, device, batch=batch, inputs=inputs, eval_batch=eval_batch, **options)
+    except RuntimeError as error:
+        return f"{type(error).__name__}: {' '.join(str(error).split())}"
     return None
 
 

@@ -143,3 +143,10 @@ def first_pass(name: str, dim: int, heads: int, device, *, batch: int, length: i
         with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16):
             model.eval()(inputs(eval_batch))
     return model
+
+
+def first_passes(name: str, dim: int, heads: int, device, *, batch: int, inputs, eval_batch: int | None = None,
+                 **options) -> None:
+    """:func:`first_pass` on each ``(kind, length)`` of ``inputs``, in order."""
+    for kind, length in inputs:
+        first_pass(name, dim, heads, device, batch=batch, length=length, kind=kind, eval_batch=eval_batch, **options)

@@ -15,7 +15,7 @@ import statistics
 
 from regattn.models.baselines import refusals
 from regattn.models.mixers import MIXER_NAMES, options_for
-from regattn.models.stack import first_pass
+from regattn.models.stack import first_passes
 from regattn.tasks import TASKS, task_input
 from regattn.train import checks
 from regattn.train.optim import OPTIMIZERS
@@ -142,12 +142,11 @@ def refused_mixers(args, mixers: list[str], inputs: list[tuple[str, int]]) -> di
 
 
 def warm_mixer(args, mixer: str, inputs: list[tuple[str, int]]) -> None:
-    """The first pass of ``mixer`` in a model (:func:`regattn.models.stack.first_pass`) on ``--device`` at these
+    """The first pass of ``mixer`` in a model (:func:`regattn.models.stack.first_passes`) on ``--device`` at these
     sizes, the batch sizes and each ``(kind, length)`` of the runs' ``inputs``."""
     options = options_for(mixer, parse_pairs(args.mixer_opt, "--mixer-opt"))
-    for kind, length in inputs:
-        first_pass(mixer, args.dim, args.heads, resolve_device(args.device), batch=args.batch_size, length=length,
-                   kind=kind, eval_batch=args.eval_batch_size, **options)
+    first_passes(mixer, args.dim, args.heads, resolve_device(args.device), batch=args.batch_size, inputs=inputs,
+                 eval_batch=args.eval_batch_size, **options)
 
 
 def base_config(args, **overrides) -> TrainConfig:

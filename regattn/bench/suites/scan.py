@@ -6,7 +6,8 @@ fp16): ``--dtype`` does not apply. The reference scan is sequential (one step a 
 shapes only, asked for with ``--peers``."""
 from __future__ import annotations
 
-import contextlib
+import functools
+from unittest import mock
 
 import torch
 
@@ -104,17 +105,6 @@ def time_backward_variants(shapes=None, *, dtype=torch.float16, device="cuda", r
     from regattn.bench.variants import Contender, time_in_rounds
     from regattn.ops.scan import kernels
 
-    def form(fused, descriptors):
-        @contextlib.contextmanager
-        def setting():
-            saved = kernels.FUSED_DQ, kernels.TENSOR_DESCRIPTORS
-            kernels.FUSED_DQ, kernels.TENSOR_DESCRIPTORS = fused, descriptors
-            try:
-                yield
-            finally:
-                kernels.FUSED_DQ, kernels.TENSOR_DESCRIPTORS = saved
-        return setting
-
     setup = Setup(dtype=dtype, device=device, backend="triton", peers=("sdpa-flash", "sdpa-cudnn"), rep_ms=rep_ms)
     rows, mode = [], "fp16 fwd+bwd"
     for shape in shapes or GOAL:
@@ -127,8 +117,8 @@ def time_backward_variants(shapes=None, *, dtype=torch.float16, device="cuda", r
         labels, contenders = [], []
         for label, fused, descriptors in BACKWARD_VARIANTS:
             labels.append(f"regattn:triton ({label})")
-            contenders.append(Contender({mode: (case.call, case.leaves)}, form(fused, descriptors),
-                                        lambda: case_errors(case, mode)))
+            setting = functools.partial(mock.patch.multiple, kernels, FUSED_DQ=fused, TENSOR_DESCRIPTORS=descriptors)
+            contenders.append(Contender({mode: (case.call, case.leaves)}, setting, lambda: case_errors(case, mode)))
         for _, peer in sdpa_cases(setup, mode, q, k, v, causal=causal, backends=("flash", "cudnn")):
             labels.append(peer.op)
             contenders.append(Contender({mode: (peer.call, peer.leaves)}))
