@@ -71,21 +71,27 @@ def test_parallax_tile_variants_tiny(interpret):
         time_tile_variants([{"bwd": {}}], device="cpu")
 
 
-def test_scan_backward_variants_tiny(interpret):
-    """time_backward_variants: each backward form of ours with its error, then SDPA flash and cuDNN (on the CPU
-    refused), the kernels' switches back afterwards (in the interpreter this checks the plumbing)."""
-    from regattn.bench.suites.scan import BACKWARD_VARIANTS, time_backward_variants
+@pytest.mark.parametrize("mode", ["fp16", "fp16 fwd+bwd"])
+def test_scan_variants_tiny(interpret, mode):
+    """time_variants (the forward alone, and time_backward_variants): each form of ours with its error, then
+    SDPA flash and cuDNN (on the CPU refused), the kernels' switches back afterwards (in the interpreter this
+    checks the plumbing)."""
+    from regattn.bench.suites.scan import BACKWARD_VARIANTS, time_variants
     from regattn.ops.scan import kernels
+    variants = BACKWARD_VARIANTS if mode != "fp16" else (("pointers", dict(TENSOR_DESCRIPTORS=False)),)
     before = kernels.FUSED_DQ, kernels.TENSOR_DESCRIPTORS
     shapes = [dict(B=1, H=2, T=40, D=16), dict(B=1, H=2, T=40, D=16, causal=True)]
-    rows = time_backward_variants(shapes, device="cpu", rep_ms=1, rounds=2)
+    rows = time_variants(mode, variants, shapes, device="cpu", rep_ms=1, rounds=2)
     assert (kernels.FUSED_DQ, kernels.TENSOR_DESCRIPTORS) == before
-    ops = [f"regattn:triton ({label})" for label, _, _ in BACKWARD_VARIANTS] + ["sdpa:flash", "sdpa:cudnn"]
+    ops = [f"regattn:triton ({label})" for label, _ in variants] + ["sdpa:flash", "sdpa:cudnn"]
     assert [(row["shape"], row["op"]) for row in rows] == [(shape, op) for shape in shapes for op in ops]
     json.dumps(rows)
-    for row in rows[:3] + rows[5:8]:
-        assert row["status"] == "ok" and len(row["rounds"]["fp16 fwd+bwd"]) == 2 and row["fp16 fwd+bwd_ms"] > 0
-        assert set(row["err"]) == {"o", "dq", "dk", "dv"} and max(row["err"].values()) < 2e-3, row
+    ours = [row for row in rows if row["op"].startswith("regattn")]
+    assert len(ours) == 2 * len(variants)
+    for row in ours:
+        assert row["status"] == "ok" and len(row["rounds"][mode]) == 2 and row[f"{mode}_ms"] > 0
+        names = {"o", "dq", "dk", "dv"} if mode != "fp16" else {"o"}
+        assert set(row["err"]) == names and max(row["err"].values()) < 2e-3, row
 
 
 def test_parallax_decode_variants_tiny(interpret):

@@ -95,6 +95,25 @@ def test_forward_backward(dtype, precision, shape, kw):
     check_scan(dtype, precision, *shape, **kw)
 
 
+@pytest.mark.parametrize("dtype,precision", [(FP32, "ieee"), (FP32, "tf32x3"), (FP32, "fp16x3"), (FP16, "ieee"),
+                                             (BF16, "ieee")], ids=["ieee", "tf32x3", "fp16x3", "fp16", "bf16"])
+def test_running_max_rising_and_falling_across_tiles(dtype, precision):
+    """Blocks of 512 keys whose scores rise past the running max by a little, then by far, then fall far below
+    it (as ``tests/ops/test_scan.py`` at the interpreter's tiles), causal."""
+    levels = torch.tensor([0.0, 3.0, 7.5, 20.0, -30.0, 5.0, 28.0, 1.0], device="cuda").repeat_interleave(512)
+    q, k, v = (randn(1, levels.numel(), 4, 64, dtype=dtype, device="cuda") for _ in range(3))
+    q[..., 0] = 1.0
+    k[..., 0] = (levels / attention_tiles.LOG2E)[None, :, None] + 0.1 * k[..., 0].float()
+    do = randn(*v.shape, dtype=dtype, device="cuda")
+    kw = dict(causal=True, scale=1.0)
+    got = outputs(lambda *a: regattn.scan_attention(*a, precision=precision, backend="triton", **kw),
+                  leaves([q, k, v]), do)
+    exact = outputs(lambda *a: softmax_attention(*a, **kw), leaves([q, k, v], torch.float64), do)
+    same = None if dtype == FP32 else outputs(lambda *a: softmax_attention(*a, upcast=False, **kw),
+                                              leaves([q, k, v]), do)
+    assert_within(["o", "dq", "dk", "dv"], got, exact, same, fixed=FP32_BOUND.get(precision))
+
+
 def tile_id(c) -> str:
     return "m{BLOCK_M}-n{BLOCK_N}".format(**c.kwargs) + f"-w{c.num_warps}-s{c.num_stages}"
 

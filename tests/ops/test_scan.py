@@ -233,6 +233,28 @@ def test_large_logits_do_not_overflow(interpret):
         assert rel_err(o, ref) < 1e-4  # logits of 1e4 carry fp32 rounding of ~1e-3 absolute
 
 
+@pytest.mark.parametrize("precision", ["ieee", "tf32x3", "fp16x3", "fp16"])
+def test_running_max_rising_and_falling_across_tiles(interpret, precision):
+    """Key tiles whose scores rise past the running max by a little, then by far (the sum and the accumulator
+    rescaled by 2^-12.5 at once), then fall far below it: forward and backward (which reads the forward's
+    log-sum-exp) as exact as elsewhere."""
+    dtype = torch.float16 if precision == "fp16" else torch.float32
+    q, k, v = (x.detach() for x in _inputs(1, 80, 80, 2, 1, 16, 16, dtype=dtype))
+    levels = torch.tensor([0.0, 3.0, 7.5, 20.0, -30.0]).repeat_interleave(kernels.INTERPRET_BLOCK)  # base 2
+    q[..., 0] = 1.0
+    k[..., 0] = (levels / attention_tiles.LOG2E)[None, :, None] + 0.1 * k[..., 0].float()
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    kw = dict(causal=True, scale=1.0) | ({} if precision == "fp16" else dict(precision=precision))
+    got, want = _run(q, k, v, **kw)
+    if precision != "fp16":
+        _assert_close(got, want, FP32_TOL)
+        return
+    half = softmax_attention(q.detach(), k.detach(), v.detach(), causal=True, scale=1.0, upcast=False)
+    assert rel_err(got[0], want[0]) <= 2 * rel_err(half, want[0]) + 1e-4
+    for name, a, b in zip(("dq", "dk", "dv"), got[1:], want[1:]):
+        assert rel_err(a, b) < 1e-2, name
+
+
 def test_fully_masked_rows_are_zero_with_zero_gradient(interpret):
     q, k, v = _inputs(1, 24, 8, 2, 1, 16, 16)
     o = regattn.scan_attention(q, k, v, causal=True, backend="triton")

@@ -6,6 +6,7 @@ fp16): ``--dtype`` does not apply. The reference scan is sequential (one step a 
 shapes only, asked for with ``--peers``."""
 from __future__ import annotations
 
+import contextlib
 import functools
 from unittest import mock
 
@@ -90,34 +91,39 @@ def scan_call(q, k, v, cu_seqlens, **kwargs):
     return o.view(B, T, *o.shape[2:])
 
 
-# The fp16/bf16 backward's forms for time_backward_variants: (label, kernels.FUSED_DQ, kernels.TENSOR_DESCRIPTORS).
-BACKWARD_VARIANTS = (("two passes", False, True), ("fused, atomics", True, False), ("fused", True, True))
+# The fp16/bf16 backward's forms for time_backward_variants: (label, the kernels' switches it sets).
+BACKWARD_VARIANTS = (("two passes", dict(FUSED_DQ=False, TENSOR_DESCRIPTORS=True)),
+                     ("fused, atomics", dict(FUSED_DQ=True, TENSOR_DESCRIPTORS=False)),
+                     ("fused", dict(FUSED_DQ=True, TENSOR_DESCRIPTORS=True)))
 
 
-def time_backward_variants(shapes=None, *, dtype=torch.float16, device="cuda", rep_ms=100, rounds=3) -> list[dict]:
-    """Time the scan's fp16 forward+backward in each form of :data:`BACKWARD_VARIANTS`, beside SDPA flash and
-    cuDNN, side by side in one process (:func:`regattn.bench.variants.time_in_rounds`); every form of ours
-    checked against float64 on the last rows. ``shapes``: dicts of B, H, T, D and optionally ``causal`` (default:
-    the goal shape). Returns one dict per (shape, contender): ``shape``, ``op`` and the timing's keys.
-
-    On a GPU: ``python -c "from regattn.bench.suites.scan import time_backward_variants as t; print(t())"``"""
+def time_variants(mode: str, variants, shapes=None, *, dtype=torch.float16, device="cuda", rep_ms=100,
+                  rounds=3) -> list[dict]:
+    """Time the scan in ``mode`` (``"fp16"``: forward, ``"fp16 fwd+bwd"``) in each form of ``variants`` (label,
+    the switches of :mod:`regattn.ops.scan.kernels` it sets), beside SDPA flash and cuDNN, side by side in one
+    process (:func:`regattn.bench.variants.time_in_rounds`); every form of ours checked against float64 on the
+    last rows. ``shapes``: dicts of B, H, T, D and optionally ``causal`` (default: the goal shape). Returns one
+    dict per (shape, contender): ``shape``, ``op`` and the timing's keys."""
     from regattn.bench.runner import Setup, case_errors
     from regattn.bench.variants import Contender, time_in_rounds
     from regattn.ops.scan import kernels
 
     setup = Setup(dtype=dtype, device=device, backend="triton", peers=("sdpa-flash", "sdpa-cudnn"), rep_ms=rep_ms)
-    rows, mode = [], "fp16 fwd+bwd"
+    rows, grad = [], backward(mode)
     for shape in shapes or GOAL:
         causal = bool(shape.get("causal"))
-        q, k, v = (randn(setup, shape["B"], shape["T"], shape["H"], shape["D"], grad=True) for _ in range(3))
+        q, k, v = (randn(setup, shape["B"], shape["T"], shape["H"], shape["D"], grad=grad) for _ in range(3))
         truth = check(mode, q, k, v, None, causal=causal, rows=CHECK_ROWS, batch=shape["B"] - 1)
+        leaves = [q, k, v] if grad else []
         case = ours(regattn.scan_attention, q, setup, lambda: regattn.scan_attention(q, k, v, causal=causal,
                                                                                         backend="triton"),
-                    [q, k, v], check=truth)
+                    leaves, check=truth)
         labels, contenders = [], []
-        for label, fused, descriptors in BACKWARD_VARIANTS:
+        for label, switches in variants:
             labels.append(f"regattn:triton ({label})")
-            setting = functools.partial(mock.patch.multiple, kernels, FUSED_DQ=fused, TENSOR_DESCRIPTORS=descriptors)
+            setting = contextlib.nullcontext
+            if switches:
+                setting = functools.partial(mock.patch.multiple, kernels, **switches)
             contenders.append(Contender({mode: (case.call, case.leaves)}, setting, lambda: case_errors(case, mode)))
         for _, peer in sdpa_cases(setup, mode, q, k, v, causal=causal, backends=("flash", "cudnn")):
             labels.append(peer.op)
@@ -125,3 +131,10 @@ def time_backward_variants(shapes=None, *, dtype=torch.float16, device="cuda", r
         for label, row in zip(labels, time_in_rounds(contenders, cuda=setup.cuda, rep_ms=rep_ms, rounds=rounds)):
             rows.append(dict(shape=shape, op=label, **row))
     return rows
+
+
+def time_backward_variants(shapes=None, **kwargs) -> list[dict]:
+    """:func:`time_variants` of the fp16 forward+backward in each form of :data:`BACKWARD_VARIANTS`.
+
+    On a GPU: ``python -c "from regattn.bench.suites.scan import time_backward_variants as t; print(t())"``"""
+    return time_variants("fp16 fwd+bwd", BACKWARD_VARIANTS, shapes, **kwargs)

@@ -125,6 +125,17 @@ def query_span(key_lo, key_hi, Tq, off, CAUSAL: tl.constexpr, WINDOW: tl.constex
 
 
 @triton.jit
+def query_tile(CAUSAL: tl.constexpr):
+    """This program's query tile along grid axis 0. Under a causal mask a later tile sees more keys, so the tiles
+    run last first: the GPU starts programs in the order of their ids, and the launch's last programs then take
+    the shortest tiles, not the longest (the launch's tail). Without one, in order."""
+    pid = tl.program_id(0)
+    if CAUSAL:
+        pid = tl.num_programs(0) - 1 - pid
+    return pid
+
+
+@triton.jit
 def tile_loop_bounds(lo, hi, full_lo, full_hi, BLOCK: tl.constexpr):
     """Split ``[lo, hi)`` into block starts ``[a, b)`` masked, ``[b, c)`` full, ``[c, hi)`` masked.
 

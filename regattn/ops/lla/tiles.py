@@ -10,7 +10,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from regattn.ops._common.attention_tiles import key_span, visible_mask
+from regattn.ops._common.attention_tiles import key_span, query_tile, visible_mask
 from regattn.reference.lla import CURVATURE_FLOOR as REFERENCE_CURVATURE_FLOOR
 
 CURVATURE_FLOOR = tl.constexpr(REFERENCE_CURVATURE_FLOOR)  # the reference's, as a kernel constant
@@ -19,8 +19,9 @@ FP32_EPS = tl.constexpr(2.0 ** -23)
 
 @triton.jit
 def query_head(HQ, GROUPS, BLOCK_M: tl.constexpr):
-    """``(first query, batch, query head, key/value head)`` of a program of the grid ``(query tiles, B * HQ)``."""
-    start_m = tl.program_id(0) * BLOCK_M
+    """``(first query, batch, query head, key/value head)`` of a program of the grid ``(query tiles, B * HQ)``, the
+    last tile first (LLA is causal: ``attention_tiles.query_tile``)."""
+    start_m = query_tile(True) * BLOCK_M
     bh = tl.program_id(1)
     b = bh // HQ
     h = bh % HQ

@@ -97,7 +97,7 @@ def _parallax_bwd_dq_kernel(
     """Row-tile pass: dQ and dR of one packed row tile (q, r, dq, dr share strides ``sq``; dO ``so``); ``TMA``: key
     and value tiles through the tensor descriptors ``K_DESC``, ``V_DESC``."""
     BLOCK_T: tl.constexpr = BLOCK_M // GP
-    t0, h, start, qlen, klen, seq = program_tile(CU, T, S, H, BLOCK_T, VARLEN)
+    t0, h, start, qlen, klen, seq = program_tile(CU, T, S, H, BLOCK_T, VARLEN, CAUSAL)
     if t0 >= qlen:
         return
     bb = 0 if VARLEN else seq.to(tl.int64)  # 64-bit batch offsets
@@ -186,7 +186,7 @@ def _parallax_bwd_dk_kernel(
 ):
     """Column-tile pass: dK and dV of one key tile (k, dk share strides ``sk``; v, dv ``sv``)."""
     BLOCK_T: tl.constexpr = BLOCK_M // GP
-    j0, h, start, qlen, klen, seq = program_tile(CU, T, S, H, BLOCK_N, VARLEN)
+    j0, h, start, qlen, klen, seq = program_tile(CU, T, S, H, BLOCK_N, VARLEN, False)
     if j0 >= klen:
         return
     bb = 0 if VARLEN else seq.to(tl.int64)  # 64-bit batch offsets

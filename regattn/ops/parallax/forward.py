@@ -54,7 +54,7 @@ def _parallax_fwd_kernel(
     """Grid ``(cdiv(max_T, BLOCK_M // GP), B * H)``: one packed row tile of one key/value head. ``TMA``: key and
     value tiles through the tensor descriptors ``K_DESC``, ``V_DESC`` (one sequence a batch row)."""
     BLOCK_T: tl.constexpr = BLOCK_M // GP
-    t0, h, start, qlen, klen, seq = program_tile(CU, T, S, H, BLOCK_T, VARLEN)
+    t0, h, start, qlen, klen, seq = program_tile(CU, T, S, H, BLOCK_T, VARLEN, CAUSAL)
     if t0 >= qlen:
         return
     bb = 0 if VARLEN else seq.to(tl.int64)  # 64-bit batch offsets

@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from regattn.ops._common.attention_tiles import (  # noqa: F401
-    LOG2E, contained_dot, dot_precision, head_block, interpreting, tma_descriptors, tma_pays,
+    LOG2E, contained_dot, dot_precision, head_block, interpreting, query_tile, tma_descriptors, tma_pays,
 )
 from regattn.ops._common.ints import next_pow2
 
@@ -205,10 +205,11 @@ def sequence_bounds(CU, seq, T, S, VARLEN: tl.constexpr):
 
 
 @triton.jit
-def program_tile(CU, T, S, H, BLOCK: tl.constexpr, VARLEN: tl.constexpr):
+def program_tile(CU, T, S, H, BLOCK: tl.constexpr, VARLEN: tl.constexpr, CAUSAL_ROWS: tl.constexpr):
     """``(tile start, key/value head, first token, qlen, klen, sequence)`` of this program: grid axis 0
-    runs over tiles of ``BLOCK`` rows (or keys), axis 1 over ``sequences * H``."""
-    pid = tl.program_id(0)
+    runs over tiles of ``BLOCK`` rows (or keys), axis 1 over ``sequences * H``. ``CAUSAL_ROWS``: tiles of rows
+    under a causal mask, taken last first (``attention_tiles.query_tile``)."""
+    pid = query_tile(CAUSAL_ROWS)
     seq = tl.program_id(1) // H
     h = tl.program_id(1) % H
     start, qlen, klen = sequence_bounds(CU, seq, T, S, VARLEN)

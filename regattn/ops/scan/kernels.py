@@ -33,8 +33,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from regattn.ops._common.attention_tiles import (
     LOG2E, contained_dot, contained_split_dot, full_key_span, head_block, interpreting, key_span,
-    online_softmax_step, query_span, row_dot, size_class, softmax_finish, split_dot, tile_configs, tile_loop_bounds,
-    tma_descriptors, tma_pays, visible_mask, visible_mask_t,
+    online_softmax_step, query_span, query_tile, row_dot, size_class, softmax_finish, split_dot, tile_configs,
+    tile_loop_bounds, tma_descriptors, tma_pays, visible_mask, visible_mask_t,
 )
 from regattn.ops._common.checks import longest_sequence, sm_count
 from regattn.ops._common.ints import ceil_div
@@ -331,7 +331,7 @@ def _fwd_kernel(Q, K, V, O, LSE, WS_M, WS_L, WS_ACC, CU, K_DESC, V_DESC, QL, KL,
     ``QL, KL, VL`` their low parts, ``QS [B, HQ, T]``, ``KS [B, H, S]`` and ``VS [sequences, H, DV]`` their
     scales (:mod:`regattn.ops.scan.split`; else these are any tensors).
     """
-    pid_m = tl.program_id(0)
+    pid_m = query_tile(CAUSAL)
     pid_bh = tl.program_id(1)
     split = tl.program_id(2)
     bat, h, row0, Tb, Sb = _sequence_head(CU, pid_bh, T, S, HQ, VARLEN)
@@ -616,7 +616,7 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, CU,
                    WINDOW: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr,
                    ROUND_TF32: tl.constexpr):
     """``dq`` of ``BLOCK_M`` queries of one head."""
-    pid_m = tl.program_id(0)
+    pid_m = query_tile(CAUSAL)
     bat, h, row0, Tb, Sb = _sequence_head(CU, tl.program_id(1), T, S, HQ, VARLEN)
     m0 = pid_m * BLOCK_M
     if m0 >= Tb:
@@ -653,7 +653,9 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, CU,
 # tiles that spill but won on the H100: without them the forward at B1 H16 T16384 D64 took 88.7 ms (ieee,
 # 55.1 ms with them) and 9.86 ms (tf32, 7.86 ms with them) in regattn bench scan.
 # fp16/bf16: issuing the next key tile's q k^T before this tile's softmax (so that the tensor cores form it while
-# the exp2s run) lost to the plain loop: benchmarks/results/h200/tiles/README.md ("ELSA's fp16 forward").
+# the exp2s run) lost to the plain loop: benchmarks/results/h200/tiles/README.md ("ELSA's fp16 forward"); so did
+# moving the running max only past a slack, which saves the rescaling multiplies in most tiles but puts a
+# reduction across warps (two barriers) in every one ("the running max moved lazily").
 # fp16/bf16 tiles are tuned twice: key and value tiles loaded through pointers, and (TMA) as Hopper's tensor-memory
 # copies through descriptors of k and v (:func:`kv_descriptors`).
 
@@ -682,10 +684,13 @@ def _half_configs(pointer_tiles, tma_tiles, boxes=_descriptor_boxes) -> list:
 
 
 # The TMA tiles hold fewer registers (128 x 64 on 4 warps: 195 against 228), so deeper pipelines are listed too.
+# 64 x 128 on 4 warps, 2 stages, at D 64 (155 registers, 72 KiB of shared memory) runs three programs an SM where
+# the 128-row tiles run two: on the H200 the fastest tile non-causal (B1 H16 T16384: 2.53 ms against 2.63 for
+# 128 x 64 on 4 warps, 4 stages), and at 3 stages causal ("three programs an SM" in the tiles README).
 _HALF_TILES = [(128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3), (64, 64, 4, 3)]
 FWD_CONFIGS = {
     "half": _half_configs(_HALF_TILES, _HALF_TILES + [(128, 64, 4, 4), (128, 128, 8, 2), (64, 128, 4, 3),
-                                                      (128, 128, 4, 2)]),
+                                                      (128, 128, 4, 2), (64, 128, 4, 2)]),
     "tensor": tile_configs([(128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 2), (32, 64, 4, 2), (32, 64, 8, 3),
                         (32, 128, 8, 2), (128, 64, 4, 3), (128, 32, 4, 3), (128, 128, 8, 2), (64, 128, 4, 2)]),
     "ieee": tile_configs([(64, 64, 8, 2), (128, 32, 8, 2), (64, 32, 4, 2), (32, 64, 4, 2), (32, 32, 4, 2),
@@ -818,7 +823,7 @@ def _launch(configs, tuned, plain, grid, *args, streamed, **meta):
         c = fitting(usable(configs, meta), meta["BLOCK_D"], meta["BLOCK_DV"], _operand_bytes(args[0], meta),
                     streamed=streamed)[0]
         _set_boxes(args, c.kwargs["BLOCK_N" if streamed == "N" else "BLOCK_M"])  # the streamed tile's rows
-        plain[grid(c.kwargs)](*args, **c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages, **meta)
+        plain[grid(c.kwargs)](*args, **c.all_kwargs(), **meta)
     else:
         tuned[grid](*args, **meta)
 

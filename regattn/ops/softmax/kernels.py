@@ -31,7 +31,7 @@ import triton.language as tl
 
 from regattn.ops._common.attention_tiles import (
     LOG2E, attention_blocks, dot_precision, full_key_span, head_block, key_span, online_softmax_step, query_span,
-    row_dot, softmax_finish, tile_loop_bounds, visible_mask, visible_mask_t,
+    query_tile, row_dot, softmax_finish, tile_loop_bounds, visible_mask, visible_mask_t,
 )
 from regattn.ops._common.checks import last_dim_contiguous, longest_sequence
 from regattn.ops._common.ints import ceil_div
@@ -50,10 +50,11 @@ def _sequence(CU, n, T, S, VARLEN: tl.constexpr):
 
 
 @triton.jit
-def _query_program(CU, T, S, GROUP: tl.constexpr, VARLEN: tl.constexpr, BLOCK_M: tl.constexpr):
+def _query_program(CU, T, S, GROUP: tl.constexpr, VARLEN: tl.constexpr, BLOCK_M: tl.constexpr,
+                   CAUSAL: tl.constexpr):
     """``(batch, first token, Tq, Sk, query head, key/value head, first query)`` of a program of the
-    grid ``(query tiles, sequences, HQ)``."""
-    pid_m = tl.program_id(0)
+    grid ``(query tiles, sequences, HQ)`` (causal: the last tile first, see ``query_tile``)."""
+    pid_m = query_tile(CAUSAL)
     n = tl.program_id(1)
     hq = tl.program_id(2)
     hk = hq // GROUP
@@ -171,7 +172,7 @@ def _fwd_kernel(Q, K, V, G, O, LSE, CU, sm_scale2, T, S, D, DV,
                 VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                 BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr):
     """``o`` and the base-2 log-sum-exp of ``BLOCK_M`` queries of one query head."""
-    b, bos, Tq, Sk, hq, hk, start_m = _query_program(CU, T, S, GROUP, VARLEN, BLOCK_M)
+    b, bos, Tq, Sk, hq, hk, start_m = _query_program(CU, T, S, GROUP, VARLEN, BLOCK_M, CAUSAL)
     if start_m >= Tq:
         return
     off = Sk - Tq
@@ -316,7 +317,7 @@ def _bwd_q_kernel(Q, K, V, G, DO, LSE, DELTA, DQ, CU, sm_scale, sm_scale2, T, S,
                   VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                   BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr):
     """``dQ`` of ``BLOCK_M`` queries of one query head."""
-    b, bos, Tq, Sk, hq, hk, start_m = _query_program(CU, T, S, GROUP, VARLEN, BLOCK_M)
+    b, bos, Tq, Sk, hq, hk, start_m = _query_program(CU, T, S, GROUP, VARLEN, BLOCK_M, CAUSAL)
     if start_m >= Tq:
         return
     off = Sk - Tq
