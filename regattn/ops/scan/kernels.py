@@ -851,22 +851,26 @@ def _strides(x):
 TENSOR_DESCRIPTORS = True  # False: fp16/bf16 key and value tiles load through pointers only
 
 
-def kv_descriptors(k, v, block_d: int, block_dv: int, work: int):
-    """Tensor descriptors of ``k [B, S, H, D]`` and ``v`` for the forward's TMA loads (their boxes set per
-    launch: :func:`_set_boxes`), or None where the kernel loads through pointers: where they do not pay for a
-    call of ``work`` (:func:`regattn.ops._common.attention_tiles.tma_pays`) or TMA cannot read them."""
+def _paying_descriptors(work: int, *boxes):
+    """``tma_descriptors(*boxes)`` (their boxes set per launch: :func:`_set_boxes`), or None where the kernel loads
+    through pointers: where descriptors are switched off (:data:`TENSOR_DESCRIPTORS`), do not pay for a call of
+    ``work`` (:func:`regattn.ops._common.attention_tiles.tma_pays`) or TMA cannot read the tensors."""
     if not TENSOR_DESCRIPTORS or not tma_pays(work):
         return None
-    return tma_descriptors((k, [1, 16, 1, block_d]), (v, [1, 16, 1, block_dv]))
+    return tma_descriptors(*boxes)
+
+
+def kv_descriptors(k, v, block_d: int, block_dv: int, work: int):
+    """Tensor descriptors of ``k [B, S, H, D]`` and ``v`` for the forward's TMA loads, or None
+    (:func:`_paying_descriptors`)."""
+    return _paying_descriptors(work, (k, [1, 16, 1, block_d]), (v, [1, 16, 1, block_dv]))
 
 
 def query_descriptors(q, do, dq32, block_d: int, block_dv: int, work: int):
-    """Tensor descriptors of the fused backward's ``q``, ``do`` and fp32 ``dq`` (``[B, T, HQ, *]``; their boxes set
-    per launch), or None where the kernel loads through pointers and adds through atomics (as
-    :func:`kv_descriptors`)."""
-    if not TENSOR_DESCRIPTORS or not tma_pays(work):
-        return None
-    return tma_descriptors((q, [1, 16, 1, block_d]), (do, [1, 16, 1, block_dv]), (dq32, [1, 16, 1, block_d]))
+    """Tensor descriptors of the fused backward's ``q``, ``do`` and fp32 ``dq`` (``[B, T, HQ, *]``), or None, where
+    the kernel loads through pointers and adds through atomics (:func:`_paying_descriptors`)."""
+    return _paying_descriptors(work, (q, [1, 16, 1, block_d]), (do, [1, 16, 1, block_dv]),
+                               (dq32, [1, 16, 1, block_d]))
 
 
 def forward(q, k, v, *, causal, window, scale, precision, cu_seqlens, num_splits, need_lse, max_seqlen=None):
