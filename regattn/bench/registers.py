@@ -317,25 +317,43 @@ def lla_blocks(kind: str, D: int) -> int | None:
 
 
 def lla_rows(head_dims=(128,), kinds=tuple(LLA_KINDS), candidates=False, *, B=4, T=8192, H=16):
-    """One row per (head dim, solver, tiles) of the LLA forward kernel at the bench's shape, bf16, cg_iters=8:
-    direct solves of 2 x 2 (``pairs``) and 1 x 1 blocks (``diag``), CG (``cg``, ``cg-pre`` preconditioned) and
-    CG over 16 feature blocks (``cg-g16``); the autotune list's tiles, then :data:`LLA_CANDIDATES`; with the
-    instruction mix (as for ``scan``) of the CG key loop, or of the hottest loop for the direct solves."""
+    """One row per (head dim, solver, tiles) of the LLA forward at the bench's shape, bf16, cg_iters=8: direct solves
+    of 2 x 2 (``pairs``) and 1 x 1 blocks (``diag``) and CG over 16 feature blocks (``cg-g16``) in the one-launch
+    kernel; full LLA's CG (``cg``, ``cg-pre`` preconditioned) a row per launch (``cg/begin``, ``cg/step``,
+    ``cg/end``, see ``forward.CG_TILES``); the autotune lists' tiles, then :data:`LLA_CANDIDATES`; with the
+    instruction mix (as for ``scan``) of the key loop, or of the hottest loop for the direct solves."""
     from regattn.ops.lla import forward
 
     for D, kind in itertools.product(head_dims, kinds):
         blocks = lla_blocks(kind, D)
-        listed = forward.forward_tiles(torch.bfloat16, *forward.solver_for(blocks, D))
-        configs = [(c, True) for c in listed] + [(c, False) for c in (LLA_CANDIDATES if candidates else [])]
-        for config, table in configs:
-            q = torch.empty(B, T, H, D, device="meta", dtype=torch.bfloat16)
-            with captured_launches() as launches, mock.patch.object(forward, "AUTOTUNE", False), \
-                    mock.patch.object(forward, "forward_blocks", lambda *a, c=config: dict(c)):
-                forward.lla_forward(q, q, q, 0.5, scale=D ** -0.5, window=None, blocks=blocks, cg_iters=8,
-                                    cg_tol=1e-6, cg_precondition=kind == "cg-pre")
-            kernel, args, kwargs = launches[0]
-            usage = launch_usage(kernel, args, kwargs, loop=True, nested=True)
-            yield dict(head_dim=D, kind=kind, table=table, **launch_settings(kwargs), **usage)
+        solver, G = forward.solver_for(blocks, D)
+        names = list(forward.CG_TILES) if solver == forward.SOLVER_CG and G == 1 else [None]
+        for name in names:
+            listed = (forward.FORWARD_TILES[forward.tile_family(torch.bfloat16, solver, G)] if name is None
+                      else forward.CG_TILES[name][False])
+            listed = [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=st) for m, n, w, st in listed]
+            configs = [(c, True) for c in listed] + [(c, False) for c in (LLA_CANDIDATES if candidates else [])]
+            for config, table in configs:
+                kernel, args, kwargs = lla_forward_launch(config, name, B, T, H, D, blocks, kind == "cg-pre")
+                usage = launch_usage(kernel, args, kwargs, loop=True, nested=name is None and solver == 0)
+                yield dict(head_dim=D, kind=kind if name is None else f"{kind}/{name}", table=table,
+                           **launch_settings(kwargs), **usage)
+
+
+def lla_forward_launch(config, name, B, T, H, D, blocks, precondition):
+    """The captured launch of the LLA forward with ``config`` as its tile: the CG launch ``name`` (``begin``,
+    ``step``, ``end``), or with ``name=None`` the one-launch kernel."""
+    from regattn.ops.lla import forward
+
+    q = torch.empty(B, T, H, D, device="meta", dtype=torch.bfloat16)
+    fixed = lambda n, *a, c=config: (forward.CG_KERNELS[n], dict(c))  # noqa: E731
+    rows = T if name else T + 1  # full LLA's CG in iters + 2 launches, or in one
+    with captured_launches() as launches, mock.patch.multiple(forward, AUTOTUNE=False, CG_LAUNCH_ROWS=rows,
+                                                              forward_blocks=lambda *a: dict(config), cg_launch=fixed):
+        forward.lla_forward(q, q, q, 0.5, scale=D ** -0.5, window=None, blocks=blocks, cg_iters=8, cg_tol=1e-6,
+                            cg_precondition=precondition)
+    return launches[0] if name is None else next(launch for launch in launches
+                                                 if launch[0] is forward.CG_KERNELS[name])
 
 
 # the solvers of the LLA backward's kernels (cg: full LLA, whose q kernel runs the adjoint CG)

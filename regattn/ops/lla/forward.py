@@ -20,9 +20,10 @@ from regattn.ops._common.attention_tiles import (
 )
 from regattn.ops._common.ints import ceil_div, next_pow2
 from regattn.ops.lla.tiles import (
-    block_columns, centred_probe, cg_solve, guarded_denominator, halves_dot, load_cols, load_rows, pair_moments,
+    CURVATURE_FLOOR, block_columns, centred_probe, cg_active, cg_direction, cg_solve, cg_start, cg_step_size,
+    guarded_denominator, halves_dot, key_scatter, load_cols, load_row_scalars, load_rows, load_state, pair_moments,
     pair_solve, partial_tile, query_head, query_key_tiles, smallest_ridge, split_dot, split_halves, square_moments,
-    tile_weights,
+    store_row_scalars, store_state, system_rest, tile_weights,
 )
 from regattn.reference.lla import PRECONDITIONER_BLOCK, key_preconditioner
 
@@ -30,39 +31,25 @@ SOLVER_CG, SOLVER_DIAG, SOLVER_PAIRS = 0, 1, 2  # the kernel's SOLVER values
 
 
 @triton.jit
-def lla_fwd_kernel(Q, K, V, LAM, PRE, O, RHO, DELTA, M2, ARGMAX, OMEGA, CENTRE,
-                   sqb, sqt, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd, slb, slt, slh, sld,
-                   sob, sot, soh, sod, spb, sph,
-                   T, S, HQ, GROUPS, D, DV, qk_scale2, iters, tol2, pre_first, pre_blocks, SIZE_CLASS,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-                   BLK: tl.constexpr, WINDOW: tl.constexpr, SOLVER: tl.constexpr, G: tl.constexpr,
-                   DPREC: tl.constexpr, MPREC: tl.constexpr, PRECOND: tl.constexpr, PB: tl.constexpr):
-    # float arguments come as fp64 when torch.compile launches the kernel: keep the arithmetic fp32
-    qk_scale2, tol2 = tl.cast(qk_scale2, tl.float32), tl.cast(tol2, tl.float32)
-    start_m, b, h, hk = query_head(HQ, GROUPS, BLOCK_M)
-    offs_m = start_m + tl.arange(0, BLOCK_M)
-    feat = block_columns(BLOCK_D, D, BLK, G)  # the feature of each column (D: padding)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    pos0 = start_m + S - T
-    pos = pos0 + tl.arange(0, BLOCK_M)
-    Qb = Q + b * sqb + h * sqh
-    Kb = K + b * skb + hk * skh
-    Vb = V + b * svb + hk * svh
-    q = load_rows(Qb, offs_m, feat, sqt, sqd, T, D)
-    lo, hi = query_key_tiles(start_m, T, S, BLOCK_M, BLOCK_N, WINDOW)
-
-    # pass 1: online maximum (and where it is), omega, mu~ (and the second moments for direct solves)
-    m2 = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-    arg = tl.zeros((BLOCK_M,), tl.int32)
-    omega = tl.zeros((BLOCK_M,), tl.float32)
-    mt = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
-    kk = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
-    kx = tl.zeros((BLOCK_M, BLOCK_D // 2), tl.float32)
+def moments_pass(q, Kb, sks, skd, feat, pos0, lo, hi, S, D, qk_scale2, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr,
+                 SOLVER: tl.constexpr, DPREC: tl.constexpr, MPREC: tl.constexpr):
+    """Pass 1 over the keys ``[lo, hi)`` of a query tile: ``(m2, arg, omega, mt, kk, kx)``, the online base-2 maximum
+    (0 for a row that sees no key) and the key that attains it, ``omega``, ``mu~`` (eq. 10) and, for the direct
+    solves, the second moments (``kk``) and for 2 x 2 blocks the cross moments of feature pairs (``kx``)."""
+    BM: tl.constexpr = q.shape[0]
+    BD: tl.constexpr = q.shape[1]
+    pos = pos0 + tl.arange(0, BM)
+    m2 = tl.full((BM,), float("-inf"), tl.float32)
+    arg = tl.zeros((BM,), tl.int32)
+    omega = tl.zeros((BM,), tl.float32)
+    mt = tl.zeros((BM, BD), tl.float32)
+    kk = tl.zeros((BM, BD), tl.float32)
+    kx = tl.zeros((BM, BD // 2), tl.float32)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         kt = load_cols(Kb, offs_n, feat, sks, skd, S, D)
         s2 = tl.dot(q, kt, input_precision=DPREC) * qk_scale2
-        if partial_tile(pos0, start_n, S, BLOCK_M, BLOCK_N, WINDOW):
+        if partial_tile(pos0, start_n, S, BM, BLOCK_N, WINDOW):
             s2 = tl.where(visible_mask(pos, offs_n, S, True, WINDOW), s2, float("-inf"))
         tile_max = tl.max(s2, 1)
         arg = tl.where(tile_max > m2, tl.argmax(s2, 1).to(tl.int32) + start_n, arg)
@@ -76,11 +63,89 @@ def lla_fwd_kernel(Q, K, V, LAM, PRE, O, RHO, DELTA, M2, ARGMAX, OMEGA, CENTRE,
         if SOLVER == 2:  # 2 x 2 blocks: the cross moments of feature pairs
             kx = kx * alpha[:, None] + pair_moments(w, k, MPREC)
     m2 = tl.where(m2 == float("-inf"), 0.0, m2)
+    return m2, arg, omega, mt, kk, kx
+
+
+@triton.jit
+def row_ridge(LAM, offs_m, feat, slt, sld, T, D):
+    """The ridge of a query tile, fp32 ``[BM, BD]`` (1 on padding rows: a well-posed system), and its smallest
+    entry per row over the real features."""
+    lam = load_rows(LAM, offs_m, feat, slt, sld, T, D).to(tl.float32)
+    lam = tl.where((offs_m < T)[:, None], lam, 1.0)
+    return lam, smallest_ridge(lam, feat < D)
+
+
+@triton.jit
+def output_pass(q, rho, delta, m2, arg, Kb, Vb, sks, skd, svs, svd, feat, offs_m, pos0, lo, hi, S, D, DV, T,
+                qk_scale2, O, sot, sod, RHO, DELTA, M2, ARGMAX, OMEGA, CENTRE, bh, HQ, h,
+                BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr, WINDOW: tl.constexpr, DPREC: tl.constexpr):
+    """Pass 3 and the stores of a query tile: ``o`` (``O`` at the tile's batch and head) and the saved ``rho``,
+    ``delta``, ``m2``, ``arg``, ``omega`` and ``centre`` (``bh = b * HQ + h``).
+
+    ``o_i = sum_j w_ij (1 - z_ij.rho_i) v_j / delta_i
+          = sum_j w_ij v_j / omega_i - (sum_j w_ij (k_j.rho_i) v_j - (kbar_i.rho_i) sum_j w_ij v_j) / delta_i``
+    with ``kbar_i.rho_i = sum_j w_ij (k_j.rho_i) / omega_i`` from the same products and weights (as rounded for
+    the product with V): the weighted mean of the values never passes through ``delta``, which cancels when lam
+    is small against ``|z|^2``, and a row with one-hot weights gets exactly its top value (see
+    ``tiles.one_minus_a``). ``rho`` leaves the registers before the pass: its half-precision parts are all the
+    products need."""
+    BM: tl.constexpr = q.shape[0]
+    row_ok = offs_m < T
+    b = bh // HQ
+    rho_ptrs = RHO + ((b * T + offs_m[:, None]) * HQ + h) * D + feat[None, :]
+    tl.store(rho_ptrs, rho, mask=row_ok[:, None] & (feat < D)[None, :])
+    rho_hi, rho_lo = split_halves(rho, q.dtype)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    wv = tl.zeros((BM, BLOCK_DV), tl.float32)
+    wkv = tl.zeros((BM, BLOCK_DV), tl.float32)
+    wsum = tl.zeros((BM,), tl.float32)
+    wk = tl.zeros((BM,), tl.float32)
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        kt = load_cols(Kb, offs_n, feat, sks, skd, S, D)
+        v = load_rows(Vb, offs_n, offs_dv, svs, svd, S, DV)
+        w = tile_weights(q, kt, m2, pos0, start_n, S, qk_scale2, WINDOW, DPREC).to(v.dtype)
+        wkr = w.to(tl.float32) * halves_dot(rho_hi, rho_lo, kt, DPREC)  # w_ij k_j.rho_i
+        wsum += tl.sum(w.to(tl.float32), 1)
+        wk += tl.sum(wkr, 1)
+        wv += tl.dot(w, v, input_precision=DPREC)
+        wkv += split_dot(wkr, v, DPREC)
+    inv_omega = 1.0 / tl.where(wsum > 0.0, wsum, 1.0)
+    centre = wk * inv_omega
+    acc = wv * inv_omega[:, None] - (wkv - centre[:, None] * wv) / delta[:, None]
+    o_ptrs = O + offs_m[:, None] * sot + offs_dv[None, :] * sod
+    tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=row_ok[:, None] & (offs_dv < DV)[None, :])
+    stat = bh * T + offs_m
+    tl.store(DELTA + stat, delta, mask=row_ok)
+    tl.store(M2 + stat, m2, mask=row_ok)
+    tl.store(ARGMAX + stat, arg, mask=row_ok)
+    tl.store(OMEGA + stat, wsum, mask=row_ok)
+    tl.store(CENTRE + stat, centre, mask=row_ok)
+
+
+@triton.jit
+def lla_fwd_kernel(Q, K, V, LAM, PRE, O, RHO, DELTA, M2, ARGMAX, OMEGA, CENTRE,
+                   sqb, sqt, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd, slb, slt, slh, sld,
+                   sob, sot, soh, sod, spb, sph,
+                   T, S, HQ, GROUPS, D, DV, qk_scale2, iters, tol2, pre_first, pre_blocks, SIZE_CLASS,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                   BLK: tl.constexpr, WINDOW: tl.constexpr, SOLVER: tl.constexpr, G: tl.constexpr,
+                   DPREC: tl.constexpr, MPREC: tl.constexpr, PRECOND: tl.constexpr, PB: tl.constexpr):
+    """The forward in one launch: pass 1, the solve (the CG iterations on the tile's state), pass 3."""
+    # float arguments come as fp64 when torch.compile launches the kernel: keep the arithmetic fp32
+    qk_scale2, tol2 = tl.cast(qk_scale2, tl.float32), tl.cast(tol2, tl.float32)
+    start_m, b, h, hk = query_head(HQ, GROUPS, BLOCK_M)
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    feat = block_columns(BLOCK_D, D, BLK, G)  # the feature of each column (D: padding)
+    pos0 = start_m + S - T
+    Kb = K + b * skb + hk * skh
+    q = load_rows(Q + b * sqb + h * sqh, offs_m, feat, sqt, sqd, T, D)
+    lo, hi = query_key_tiles(start_m, T, S, BLOCK_M, BLOCK_N, WINDOW)
+    m2, arg, omega, mt, kk, kx = moments_pass(q, Kb, sks, skd, feat, pos0, lo, hi, S, D, qk_scale2, BLOCK_N,
+                                              WINDOW, SOLVER, DPREC, MPREC)
     q32 = q.to(tl.float32)
     mu = mt - omega[:, None] * q32
-    lam = load_rows(LAM + b * slb + h * slh, offs_m, feat, slt, sld, T, D).to(tl.float32)
-    lam = tl.where((offs_m < T)[:, None], lam, 1.0)  # padding rows get a well-posed system
-    lam_min = smallest_ridge(lam, feat < D)
+    lam, lam_min = row_ridge(LAM + b * slb + h * slh, offs_m, feat, slt, sld, T, D)
 
     # the solve: rho = Sigma^-1 mu, and delta = omega - mu.rho
     if SOLVER == 0:  # conjugate gradients on the centred scatter A = Sigma - mu mu^T / omega, then Sherman-Morrison
@@ -96,43 +161,121 @@ def lla_fwd_kernel(Q, K, V, LAM, PRE, O, RHO, DELTA, M2, ARGMAX, OMEGA, CENTRE,
             rho = pair_solve(mu, sdiag, kx, q32, mt, omega)
         delta = omega - tl.sum(mu * rho, 1)
     delta = guarded_denominator(delta, omega, mu, lam_min, SOLVER == 0 and G == 1)
+    output_pass(q, rho, delta, m2, arg, Kb, V + b * svb + hk * svh, sks, skd, svs, svd, feat, offs_m, pos0, lo, hi,
+                S, D, DV, T, qk_scale2, O + b * sob + h * soh, sot, sod, RHO, DELTA, M2, ARGMAX, OMEGA, CENTRE,
+                b * HQ + h, HQ, h, BLOCK_N, BLOCK_DV, WINDOW, DPREC)
 
-    # pass 3: o_i = sum_j w_ij (1 - z_ij.rho_i) v_j / delta_i
-    #             = sum_j w_ij v_j / omega_i - (sum_j w_ij (k_j.rho_i) v_j - (kbar_i.rho_i) sum_j w_ij v_j) / delta_i
-    # with kbar_i.rho_i = sum_j w_ij (k_j.rho_i) / omega_i from the same products and weights (as rounded for the
-    # product with V): the weighted mean of the values never passes through delta, which cancels when lam is
-    # small against |z|^2, and a row with one-hot weights gets exactly its top value (see tiles.one_minus_a)
-    # rho leaves the registers before the pass: its half-precision parts are all the products need
-    row_ok = offs_m < T
-    rho_ptrs = RHO + ((b * T + offs_m[:, None]) * HQ + h) * D + feat[None, :]
-    tl.store(rho_ptrs, rho, mask=row_ok[:, None] & (feat < D)[None, :])
-    rho_hi, rho_lo = split_halves(rho, q.dtype)
-    wv = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
-    wkv = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
-    wsum = tl.zeros((BLOCK_M,), tl.float32)
-    wk = tl.zeros((BLOCK_M,), tl.float32)
-    for start_n in range(lo, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        kt = load_cols(Kb, offs_n, feat, sks, skd, S, D)
-        v = load_rows(Vb, offs_n, offs_dv, svs, svd, S, DV)
-        w = tile_weights(q, kt, m2, pos0, start_n, S, qk_scale2, WINDOW, DPREC).to(v.dtype)
-        wkr = w.to(tl.float32) * halves_dot(rho_hi, rho_lo, kt, DPREC)  # w_ij k_j.rho_i
-        wsum += tl.sum(w.to(tl.float32), 1)
-        wk += tl.sum(wkr, 1)
-        wv += tl.dot(w, v, input_precision=DPREC)
-        wkv += split_dot(wkr, v, DPREC)
-    inv_omega = 1.0 / tl.where(wsum > 0.0, wsum, 1.0)
-    centre = wk * inv_omega
-    acc = wv * inv_omega[:, None] - (wkv - centre[:, None] * wv) / delta[:, None]
 
-    o_ptrs = O + b * sob + h * soh + offs_m[:, None] * sot + offs_dv[None, :] * sod
-    tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=row_ok[:, None] & (offs_dv < DV)[None, :])
-    stat = (b * HQ + h) * T + offs_m
-    tl.store(DELTA + stat, delta, mask=row_ok)
-    tl.store(M2 + stat, m2, mask=row_ok)
-    tl.store(ARGMAX + stat, arg, mask=row_ok)
-    tl.store(OMEGA + stat, wsum, mask=row_ok)
-    tl.store(CENTRE + stat, centre, mask=row_ok)
+# Full LLA's CG in iters + 2 launches (see CG_LAUNCH_ROWS): the CG state of every row lives in memory between
+# them (``cg_state``), so each key pass holds only its query tile, the search vector's parts and one accumulator.
+@triton.jit
+def state_rows(T, HQ, GROUPS, BLOCK_M: tl.constexpr):
+    """``(start_m, b, h, hk, offs_m, row_ok, row, row0)`` of a program of the CG launches (``tiles.query_head``): its
+    query rows, which are real, their index in the per-row statistics and state, and the first one's (int64, see
+    ``tiles.store_state``)."""
+    start_m, b, h, hk = query_head(HQ, GROUPS, BLOCK_M)
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    row = (b * HQ + h) * T + offs_m
+    return start_m, b, h, hk, offs_m, offs_m < T, row, ((b * HQ + h) * T + start_m).to(tl.int64)
+
+
+@triton.jit
+def lla_cg_begin_kernel(Q, K, LAM, PRE, M2, ARGMAX, OMEGA, MT, X, R, P_HI, P_LO, RR, RZ, BOUND,
+                        sqb, sqt, sqh, sqd, skb, sks, skh, skd, slb, slt, slh, sld, spb, sph,
+                        T, S, HQ, GROUPS, D, qk_scale2, tol2, pre_first, pre_blocks, SIZE_CLASS,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, WINDOW: tl.constexpr,
+                        DPREC: tl.constexpr, PRECOND: tl.constexpr, PB: tl.constexpr):
+    """Pass 1 and CG's start from ``x = 0`` on ``mu``: the statistics and the state of each row to memory."""
+    qk_scale2, tol2 = tl.cast(qk_scale2, tl.float32), tl.cast(tol2, tl.float32)
+    start_m, b, h, hk, offs_m, row_ok, row, row0 = state_rows(T, HQ, GROUPS, BLOCK_M)
+    feat = tl.arange(0, BLOCK_D)
+    pos0 = start_m + S - T
+    q = load_rows(Q + b * sqb + h * sqh, offs_m, feat, sqt, sqd, T, D)
+    lo, hi = query_key_tiles(start_m, T, S, BLOCK_M, BLOCK_N, WINDOW)
+    m2, arg, omega, mt, _, _ = moments_pass(q, K + b * skb + hk * skh, sks, skd, feat, pos0, lo, hi, S, D,
+                                            qk_scale2, BLOCK_N, WINDOW, 0, DPREC, "ieee")
+    tl.store(M2 + row, m2, mask=row_ok)
+    tl.store(ARGMAX + row, arg, mask=row_ok)
+    tl.store(OMEGA + row, omega, mask=row_ok)
+    store_state(MT, row0, row_ok, mt)
+    r, p, rr, rz = cg_start(mt - omega[:, None] * q.to(tl.float32), PRE + b * spb + hk * sph, pos0, pre_first,
+                            pre_blocks, D, PB, q.dtype, DPREC, PRECOND)
+    store_state(X, row0, row_ok, tl.zeros(r.shape, tl.float32))
+    store_state(R, row0, row_ok, r)
+    store_search(P_HI, P_LO, row0, row_ok, p)
+    store_row_scalars(RR, row0, row_ok, rr)
+    store_row_scalars(RZ, row0, row_ok, rz)
+    store_row_scalars(BOUND, row0, row_ok, tol2 * rr)
+
+
+@triton.jit
+def store_search(P_HI, P_LO, row0, row_ok, p):
+    """The search vectors ``p`` in the two parts of ``split_halves``, in ``P_HI``'s dtype."""
+    hi, lo = split_halves(p, P_HI.dtype.element_ty)
+    store_state(P_HI, row0, row_ok, hi)
+    store_state(P_LO, row0, row_ok, lo)
+
+
+@triton.jit
+def lla_cg_step_kernel(Q, K, LAM, PRE, M2, OMEGA, MT, X, R, P_HI, P_LO, RR, RZ, BOUND,
+                       sqb, sqt, sqh, sqd, skb, sks, skh, skd, slb, slt, slh, sld, spb, sph,
+                       T, S, HQ, GROUPS, D, qk_scale2, pre_first, pre_blocks, SIZE_CLASS,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, WINDOW: tl.constexpr,
+                       DPREC: tl.constexpr, PRECOND: tl.constexpr, PB: tl.constexpr):
+    """One CG iteration of the rows of a query tile from their state in memory (``tiles.cg_solve``'s loop body);
+    a tile whose systems are all done skips its key pass."""
+    qk_scale2 = tl.cast(qk_scale2, tl.float32)
+    start_m, b, h, hk, offs_m, row_ok, row, row0 = state_rows(T, HQ, GROUPS, BLOCK_M)
+    rr = load_row_scalars(RR, row0, row_ok)
+    rz = load_row_scalars(RZ, row0, row_ok)
+    active = cg_active(rr, rz, load_row_scalars(BOUND, row0, row_ok))
+    if tl.max(tl.ravel(active.to(tl.int32)), 0) > 0:
+        feat = tl.arange(0, BLOCK_D)
+        pos0 = start_m + S - T
+        q = load_rows(Q + b * sqb + h * sqh, offs_m, feat, sqt, sqd, T, D)
+        lo, hi = query_key_tiles(start_m, T, S, BLOCK_M, BLOCK_N, WINDOW)
+        scatter = key_scatter(load_state(P_HI, row0, row_ok, BLOCK_D), load_state(P_LO, row0, row_ok, BLOCK_D), q,
+                              tl.load(M2 + row, mask=row_ok, other=0.0), pos0, K + b * skb + hk * skh, sks, skd, lo,
+                              hi, S, D, feat, qk_scale2, BLOCK_N, WINDOW, 1, DPREC)
+        p = load_state(P_HI, row0, row_ok, BLOCK_D).to(tl.float32) + \
+            load_state(P_LO, row0, row_ok, BLOCK_D).to(tl.float32)
+        lam, lam_min = row_ridge(LAM + b * slb + h * slh, offs_m, feat, slt, sld, T, D)
+        omega = tl.load(OMEGA + row, mask=row_ok, other=0.0)
+        sp = system_rest(scatter, p, q, load_state(MT, row0, row_ok, BLOCK_D), omega, lam, 1, True)
+        # each state tile is loaded, updated and stored in turn, so few [BM, BD] tiles are live at once
+        alpha, active = cg_step_size(p, sp, rz, active, CURVATURE_FLOOR * lam_min[:, None])
+        store_state(X, row0, row_ok, load_state(X, row0, row_ok, BLOCK_D) + alpha * p)
+        r = load_state(R, row0, row_ok, BLOCK_D) - alpha * sp
+        store_state(R, row0, row_ok, r)
+        p, rr, rz = cg_direction(r, p, rr, rz, active, PRE + b * spb + hk * sph, pos0, pre_first, pre_blocks, D, PB,
+                                 q.dtype, DPREC, PRECOND)
+        store_search(P_HI, P_LO, row0, row_ok, p)
+        store_row_scalars(RR, row0, row_ok, rr)
+        store_row_scalars(RZ, row0, row_ok, rz)
+
+
+@triton.jit
+def lla_cg_end_kernel(Q, K, V, LAM, MT, X, O, RHO, DELTA, M2, ARGMAX, OMEGA, CENTRE,
+                      sqb, sqt, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd, slb, slt, slh, sld,
+                      sob, sot, soh, sod, T, S, HQ, GROUPS, D, DV, qk_scale2, SIZE_CLASS,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                      WINDOW: tl.constexpr, DPREC: tl.constexpr):
+    """``rho`` and ``delta`` from CG's solution (``tiles.centred_probe``), then pass 3."""
+    qk_scale2 = tl.cast(qk_scale2, tl.float32)
+    start_m, b, h, hk, offs_m, row_ok, row, row0 = state_rows(T, HQ, GROUPS, BLOCK_M)
+    feat = tl.arange(0, BLOCK_D)
+    pos0 = start_m + S - T
+    q = load_rows(Q + b * sqb + h * sqh, offs_m, feat, sqt, sqd, T, D)
+    lo, hi = query_key_tiles(start_m, T, S, BLOCK_M, BLOCK_N, WINDOW)
+    omega = tl.load(OMEGA + row, mask=row_ok, other=0.0)
+    mu = load_state(MT, row0, row_ok, BLOCK_D) - omega[:, None] * q.to(tl.float32)
+    _, lam_min = row_ridge(LAM + b * slb + h * slh, offs_m, feat, slt, sld, T, D)
+    rho, delta = centred_probe(load_state(X, row0, row_ok, BLOCK_D), mu, omega, 1)
+    delta = guarded_denominator(delta, omega, mu, lam_min, True)
+    output_pass(q, rho, delta, tl.load(M2 + row, mask=row_ok, other=0.0), tl.load(ARGMAX + row, mask=row_ok, other=0),
+                K + b * skb + hk * skh, V + b * svb + hk * svh, sks, skd, svs, svd, feat, offs_m, pos0, lo, hi, S, D,
+                DV, T, qk_scale2, O + b * sob + h * soh, sot, sod, RHO, DELTA, M2, ARGMAX, OMEGA, CENTRE,
+                b * HQ + h, HQ, h, BLOCK_N, BLOCK_DV, WINDOW, DPREC)
 
 
 def lam_tensor(lam, q: torch.Tensor) -> torch.Tensor:
@@ -239,6 +382,84 @@ def tuned_kernels(tiles: dict) -> dict:
 TUNED = tuned_kernels(FORWARD_TILES)
 
 
+# Full LLA's CG in iters + 2 launches (``lla_cg_begin_kernel``: pass 1; ``lla_cg_step_kernel``: one CG
+# iteration; ``lla_cg_end_kernel``: pass 3) from CG_LAUNCH_ROWS query rows on, their tiles by kernel and by the
+# inputs being fp32 (the first is the fixed tile). On the H200 at B 4, H 16, T 8192, D 128, bf16, cg=8: 60.5 ms
+# against the one launch's 65.4 (begin 4.0 ms, 8 steps of 5.9, end 7.8; cg=16 3% faster, the preconditioned
+# CG alike). BD-LLA's CG over feature blocks stays in one launch: in iters + 2 it took 2.0x the time.
+CG_TILES = {
+    "begin": {False: [(64, 64, 4, 2), (128, 64, 8, 2)], True: [(32, 32, 4, 2)]},
+    "step": {False: [(64, 64, 4, 2), (128, 64, 8, 2), (64, 32, 4, 2), (128, 32, 8, 2)], True: [(32, 32, 4, 2)]},
+    "end": {False: [(64, 32, 4, 2), (64, 64, 4, 2), (64, 16, 4, 2), (32, 64, 8, 2), (32, 32, 4, 2), (128, 32, 8, 2)],
+            True: [(32, 32, 4, 2)]},
+}
+CG_LAUNCH_ROWS = 4096  # query rows from which full LLA's CG takes iters + 2 launches (fewer: one launch)
+CG_KERNELS = {"begin": lla_cg_begin_kernel, "step": lla_cg_step_kernel, "end": lla_cg_end_kernel}
+
+
+def tuned_cg_kernels(tiles: dict) -> dict:
+    """The CG launches' kernels autotuned over ``tiles`` (as :data:`CG_TILES`), by kernel and fp32 inputs; the
+    step kernel updates the state in place, so the autotuner restores it after timing each tile."""
+    state = ["X", "R", "P_HI", "P_LO", "RR", "RZ"]
+    key = ["D", "WINDOW", "SIZE_CLASS"]
+    return {name: {fp32: triton.autotune(tile_configs(configs), key=key + (["PRECOND"] if name != "end" else []),
+                                         restore_value=state if name == "step" else None)(CG_KERNELS[name])
+                   for fp32, configs in by_dtype.items()}
+            for name, by_dtype in tiles.items()}
+
+
+CG_TUNED = tuned_cg_kernels(CG_TILES)
+
+
+def cg_launch(name: str, T: int, fp32: bool):
+    """``(kernel, fixed config)`` of the CG launch ``name``: autotuned on a GPU, else the fixed tile (as
+    :func:`forward_blocks`)."""
+    if interpreting():
+        return CG_KERNELS[name], dict(BLOCK_M=16, BLOCK_N=16, num_warps=1, num_stages=1)
+    if AUTOTUNE:
+        return CG_TUNED[name][fp32], {}
+    m, n, w, st = CG_TILES[name][fp32][0]
+    return CG_KERNELS[name], dict(BLOCK_M=min(m, max(16, next_pow2(T))), BLOCK_N=n, num_warps=w, num_stages=st)
+
+
+def cg_state(rows: int, block_d: int, dtype: torch.dtype, device) -> dict:
+    """The state of the CG launches for ``rows`` query rows: ``mu~``, the iterate and the residual (fp32), the
+    search vector in two parts of ``dtype`` (``tiles.split_halves``) and per row ``r.r``, ``r.z`` and the bound
+    on ``r.r``."""
+    vec = dict(device=device, dtype=torch.float32)
+    state = {name: torch.empty(rows, block_d, **vec) for name in ("MT", "X", "R")}
+    state.update({name: torch.empty(rows, block_d, device=device, dtype=dtype) for name in ("P_HI", "P_LO")})
+    state.update({name: torch.empty(rows, 1, **vec) for name in ("RR", "RZ", "BOUND")})
+    return state
+
+
+def cg_forward(q, k, v, lam4, pre, outputs, *, scale: float, window, cg_iters: int, cg_tol: float, precond: bool):
+    """Full LLA's forward by CG in ``cg_iters + 2`` launches into ``outputs`` (``o, rho, delta, m2, argmax, omega,
+    centre``, as :func:`lla_forward` returns them)."""
+    B, T, HQ, D = q.shape
+    S, H, DV = k.shape[1], k.shape[2], v.shape[3]
+    o, rho, delta, m2, argmax, omega, centre = outputs
+    st = cg_state(B * HQ * T, head_block(D), q.dtype, q.device)
+    grid = lambda meta: (ceil_div(T, meta["BLOCK_M"]), B * HQ)  # noqa: E731
+    fp32 = q.dtype == torch.float32
+    common = (*q.stride(), *k.stride(), *lam4.stride(), pre.stride(0), pre.stride(1), T, S, HQ, HQ // H, D,
+              scale * LOG2E)
+    pre_blocks = ((S - T) // PRECONDITIONER_BLOCK, pre.shape[2], size_class(B * HQ * T))
+    cg = dict(BLOCK_D=head_block(D), WINDOW=window or 0, DPREC=dot_precision(q.dtype), PRECOND=precond,
+              PB=PRECONDITIONER_BLOCK)
+    kernel, cfg = cg_launch("begin", T, fp32)
+    kernel[grid](q, k, lam4, pre, m2, argmax, omega, *st.values(), *common, cg_tol ** 2, *pre_blocks, **cg, **cfg)
+    kernel, cfg = cg_launch("step", T, fp32)
+    for _ in range(cg_iters):
+        kernel[grid](q, k, lam4, pre, m2, omega, *st.values(), *common, *pre_blocks, **cg, **cfg)
+    kernel, cfg = cg_launch("end", T, fp32)
+    kernel[grid](q, k, v, lam4, st["MT"], st["X"], o, rho, delta, m2, argmax, omega, centre,
+                 *q.stride(), *k.stride(), *v.stride(), *lam4.stride(), *o.stride(), T, S, HQ, HQ // H, D, DV,
+                 scale * LOG2E, size_class(B * HQ * T), BLOCK_D=cg["BLOCK_D"], BLOCK_DV=head_block(DV),
+                 WINDOW=cg["WINDOW"], DPREC=cg["DPREC"], **cfg)
+    return outputs
+
+
 def lla_forward(q, k, v, lam, *, scale: float, window, blocks, cg_iters: int, cg_tol: float,
                 cg_precondition: bool = False):
     """Launch the forward. ``q [B, T, HQ, D]``, ``k [B, S, H, D]``, ``v [B, S, H, Dv]``; with ``cg_precondition``
@@ -259,9 +480,14 @@ def lla_forward(q, k, v, lam, *, scale: float, window, blocks, cg_iters: int, cg
     lam4 = lam_tensor(lam, q)
     precond = cg_precondition and solver == SOLVER_CG and G == 1
     pre = key_preconditioner(k, T, window).float().contiguous() if precond else lam4.new_zeros(1, 1, 1, 1, 1)
+    outputs = (o, rho, delta, m2, argmax, omega, centre)
+    if solver == SOLVER_CG and G == 1 and T >= CG_LAUNCH_ROWS:
+        return cg_forward(q, k, v, lam4, pre, outputs, scale=scale, window=window, cg_iters=cg_iters, cg_tol=cg_tol,
+                          precond=precond)
     kernel_blocks, block_d = column_blocks(D, G)
+    family = tile_family(q.dtype, solver, G)
     if AUTOTUNE and T > SHORT and not interpreting():
-        kernel, cfg = TUNED[tile_family(q.dtype, solver, G)], {}
+        kernel, cfg = TUNED[family], {}
     else:
         kernel, cfg = lla_fwd_kernel, forward_blocks(T, q.dtype, solver, G)
     kernel[lambda meta: (ceil_div(T, meta["BLOCK_M"]), B * HQ)](
@@ -272,4 +498,4 @@ def lla_forward(q, k, v, lam, *, scale: float, window, blocks, cg_iters: int, cg
         BLOCK_D=block_d, BLK=D // G, BLOCK_DV=head_block(DV), WINDOW=window or 0, SOLVER=solver, G=kernel_blocks,
         DPREC=dot_precision(q.dtype), MPREC=moment_precision(q.dtype), PRECOND=precond, PB=PRECONDITIONER_BLOCK,
         **cfg)
-    return o, rho, delta, m2, argmax, omega, centre
+    return outputs

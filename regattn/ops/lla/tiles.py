@@ -183,6 +183,60 @@ def per_row(v, G: tl.constexpr):
 
 
 @triton.jit
+def search_parts(p, dtype: tl.constexpr, G: tl.constexpr):
+    """The operands ``key_scatter`` takes for the fp32 search vectors ``p`` (as ``blocked``): for ``G = 1`` a high
+    and a low part in ``dtype`` (see ``split_dot``; the low part unused for fp32), for ``G > 1`` one part, its blocks
+    padded to 16 columns (``pad_to_16``), twice."""
+    if G == 1:
+        hi, lo = split_halves(p, dtype)
+    else:
+        hi = pad_to_16(p.to(dtype))
+        lo = hi
+    return hi, lo
+
+
+@triton.jit
+def key_scatter(p_hi, p_lo, q, m2, pos0, K, stride_kn, stride_kd, lo, hi, S, D, feat, qk_scale2,
+                BLOCK_N: tl.constexpr, WINDOW: tl.constexpr, G: tl.constexpr, DPREC: tl.constexpr):
+    """``sum_j w_ij (k_j.p_i) k_j`` for a query tile in one pass over the keys ``[lo, hi)``, fp32 in the form of
+    ``blocked``, from the parts of ``search_parts``: per key tile two products, for ``G > 1`` batched over the
+    blocks, every inner product within each of the ``G`` feature blocks (the work of full-width products, twice
+    that for the first one where blocks narrower than 16 are padded to 16)."""
+    BM: tl.constexpr = q.shape[0]
+    BD: tl.constexpr = q.shape[1]
+    if G == 1:
+        acc = tl.zeros((BM, BD), tl.float32)
+    else:
+        acc = tl.zeros((G, BM, BD // G), tl.float32)
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        kt = load_cols(K, offs_n, feat, stride_kn, stride_kd, S, D)
+        w = tile_weights(q, kt, m2, pos0, start_n, S, qk_scale2, WINDOW, DPREC)
+        if G == 1:  # the fp32 vector and products in two half-precision parts each (see split_dot)
+            pk = halves_dot(p_hi, p_lo, kt, DPREC)
+            acc += split_dot(w * pk, tl.trans(kt), DPREC)
+        else:
+            k3 = to_blocks(tl.trans(kt), G)  # [G, BN, g]
+            pk = tl.dot(p_hi, tl.permute(pad_to_16(k3), (0, 2, 1)), input_precision=DPREC)  # [G, BM, BN]
+            acc += tl.dot((w[None, :, :] * pk).to(kt.dtype), k3, input_precision=DPREC)
+    return acc
+
+
+@triton.jit
+def system_rest(scatter, p, q, mt, omega, lam, G: tl.constexpr, CENTRED: tl.constexpr):
+    """``Sigma_i p_i`` or ``A_i p_i`` (see ``system_matvec``) from ``scatter = key_scatter(p)``."""
+    pm = tl.sum(p * mt, -1, keep_dims=True)
+    acc = scatter
+    if CENTRED:
+        acc -= pm * mt / per_row(tl.where(omega > 0.0, omega, 1.0), G)
+    else:
+        q32 = blocked(q.to(tl.float32), G)
+        pq = tl.sum(p * q32, -1, keep_dims=True)
+        acc += per_row(omega, G) * pq * q32 - pq * mt - pm * q32
+    return acc + lam * p
+
+
+@triton.jit
 def system_matvec(p, q, mt, omega, lam, m2, pos0, K, stride_kn, stride_kd, lo, hi, S, D, feat, qk_scale2,
                   BLOCK_N: tl.constexpr, WINDOW: tl.constexpr, G: tl.constexpr, DPREC: tl.constexpr,
                   CENTRED: tl.constexpr):
@@ -193,32 +247,55 @@ def system_matvec(p, q, mt, omega, lam, m2, pos0, K, stride_kn, stride_kd, lo, h
 
     ``sum_j w_ij (k_j.p) k_j - (q.p) mu~ - (mu~.p) q + omega (q.p) q + lam p``, or with ``CENTRED``
     ``sum_j w_ij (k_j.p) k_j - (mu~.p) mu~ / omega + lam p``, every inner product within each of the ``G``
-    feature blocks (BD-LLA; ``G = 1`` is full LLA): per key tile two products, for ``G > 1`` batched over the
-    blocks, the work of full-width products (twice that for the first one where blocks narrower than 16 are
-    padded to 16).
+    feature blocks (BD-LLA; ``G = 1`` is full LLA; ``key_scatter`` makes the sum over the keys).
     """
-    if G > 1:
-        pb = pad_to_16(p.to(q.dtype))  # [G, BM, >= 16]
-    acc = tl.zeros(p.shape, tl.float32)
-    for start_n in range(lo, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        kt = load_cols(K, offs_n, feat, stride_kn, stride_kd, S, D)
-        w = tile_weights(q, kt, m2, pos0, start_n, S, qk_scale2, WINDOW, DPREC)
-        if G == 1:  # the fp32 vector and products in two half-precision parts each (see split_dot)
-            pk = split_dot(p, kt, DPREC)
-            acc += split_dot(w * pk, tl.trans(kt), DPREC)
-        else:
-            k3 = to_blocks(tl.trans(kt), G)  # [G, BN, g]
-            pk = tl.dot(pb, tl.permute(pad_to_16(k3), (0, 2, 1)), input_precision=DPREC)  # [G, BM, BN]
-            acc += tl.dot((w[None, :, :] * pk).to(kt.dtype), k3, input_precision=DPREC)
-    pm = tl.sum(p * mt, -1, keep_dims=True)
-    if CENTRED:
-        acc -= pm * mt / per_row(tl.where(omega > 0.0, omega, 1.0), G)
-    else:
-        q32 = blocked(q.to(tl.float32), G)
-        pq = tl.sum(p * q32, -1, keep_dims=True)
-        acc += per_row(omega, G) * pq * q32 - pq * mt - pm * q32
-    return acc + lam * p
+    p_hi, p_lo = search_parts(p, q.dtype, G)
+    scatter = key_scatter(p_hi, p_lo, q, m2, pos0, K, stride_kn, stride_kd, lo, hi, S, D, feat, qk_scale2,
+                          BLOCK_N, WINDOW, G, DPREC)
+    return system_rest(scatter, p, q, mt, omega, lam, G, CENTRED)
+
+
+@triton.jit
+def cg_start(y, PRE, pos0, pre_first, pre_blocks, D, PB: tl.constexpr, dtype: tl.constexpr, DPREC: tl.constexpr,
+             PRECOND: tl.constexpr):
+    """``(r, p, rr, rz)`` of CG on ``y`` (as ``blocked``) from ``x = 0``: the residual, the first search vector (the
+    preconditioned residual with ``PRECOND``) and the per-row ``r.r`` and ``r.p`` (sums over the last axis)."""
+    r = y
+    p = r
+    if PRECOND:
+        p = precondition_tile(r, PRE, pos0, pre_first, pre_blocks, D, PB, dtype, DPREC)
+    return r, p, tl.sum(r * r, -1, keep_dims=True), tl.sum(r * p, -1, keep_dims=True)
+
+
+@triton.jit
+def cg_active(rr, rz, bound):
+    """The systems still iterating: residual above the bound (and > 0) and a positive ``r.z``."""
+    return (rr > bound) & (rr > 0.0) & (rz > 0.0)
+
+
+@triton.jit
+def cg_step_size(p, sp, rz, active, curvature_floor):
+    """``(alpha, active)`` of a CG step from ``sp = A p``: a system stays active only while ``p.A p > curvature_floor
+    |p|^2``; inactive systems get ``alpha = 0`` (``x += alpha p``, ``r -= alpha sp`` keep them)."""
+    pap = tl.sum(p * sp, -1, keep_dims=True)
+    active = active & (pap > curvature_floor * tl.sum(p * p, -1, keep_dims=True))
+    return tl.where(active, rz / tl.where(active, pap, 1.0), 0.0), active
+
+
+@triton.jit
+def cg_direction(r, p, rr, rz, active, PRE, pos0, pre_first, pre_blocks, D, PB: tl.constexpr, dtype: tl.constexpr,
+                 DPREC: tl.constexpr, PRECOND: tl.constexpr):
+    """``(p, rr, rz)`` after a CG step that left the residual ``r``: the next search vector and the per-row ``r.r``
+    and ``r.z`` (``z`` the preconditioned residual with ``PRECOND``); inactive systems keep theirs."""
+    z = r
+    if PRECOND:
+        z = precondition_tile(r, PRE, pos0, pre_first, pre_blocks, D, PB, dtype, DPREC)
+    rz_new = tl.sum(r * z, -1, keep_dims=True)
+    beta = tl.where(active, rz_new / tl.where(active, rz, 1.0), 0.0)
+    p = tl.where(active, z + beta * p, p)
+    rr = tl.where(active, tl.sum(r * r, -1, keep_dims=True), rr)
+    rz = tl.where(active, rz_new, rz)
+    return p, rr, rz
 
 
 @triton.jit
@@ -240,36 +317,52 @@ def cg_solve(y, q, mt, omega, lam, lam_min, m2, pos0, K, stride_kn, stride_kd, l
     """
     mt = blocked(mt, G)
     lam = blocked(lam, G)
-    r = blocked(y, G)
+    r, p, rr, rz = cg_start(blocked(y, G), PRE, pos0, pre_first, pre_blocks, D, PB, q.dtype, DPREC, PRECOND)
     x = tl.zeros(r.shape, dtype=tl.float32)
-    p = r
-    if PRECOND:
-        p = precondition_tile(r, PRE, pos0, pre_first, pre_blocks, D, PB, q.dtype, DPREC)
-    rr = tl.sum(r * r, -1, keep_dims=True)
-    rz = tl.sum(r * p, -1, keep_dims=True)
     bound = tol2 * rr
     curvature_floor = CURVATURE_FLOOR * per_row(lam_min, G)
     for _ in range(iters):
-        active = (rr > bound) & (rr > 0.0) & (rz > 0.0)
+        active = cg_active(rr, rz, bound)
         if tl.max(tl.ravel(active.to(tl.int32)), 0) > 0:
             sp = system_matvec(p, q, mt, omega, lam, m2, pos0, K, stride_kn, stride_kd, lo, hi, S, D, feat,
                                qk_scale2, BLOCK_N, WINDOW, G, DPREC, CENTRED)
-            pap = tl.sum(p * sp, -1, keep_dims=True)
-            active = active & (pap > curvature_floor * tl.sum(p * p, -1, keep_dims=True))
-            alpha = tl.where(active, rz / tl.where(active, pap, 1.0), 0.0)
+            alpha, active = cg_step_size(p, sp, rz, active, curvature_floor)
             x += alpha * p
             r -= alpha * sp
-            z = r
-            if PRECOND:
-                z = precondition_tile(r, PRE, pos0, pre_first, pre_blocks, D, PB, q.dtype, DPREC)
-            rz_new = tl.sum(r * z, -1, keep_dims=True)
-            beta = tl.where(active, rz_new / tl.where(active, rz, 1.0), 0.0)
-            p = tl.where(active, z + beta * p, p)
-            rr = tl.where(active, tl.sum(r * r, -1, keep_dims=True), rr)
-            rz = tl.where(active, rz_new, rz)
+            p, rr, rz = cg_direction(r, p, rr, rz, active, PRE, pos0, pre_first, pre_blocks, D, PB, q.dtype, DPREC,
+                                     PRECOND)
     if G > 1:
         x = from_blocks(x)
     return x
+
+
+@triton.jit
+def store_state(ptr, row0, row_ok, x):
+    """Store a CG state tile ``x [BM, BD]`` at rows ``row0 + i`` of the ``[rows, BD]`` buffer ``ptr``, in ``ptr``'s
+    dtype, where ``row_ok[i]``. The tile's offsets from the scalar ``ptr + row0 BD`` are constants a thread folds
+    into its instructions, where offsets of every row would hold registers of their own."""
+    BD: tl.constexpr = x.shape[1]
+    offs = tl.arange(0, x.shape[0])[:, None] * BD + tl.arange(0, BD)[None, :]
+    tl.store(ptr + row0 * BD + offs, x.to(ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit
+def load_state(ptr, row0, row_ok, BD: tl.constexpr):
+    """The tile ``store_state`` stored, in ``ptr``'s dtype (0 on rows not ``row_ok``)."""
+    offs = tl.arange(0, row_ok.shape[0])[:, None] * BD + tl.arange(0, BD)[None, :]
+    return tl.load(ptr + row0 * BD + offs, mask=row_ok[:, None], other=0.0)
+
+
+@triton.jit
+def store_row_scalars(ptr, row0, row_ok, s):
+    """Store per-row CG scalars ``s [BM, 1]`` at ``ptr[row0 + i]``."""
+    tl.store(ptr + row0 + tl.arange(0, row_ok.shape[0])[:, None], s, mask=row_ok[:, None])
+
+
+@triton.jit
+def load_row_scalars(ptr, row0, row_ok):
+    """The scalars ``store_row_scalars`` stored, ``[BM, 1]`` (0 on rows not ``row_ok``)."""
+    return tl.load(ptr + row0 + tl.arange(0, row_ok.shape[0])[:, None], mask=row_ok[:, None], other=0.0)
 
 
 @triton.jit
