@@ -5,7 +5,9 @@ maximum, ``omega`` and the weighted key sum ``mu~`` (eq. 10); the solver finds `
 (CG on the key scatter about its weighted mean, for full LLA optionally preconditioned by the inverse key
 covariance of the row's block of positions, streaming K once per iteration, then Sherman-Morrison: see
 ``tiles.centred_probe``; or a direct solve for BD-LLA with 1 x 1 / 2 x 2 blocks);
-pass 3 streams K, V once more for the output through relmm (eq. 12, 16). Saved for the backward:
+pass 3 streams K, V once more for the output through relmm (eq. 12, 16). Full LLA's CG from ``CG_LAUNCH_ROWS``
+query rows runs in ``iters + 2`` launches instead (pass 1, one per CG iteration, pass 3), each row's CG state
+in memory between them. Saved for the backward:
 ``rho`` (fp32), ``delta``, the base-2 row maximum ``m2``, the index of the key that attains it, ``omega``
 (as pass 3 summed it) and ``kbar.rho`` (for ``1 - z.rho`` without cancellation, see ``tiles.one_minus_a``).
 """
