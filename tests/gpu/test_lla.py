@@ -87,6 +87,18 @@ def test_truncated_cg_fp32(precondition):
     check_truncated_cg(16, precondition)
 
 
+@pytest.mark.parametrize("dtype", [BF16, FP32])
+def test_converged_through_cg_launches(dtype, monkeypatch):
+    """Full LLA's CG in iters + 2 launches (``forward.CG_LAUNCH_ROWS``, from 4096 query rows in use), here from
+    T 1024: converged forward and backward, and 16 truncated iterations with and without the preconditioner."""
+    from regattn.ops.lla import forward
+    monkeypatch.setattr(forward, "CG_LAUNCH_ROWS", 1024)
+    check_converged(dtype)
+    if dtype == FP32:
+        for precondition in (False, True):
+            check_truncated_cg(16, precondition)
+
+
 def test_preconditioned_cg_reaches_table_2_targets(B=1, T=512, H=4, D=128):
     """bf16 at T 512, where queries see the fewest keys (the hard end of lla Table 2): on the last 256 rows the
     preconditioned CG comes within 0.05 of the float64 exact solve after 8 iterations and within 0.02 after 16

@@ -78,11 +78,11 @@ def row_ridge(LAM, offs_m, feat, slt, sld, T, D):
 
 
 @triton.jit
-def output_pass(q, rho, delta, m2, arg, Kb, Vb, sks, skd, svs, svd, feat, offs_m, pos0, lo, hi, S, D, DV, T,
-                qk_scale2, O, sot, sod, RHO, DELTA, M2, ARGMAX, OMEGA, CENTRE, bh, HQ, h,
+def output_pass(q, rho, delta, m2, Kb, Vb, sks, skd, svs, svd, feat, offs_m, pos0, lo, hi, S, D, DV, T, qk_scale2,
+                O, sot, sod, RHO, DELTA, OMEGA, CENTRE, b, h, HQ,
                 BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr, WINDOW: tl.constexpr, DPREC: tl.constexpr):
-    """Pass 3 and the stores of a query tile: ``o`` (``O`` at the tile's batch and head) and the saved ``rho``,
-    ``delta``, ``m2``, ``arg``, ``omega`` and ``centre`` (``bh = b * HQ + h``).
+    """Pass 3 and the stores of a query tile (batch ``b``, query head ``h``): ``o`` (``O`` at the tile's batch and
+    head) and the saved ``rho``, ``delta``, ``omega`` (as pass 3 sums it) and ``centre``.
 
     ``o_i = sum_j w_ij (1 - z_ij.rho_i) v_j / delta_i
           = sum_j w_ij v_j / omega_i - (sum_j w_ij (k_j.rho_i) v_j - (kbar_i.rho_i) sum_j w_ij v_j) / delta_i``
@@ -93,7 +93,6 @@ def output_pass(q, rho, delta, m2, arg, Kb, Vb, sks, skd, svs, svd, feat, offs_m
     products need."""
     BM: tl.constexpr = q.shape[0]
     row_ok = offs_m < T
-    b = bh // HQ
     rho_ptrs = RHO + ((b * T + offs_m[:, None]) * HQ + h) * D + feat[None, :]
     tl.store(rho_ptrs, rho, mask=row_ok[:, None] & (feat < D)[None, :])
     rho_hi, rho_lo = split_halves(rho, q.dtype)
@@ -117,10 +116,8 @@ def output_pass(q, rho, delta, m2, arg, Kb, Vb, sks, skd, svs, svd, feat, offs_m
     acc = wv * inv_omega[:, None] - (wkv - centre[:, None] * wv) / delta[:, None]
     o_ptrs = O + offs_m[:, None] * sot + offs_dv[None, :] * sod
     tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=row_ok[:, None] & (offs_dv < DV)[None, :])
-    stat = bh * T + offs_m
+    stat = (b * HQ + h) * T + offs_m
     tl.store(DELTA + stat, delta, mask=row_ok)
-    tl.store(M2 + stat, m2, mask=row_ok)
-    tl.store(ARGMAX + stat, arg, mask=row_ok)
     tl.store(OMEGA + stat, wsum, mask=row_ok)
     tl.store(CENTRE + stat, centre, mask=row_ok)
 
@@ -163,9 +160,12 @@ def lla_fwd_kernel(Q, K, V, LAM, PRE, O, RHO, DELTA, M2, ARGMAX, OMEGA, CENTRE,
             rho = pair_solve(mu, sdiag, kx, q32, mt, omega)
         delta = omega - tl.sum(mu * rho, 1)
     delta = guarded_denominator(delta, omega, mu, lam_min, SOLVER == 0 and G == 1)
-    output_pass(q, rho, delta, m2, arg, Kb, V + b * svb + hk * svh, sks, skd, svs, svd, feat, offs_m, pos0, lo, hi,
-                S, D, DV, T, qk_scale2, O + b * sob + h * soh, sot, sod, RHO, DELTA, M2, ARGMAX, OMEGA, CENTRE,
-                b * HQ + h, HQ, h, BLOCK_N, BLOCK_DV, WINDOW, DPREC)
+    stat = (b * HQ + h) * T + offs_m
+    tl.store(M2 + stat, m2, mask=offs_m < T)
+    tl.store(ARGMAX + stat, arg, mask=offs_m < T)
+    output_pass(q, rho, delta, m2, Kb, V + b * svb + hk * svh, sks, skd, svs, svd, feat, offs_m, pos0, lo, hi,
+                S, D, DV, T, qk_scale2, O + b * sob + h * soh, sot, sod, RHO, DELTA, OMEGA, CENTRE, b, h, HQ,
+                BLOCK_N, BLOCK_DV, WINDOW, DPREC)
 
 
 # Full LLA's CG in iters + 2 launches (see CG_LAUNCH_ROWS): the CG state of every row lives in memory between
@@ -177,8 +177,8 @@ def state_rows(T, HQ, GROUPS, BLOCK_M: tl.constexpr):
     ``tiles.store_state``)."""
     start_m, b, h, hk = query_head(HQ, GROUPS, BLOCK_M)
     offs_m = start_m + tl.arange(0, BLOCK_M)
-    row = (b * HQ + h) * T + offs_m
-    return start_m, b, h, hk, offs_m, offs_m < T, row, ((b * HQ + h) * T + start_m).to(tl.int64)
+    first = (b * HQ + h) * T + start_m
+    return start_m, b, h, hk, offs_m, offs_m < T, first + tl.arange(0, BLOCK_M), first.to(tl.int64)
 
 
 @triton.jit
@@ -239,6 +239,7 @@ def lla_cg_step_kernel(Q, K, LAM, PRE, M2, OMEGA, MT, X, R, P_HI, P_LO, RR, RZ, 
         scatter = key_scatter(load_state(P_HI, row0, row_ok, BLOCK_D), load_state(P_LO, row0, row_ok, BLOCK_D), q,
                               tl.load(M2 + row, mask=row_ok, other=0.0), pos0, K + b * skb + hk * skh, sks, skd, lo,
                               hi, S, D, feat, qk_scale2, BLOCK_N, WINDOW, 1, DPREC)
+        # p's parts loaded again rather than held in registers across the key pass
         p = load_state(P_HI, row0, row_ok, BLOCK_D).to(tl.float32) + \
             load_state(P_LO, row0, row_ok, BLOCK_D).to(tl.float32)
         lam, lam_min = row_ridge(LAM + b * slb + h * slh, offs_m, feat, slt, sld, T, D)
@@ -257,7 +258,7 @@ def lla_cg_step_kernel(Q, K, LAM, PRE, M2, OMEGA, MT, X, R, P_HI, P_LO, RR, RZ, 
 
 
 @triton.jit
-def lla_cg_end_kernel(Q, K, V, LAM, MT, X, O, RHO, DELTA, M2, ARGMAX, OMEGA, CENTRE,
+def lla_cg_end_kernel(Q, K, V, LAM, MT, X, O, RHO, DELTA, M2, OMEGA, CENTRE,
                       sqb, sqt, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd, slb, slt, slh, sld,
                       sob, sot, soh, sod, T, S, HQ, GROUPS, D, DV, qk_scale2, SIZE_CLASS,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -274,10 +275,9 @@ def lla_cg_end_kernel(Q, K, V, LAM, MT, X, O, RHO, DELTA, M2, ARGMAX, OMEGA, CEN
     _, lam_min = row_ridge(LAM + b * slb + h * slh, offs_m, feat, slt, sld, T, D)
     rho, delta = centred_probe(load_state(X, row0, row_ok, BLOCK_D), mu, omega, 1)
     delta = guarded_denominator(delta, omega, mu, lam_min, True)
-    output_pass(q, rho, delta, tl.load(M2 + row, mask=row_ok, other=0.0), tl.load(ARGMAX + row, mask=row_ok, other=0),
-                K + b * skb + hk * skh, V + b * svb + hk * svh, sks, skd, svs, svd, feat, offs_m, pos0, lo, hi, S, D,
-                DV, T, qk_scale2, O + b * sob + h * soh, sot, sod, RHO, DELTA, M2, ARGMAX, OMEGA, CENTRE,
-                b * HQ + h, HQ, h, BLOCK_N, BLOCK_DV, WINDOW, DPREC)
+    output_pass(q, rho, delta, tl.load(M2 + row, mask=row_ok, other=0.0), K + b * skb + hk * skh,
+                V + b * svb + hk * svh, sks, skd, svs, svd, feat, offs_m, pos0, lo, hi, S, D, DV, T, qk_scale2,
+                O + b * sob + h * soh, sot, sod, RHO, DELTA, OMEGA, CENTRE, b, h, HQ, BLOCK_N, BLOCK_DV, WINDOW, DPREC)
 
 
 def lam_tensor(lam, q: torch.Tensor) -> torch.Tensor:
@@ -455,7 +455,7 @@ def cg_forward(q, k, v, lam4, pre, outputs, *, scale: float, window, cg_iters: i
     for _ in range(cg_iters):
         kernel[grid](q, k, lam4, pre, m2, omega, *st.values(), *common, *pre_blocks, **cg, **cfg)
     kernel, cfg = cg_launch("end", T, fp32)
-    kernel[grid](q, k, v, lam4, st["MT"], st["X"], o, rho, delta, m2, argmax, omega, centre,
+    kernel[grid](q, k, v, lam4, st["MT"], st["X"], o, rho, delta, m2, omega, centre,
                  *q.stride(), *k.stride(), *v.stride(), *lam4.stride(), *o.stride(), T, S, HQ, HQ // H, D, DV,
                  scale * LOG2E, size_class(B * HQ * T), BLOCK_D=cg["BLOCK_D"], BLOCK_DV=head_block(DV),
                  WINDOW=cg["WINDOW"], DPREC=cg["DPREC"], **cfg)
