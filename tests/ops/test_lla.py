@@ -509,13 +509,15 @@ def test_extreme_inputs_stay_finite_in_float32(case, backend, cg_iters):
         assert rel_err(out[one_hot], ref[one_hot]) < 1e-5
 
 
-@pytest.mark.parametrize("dtype,S,HQ,window,lam_kind,precondition,tol", [
-    (torch.float32, 41, 2, None, "dim", False, 0.0),
-    (torch.float16, 46, 4, 13, "query", False, 0.0),      # S > T, grouped heads, a window across tiles
-    (torch.float32, 41, 2, None, "query", True, 0.0),     # preconditioned
-    (torch.float32, 41, 2, None, "float", False, 0.05),   # tiles whose systems converge skip their key pass
+@pytest.mark.parametrize("dtype,S,HQ,window,lam_kind,precondition,tol,iters", [
+    (torch.float32, 41, 2, None, "dim", False, 0.0, 7),
+    # S > T, grouped heads, a window across tiles; fp16 to convergence: 7 iterations of the two forms, whose search
+    # vectors' fp16 parts differ in their last bits, drifted apart up to 3e-2 (ill-conditioned rows amplify it)
+    (torch.float16, 46, 4, 13, "query", False, 0.0, 48),
+    (torch.float32, 41, 2, None, "query", True, 0.0, 7),    # preconditioned
+    (torch.float32, 41, 2, None, "float", False, 0.05, 7),  # tiles whose systems converge skip their key pass
 ])
-def test_cg_launches_match_the_one_launch(dtype, S, HQ, window, lam_kind, precondition, tol, monkeypatch):
+def test_cg_launches_match_the_one_launch(dtype, S, HQ, window, lam_kind, precondition, tol, iters, monkeypatch):
     """From CG_LAUNCH_ROWS query rows full LLA's CG runs in iters + 2 launches with each row's state in memory:
     at awkward sizes (41 rows past 16-row tiles, D 24 padded to 32) the output and every saved statistic are the
     one launch's to rounding (the search vector kept in two parts of the input dtype), and a non-finite key at
@@ -526,12 +528,12 @@ def test_cg_launches_match_the_one_launch(dtype, S, HQ, window, lam_kind, precon
     q, k, v = (x.to(dtype) for x in (q, k, v))
     lam = lam if isinstance(lam, float) else lam.float()
     k[:, -1, 0, 3] = float("nan")
-    args = dict(scale=D ** -0.5, window=window, blocks=None, cg_iters=7, cg_tol=tol, cg_precondition=precondition)
+    args = dict(scale=D ** -0.5, window=window, blocks=None, cg_iters=iters, cg_tol=tol, cg_precondition=precondition)
     one = lla_forward(q, k, v, lam, **args)
     monkeypatch.setattr(forward, "CG_LAUNCH_ROWS", T)
     monkeypatch.setattr(forward, "CG_KERNELS", {n: counted(kernel) for n, kernel in forward.CG_KERNELS.items()})
     split = lla_forward(q, k, v, lam, **args)
-    assert [kernel.calls for kernel in forward.CG_KERNELS.values()] == [1, 7, 1]
+    assert [kernel.calls for kernel in forward.CG_KERNELS.values()] == [1, iters, 1]
     # the interpreter's 16 x 16 tiles: query tiles that end before the key tile of S - 1 do not load it (a NaN
     # hidden in a tile's products reaches the query tile that loads it, as in the one launch)
     n_clean = ((S - 1) // 16 * 16 - (S - T)) // 16 * 16
