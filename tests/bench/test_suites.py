@@ -94,6 +94,22 @@ def test_scan_variants_tiny(interpret, mode):
         assert set(row["err"]) == names and max(row["err"].values()) < 2e-3, row
 
 
+def test_scan_fp32_variants_tiny(interpret):
+    """time_variants of an fp32 precision's forward, beside SDPA efficient (on the CPU refused), its switch back
+    afterwards."""
+    from regattn.bench.suites.scan import time_variants
+    from regattn.ops.scan import kernels
+    variants = (("tuned", {}), ("first tile", dict(AUTOTUNE=False)))
+    shapes = [dict(B=1, H=2, T=40, D=16, causal=True)]
+    rows = time_variants("fp32", variants, shapes, dtype=torch.float32, precision="ieee", device="cpu", rep_ms=1,
+                         rounds=2)
+    assert kernels.AUTOTUNE
+    assert [row["op"] for row in rows] == ["regattn:triton (tuned)", "regattn:triton (first tile)", "sdpa:efficient"]
+    assert rows[2]["status"] != "ok"
+    for row in rows[:2]:
+        assert row["status"] == "ok" and len(row["rounds"]["fp32"]) == 2 and row["err"]["o"] < 1e-5, row
+
+
 def test_parallax_decode_variants_tiny(interpret):
     """time_decode_variants: ms, the ratio to SDPA of the same rounds and the error per (shape, variant) (in the
     interpreter this checks the plumbing and the numbers, not the launches' speed)."""

@@ -97,27 +97,29 @@ BACKWARD_VARIANTS = (("two passes", dict(FUSED_DQ=False, TENSOR_DESCRIPTORS=True
                      ("fused", dict(FUSED_DQ=True, TENSOR_DESCRIPTORS=True)))
 
 
-def time_variants(mode: str, variants, shapes=None, *, dtype=torch.float16, device="cuda", rep_ms=100,
-                  rounds=3) -> list[dict]:
-    """Time the scan in ``mode`` (``"fp16"``: forward, ``"fp16 fwd+bwd"``) in each form of ``variants`` (label,
-    the switches of :mod:`regattn.ops.scan.kernels` it sets), beside SDPA flash and cuDNN, side by side in one
-    process (:func:`regattn.bench.variants.time_in_rounds`); every form of ours checked against float64 on the
-    last rows. ``shapes``: dicts of B, H, T, D and optionally ``causal`` (default: the goal shape). Returns one
-    dict per (shape, contender): ``shape``, ``op`` and the timing's keys."""
+def time_variants(mode: str, variants, shapes=None, *, dtype=torch.float16, precision="ieee", device="cuda",
+                  rep_ms=100, rounds=3) -> list[dict]:
+    """Time the scan in ``mode`` (``"fp16"`` or ``"fp32"``: forward, ``"fp16 fwd+bwd"``) in each form of
+    ``variants`` (label, the switches of :mod:`regattn.ops.scan.kernels` it sets), beside SDPA flash and cuDNN
+    (fp32 ``dtype``: SDPA efficient; ``precision``: ours for fp32 inputs), side by side in one process
+    (:func:`regattn.bench.variants.time_in_rounds`); every form of ours checked against float64 on the last rows.
+    ``shapes``: dicts of B, H, T, D and optionally ``causal`` (default: the goal shape). Returns one dict per
+    (shape, contender): ``shape``, ``op`` and the timing's keys."""
     from regattn.bench.runner import Setup, case_errors
     from regattn.bench.variants import Contender, time_in_rounds
     from regattn.ops.scan import kernels
 
-    setup = Setup(dtype=dtype, device=device, backend="triton", peers=("sdpa-flash", "sdpa-cudnn"), rep_ms=rep_ms)
+    backends = ("efficient",) if dtype == torch.float32 else ("flash", "cudnn")
+    setup = Setup(dtype=dtype, device=device, backend="triton", peers=tuple(f"sdpa-{b}" for b in backends),
+                  rep_ms=rep_ms)
     rows, grad = [], backward(mode)
     for shape in shapes or GOAL:
         causal = bool(shape.get("causal"))
         q, k, v = (randn(setup, shape["B"], shape["T"], shape["H"], shape["D"], grad=grad) for _ in range(3))
         truth = check(mode, q, k, v, None, causal=causal, rows=CHECK_ROWS, batch=shape["B"] - 1)
         leaves = [q, k, v] if grad else []
-        case = ours(regattn.scan_attention, q, setup, lambda: regattn.scan_attention(q, k, v, causal=causal,
-                                                                                        backend="triton"),
-                    leaves, check=truth)
+        case = ours(regattn.scan_attention, q, setup, lambda: regattn.scan_attention(
+            q, k, v, causal=causal, precision=precision, backend="triton"), leaves, check=truth)
         labels, contenders = [], []
         for label, switches in variants:
             labels.append(f"regattn:triton ({label})")
@@ -125,7 +127,7 @@ def time_variants(mode: str, variants, shapes=None, *, dtype=torch.float16, devi
             if switches:
                 setting = functools.partial(mock.patch.multiple, kernels, **switches)
             contenders.append(Contender({mode: (case.call, case.leaves)}, setting, lambda: case_errors(case, mode)))
-        for _, peer in sdpa_cases(setup, mode, q, k, v, causal=causal, backends=("flash", "cudnn")):
+        for _, peer in sdpa_cases(setup, mode, q, k, v, causal=causal, backends=backends):
             labels.append(peer.op)
             contenders.append(Contender({mode: (peer.call, peer.leaves)}))
         for label, row in zip(labels, time_in_rounds(contenders, cuda=setup.cuda, rep_ms=rep_ms, rounds=rounds)):

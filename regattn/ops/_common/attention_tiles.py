@@ -218,10 +218,10 @@ def split_dot(a_hi, a_lo, b_hi, b_lo):
     """``(a_hi + a_lo) @ (b_hi + b_lo)`` less the ``a_lo @ b_lo`` term: three products, the small ones first
     (:mod:`regattn.ops.scan.split`). It starts from zero: Hopper's tensor cores truncate what they add to their
     accumulator, so a running sum is added to it by the caller, rounded, not passed in (which, over 256 tiles of
-    keys, biased a sum by 5.7e-5)."""
-    acc = tl.dot(a_lo, b_hi)
-    acc = tl.dot(a_hi, b_lo, acc)
-    return tl.dot(a_hi, b_hi, acc)
+    keys, biased a sum by 5.7e-5). fp32 parts multiply as TF32 (whatever the default precision)."""
+    acc = tl.dot(a_lo, b_hi, input_precision="tf32")
+    acc = tl.dot(a_hi, b_lo, acc, input_precision="tf32")
+    return tl.dot(a_hi, b_hi, acc, input_precision="tf32")
 
 
 @triton.jit

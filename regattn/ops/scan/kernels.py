@@ -169,6 +169,15 @@ def _tf32(x, ROUND: tl.constexpr):
 
 
 @triton.jit
+def _tf32_parts(x):
+    """``(hi, lo)``: ``x`` rounded to TF32 and the exact rest, whose leading 11 bits a TF32 product reads
+    (:func:`split_dot`: ``x`` to within ``2^-21``; with ``x`` truncated to TF32 instead, ``2^-20``: the scan's
+    error grew by half)."""
+    hi = _tf32(x, True)
+    return hi, x - hi
+
+
+@triton.jit
 def _identity(BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr):
     """The monoid identity ``(-inf, 0, 0)`` for ``BLOCK_M`` queries."""
     return (tl.full([BLOCK_M], float("-inf"), tl.float32), tl.zeros([BLOCK_M], tl.float32),
@@ -235,7 +244,9 @@ def _fold_tiles(m_i, l_i, acc, q, q_base, sqt, k_base, v_base, skt, svt, K_DESC,
     its additions run in the same order). ``SPLIT``: the operands are fp16 parts (``q, q_lo``, the tiles of
     ``k_base, kl_base`` and ``v_base, vl_base``) scaled per query row by ``q_rs``, per key row by ``ks_base``'s
     entries and (after the fold) per value column (:mod:`regattn.ops.scan.split`); each product is a
-    :func:`split_dot`, ``p`` split as ``2^P_SHIFT p``. Returns ``(m, l, acc)``."""
+    :func:`split_dot`, ``p`` split as ``2^P_SHIFT p``. ``PREC == "tf32x3"`` (not ``SPLIT``): ``q`` and ``q_lo`` are
+    the TF32 parts of the query tile (:func:`_tf32_parts`), and ``q k^T`` is the :func:`split_dot` of the parts.
+    Returns ``(m, l, acc)``."""
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + offs_n0
         if SPLIT:
@@ -254,6 +265,9 @@ def _fold_tiles(m_i, l_i, acc, q, q_base, sqt, k_base, v_base, skt, svt, K_DESC,
                 q_c = _tf32(_load_rows(q_base, offs_m, sqt, cols, Tb, D, False), ROUND_TF32)
                 k_c = _tf32(_load_rows(k_base, offs_n, skt, cols, Sb, D, EVEN_N), ROUND_TF32)
                 s = tl.dot(q_c, tl.trans(k_c), s, input_precision=PREC)
+        elif PREC == "tf32x3":  # q's parts made once (``q, q_lo``: see _fwd_kernel), the key tile's here
+            k_hi, k_lo = _tf32_parts(_rows_at(K_DESC, k_base, bat, hk, n0, offs_n, skt, offs_d, Sb, D, EVEN_N, TMA))
+            s = split_dot(q, q_lo, tl.trans(k_hi), tl.trans(k_lo))
         else:
             k = _tf32(_rows_at(K_DESC, k_base, bat, hk, n0, offs_n, skt, offs_d, Sb, D, EVEN_N, TMA), ROUND_TF32)
             s = tl.dot(q, tl.trans(k), input_precision=PREC)
@@ -356,6 +370,8 @@ def _fwd_kernel(Q, K, V, O, LSE, WS_M, WS_L, WS_ACC, CU, K_DESC, V_DESC, QL, KL,
         ks_base = KS + (bat * (HQ // GROUP) + hk).to(tl.int64) * S + row0
     else:
         q_lo, q_rs, kl_base, vl_base, ks_base = q, qk_scale, k_base, v_base, KS
+        if PREC == "tf32x3":  # q's parts once, where tl.dot's "tf32x3" would split q again for every key tile
+            q, q_lo = _tf32_parts(q)
 
     lo, hi = _key_tiles(m0, Tb, Sb, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
     full_lo, full_hi = _full_keys(m0, Tb, Sb, BLOCK_M, CAUSAL, WINDOW)
