@@ -487,9 +487,8 @@ def lla_forward(q, k, v, lam, *, scale: float, window, blocks, cg_iters: int, cg
         return cg_forward(q, k, v, lam4, pre, outputs, scale=scale, window=window, cg_iters=cg_iters, cg_tol=cg_tol,
                           precond=precond)
     kernel_blocks, block_d = column_blocks(D, G)
-    family = tile_family(q.dtype, solver, G)
     if AUTOTUNE and T > SHORT and not interpreting():
-        kernel, cfg = TUNED[family], {}
+        kernel, cfg = TUNED[tile_family(q.dtype, solver, G)], {}
     else:
         kernel, cfg = lla_fwd_kernel, forward_blocks(T, q.dtype, solver, G)
     kernel[lambda meta: (ceil_div(T, meta["BLOCK_M"]), B * HQ)](
