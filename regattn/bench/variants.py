@@ -27,12 +27,14 @@ class Contender:
     mode (a label ending in ``fwd+bwd`` differentiates ``leaves``, any other is the forward alone).
     ``setting()``: a context manager inside which the calls run with the contender's settings; it puts
     back the settings in use before on leaving. ``errors()``: relative errors against float64, read once,
-    inside the setting. ``graphs``: the labels timed as replays of a CUDA graph.
+    inside the setting. ``graphs``: the labels timed as replays of a CUDA graph; ``back_to_back``: those timed
+    as eager calls issued back to back (:func:`regattn.bench.timing.back_to_back_ms`).
     """
     calls: dict
     setting: Callable = contextlib.nullcontext
     errors: Callable | None = None
     graphs: frozenset = frozenset()
+    back_to_back: frozenset = frozenset()
 
 
 def least(times: list) -> float | None:
@@ -54,7 +56,7 @@ def time_in_rounds(contenders: list[Contender], *, cuda: bool, rep_ms: int = 100
             with contender.setting():
                 for label, (call, leaves) in contender.calls.items():
                     m = measure(timed(call, leaves, label), cuda=cuda, graph=label in contender.graphs,
-                                rep_ms=rep_ms)
+                                back_to_back=label in contender.back_to_back, rep_ms=rep_ms)
                     row["rounds"][label].append(m.ms)
                     if m.status != "ok":
                         row["status"] = m.status

@@ -128,6 +128,28 @@ def test_parallax_decode_variants_tiny(interpret):
         time_decode_variants([{"splits": 2}], device="cpu")
 
 
+def test_parallax_decode_variants_switch_the_module(interpret):
+    """A variant's ``switches`` hold while it runs, and only then; ``eager`` times the same calls."""
+    from regattn.bench.suites.parallax import time_decode_variants
+    from regattn.ops.parallax import decode
+    kernel, seen = decode._parallax_decode_kernel, []
+
+    class Counted:
+        def __getitem__(self, grid):
+            seen.append(grid)
+            return kernel[grid]
+
+    shape = dict(B=1, HQ=2, H=1, ctx=20, D=16)
+    rows = time_decode_variants([{"switches": {"_parallax_decode_kernel": Counted()}}, {}], shapes=[shape],
+                                dtype=torch.float32, device="cpu", rep_ms=1, rounds=1, eager=True)
+    assert seen and decode._parallax_decode_kernel is kernel
+    calls = len(seen)
+    for row in rows:
+        assert row["status"] == "ok" and row["err"]["o"] < 1e-5, row
+    time_decode_variants([{}], shapes=[shape], dtype=torch.float32, device="cpu", rep_ms=1, rounds=1)
+    assert len(seen) == calls
+
+
 def test_parallax_decode_variants_take_the_kernels_settings():
     """Every listed decode variant names launch settings the decode kernel takes, the launch in use first."""
     from regattn.bench.suites.parallax import DECODE_VARIANTS

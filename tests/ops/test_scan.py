@@ -116,6 +116,20 @@ def test_tf32_rounding_keeps_nan_payloads(interpret, tensor, bits, precision):
     assert torch.isnan(seeing).all() and torch.isfinite(o[0, :7]).all()
 
 
+@pytest.mark.parametrize("precision", ["ieee", "tf32x3"])
+def test_key_at_the_top_of_fp32_stays_finite(interpret, precision):
+    """A key entry within half a TF32 step of fp32's largest value (it would round to inf) against a query small
+    enough that the score is moderate: every row stays finite and close to float64's. (``"tf32"`` rounds its
+    operands to TF32, where that value is inf, as a cast to bf16 makes it.)"""
+    q, k, v = (x.detach() for x in _inputs(1, 24, 24, 2, 1, 16, 16))
+    q[..., 0] *= 1e-37
+    k[0, 5, 0, 0] = float.fromhex("0x1.fffp127")
+    o = regattn.scan_attention(q, k, v, causal=True, precision=precision, backend="triton")
+    want = softmax_attention(*(x.double() for x in (q, k, v)), causal=True)
+    assert torch.isfinite(want).all() and torch.isfinite(o).all()
+    assert rel_err(o, want) < 5e-3
+
+
 def test_fp16_within_twice_torch_half_error(interpret):
     q, k, v = _inputs(1, 40, 40, 2, 1, 32, 32, dtype=torch.float16)
     got, want = _run(q, k, v, causal=True)

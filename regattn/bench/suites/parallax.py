@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from unittest import mock
 
 import torch
 
@@ -245,12 +246,13 @@ DECODE_VARIANTS = [
 
 
 def time_decode_variants(variants=None, *, shapes=None, dtype=torch.bfloat16, device="cuda", rep_ms=100,
-                         rounds: int = 3) -> list[dict]:
+                         rounds: int = 3, eager: bool = False) -> list[dict]:
     """Time the Parallax decode kernel (one new token) with each launch variant inside a CUDA graph, beside
     SDPA-cuDNN's decode of the same cache, side by side in one process.
 
-    A variant is ``{"config": {...}, "num_splits": n}`` (either may be left out), as
-    :func:`regattn.ops.parallax.decode.parallax_decode_fwd` takes them; ``{}`` is the launch in use. Each
+    A variant is ``{"config": {...}, "num_splits": n, "switches": {...}}`` (any may be left out): the first two as
+    :func:`regattn.ops.parallax.decode.parallax_decode_fwd` takes them, ``switches`` names of that module set
+    while the variant runs (another build of ``_parallax_decode_kernel``, say); ``{}`` is the launch in use. Each
     variant's output is checked against float64 as the suite's decode rows are (:func:`decode_inputs`).
 
     Args:
@@ -258,6 +260,8 @@ def time_decode_variants(variants=None, *, shapes=None, dtype=torch.bfloat16, de
         shapes: decode shapes ``B, HQ, H, ctx, D`` (default: the goal grid's).
         rounds: every timing is repeated over this many rounds, SDPA first, then each variant (a drift of the
             clocks reaches them all alike); a row keeps the least round's median.
+        eager: time calls issued back to back (the host's time or the device's, whichever is longer), SDPA's too,
+            instead of graph replays.
 
     Returns:
         One dict per (shape, variant): the shape, ``variant``, ``status``, ``decode_ms``, ``rounds``,
@@ -268,25 +272,29 @@ def time_decode_variants(variants=None, *, shapes=None, dtype=torch.bfloat16, de
         python -c "from regattn.bench.suites.parallax import time_decode_variants
         for row in time_decode_variants(): print(row)"
     """
-    from regattn.ops.parallax.decode import parallax_decode_fwd
+    from regattn.ops.parallax import decode as decode_module
 
     variants = DECODE_VARIANTS if variants is None else variants
     for variant in variants:
-        unknown = set(variant) - {"config", "num_splits"}
+        unknown = set(variant) - {"config", "num_splits", "switches"}
         if unknown:
-            raise ValueError(f"variants: expected 'config' or 'num_splits', got {sorted(unknown)}")
+            raise ValueError(f"variants: expected 'config', 'num_splits' or 'switches', got {sorted(unknown)}")
     setup = Setup(dtype=dtype, device=device, backend="triton", rep_ms=rep_ms)
-    graphs = frozenset({"decode"})
+    timing = dict(back_to_back=frozenset({"decode"})) if eager else dict(graphs=frozenset({"decode"}))
     rows = []
     for shape in shapes or DECODE:
         q, r, k, v, truth = decode_inputs(shape, setup)
         sdpa_call, _, _ = peers.sdpa(q, k, v, backend="cudnn" if setup.cuda else "math")
-        sdpa = Contender({"decode": (sdpa_call, [])}, graphs=graphs)
+        sdpa = Contender({"decode": (sdpa_call, [])}, **timing)
 
         def launch(variant):
             def call():
-                return parallax_decode_fwd(q, r, k, v, scale=q.shape[-1] ** -0.5, **variant)
-            return Contender({"decode": (call, [])}, errors=lambda: truth.errors(call()), graphs=graphs)
+                return decode_module.parallax_decode_fwd(q, r, k, v, scale=q.shape[-1] ** -0.5, **launch_args)
+            launch_args = {key: value for key, value in variant.items() if key != "switches"}
+            setting = contextlib.nullcontext
+            if variant.get("switches"):
+                setting = functools.partial(mock.patch.multiple, decode_module, **variant["switches"])
+            return Contender({"decode": (call, [])}, setting, lambda: truth.errors(call()), **timing)
         sdpa_row, *timed_rows = time_in_rounds([sdpa] + [launch(v) for v in variants], cuda=setup.cuda,
                                                rep_ms=rep_ms, rounds=rounds)
         sdpa_ms = sdpa_row["decode_ms"]

@@ -213,6 +213,43 @@ def _poison_seen(acc, finite, seen):
     return tl.where(hits[:, None] > 0, float("nan"), acc)
 
 
+# fp32 magnitudes from this one on round to inf at TF32's precision (0x7F7FF000: the last half step below 2^128)
+TF32_ROUNDS_TO_INF = tl.constexpr(float.fromhex("0x1.ffep127"))
+
+
+@triton.jit
+def _nearest_tf32_bits(x):
+    """``x`` rounded to its nearest TF32 value (10 mantissa bits, ties away from zero, as ``cvt.rna.tf32``) by an
+    integer addition: its carry turns a NaN whose payload fills the mantissa into a zero, and a value within half
+    a TF32 step of fp32's largest into inf."""
+    return ((x.to(tl.uint32, bitcast=True) + 0x1000) & 0xFFFFE000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def tf32_round(x):
+    """``x`` rounded to its nearest TF32 value, NaN kept NaN; a value past TF32's largest rounds to inf, as a cast
+    to any narrower format does. The tensor cores read an fp32 operand as TF32 by dropping its low 13 bits, a
+    biased truncation; rounding first halves the error and removes the bias."""
+    return tl.where(x == x, _nearest_tf32_bits(x), x)
+
+
+@triton.jit
+def tf32_parts(x, KEEP_EXTREMES: tl.constexpr = True):
+    """``(hi, lo)``: ``x`` rounded to its nearest TF32 value and the exact rest, whose leading 11 bits a TF32
+    product reads: ``x`` to within ``2^-21`` (with ``x`` truncated to TF32 instead, ``2^-20``: the scan's error
+    grew by half). Operands of :func:`split_dot`.
+
+    With ``KEEP_EXTREMES`` a value that would round to inf is its own high part (the tensor cores then truncate
+    it), and so are inf and NaN. Without, the parts add up to NaN wherever ``x`` is not finite or within half a
+    TF32 step of fp32's largest value, and so do their products: where no such value can be finite in the rest of
+    the computation, a select an entry saved (MesaNet's kernels ran 4-7% slower with it on the H200:
+    benchmarks/results/h200/tiles/mesanet-tf32-parts.json)."""
+    hi = _nearest_tf32_bits(x)
+    if KEEP_EXTREMES:
+        hi = tl.where(tl.abs(x) < TF32_ROUNDS_TO_INF, hi, x)
+    return hi, x - hi
+
+
 @triton.jit
 def split_dot(a_hi, a_lo, b_hi, b_lo):
     """``(a_hi + a_lo) @ (b_hi + b_lo)`` less the ``a_lo @ b_lo`` term: three products, the small ones first

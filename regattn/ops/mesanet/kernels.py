@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from regattn.ops._common.attention_tiles import head_block, split_dot
+from regattn.ops._common.attention_tiles import head_block, split_dot, tf32_parts
 from regattn.ops._common.launch import launch
 from regattn.ops._common.vmap import fold_rule
 
@@ -76,26 +76,13 @@ def _store(ptr, n, x, R, K, BR: tl.constexpr, BK: tl.constexpr, TRANS: tl.conste
 
 
 @triton.jit
-def _tf32(x):
-    """``x`` rounded to its nearest TF32 value (10 mantissa bits; ties away from zero), as ``cvt.rna.tf32``."""
-    return ((x.to(tl.uint32, bitcast=True) + 0x1000) & 0xFFFFE000).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _split(x):
-    """``(hi, lo)``: ``x`` rounded to TF32, and the rest (the tensor cores read its leading 10 mantissa bits)."""
-    hi = _tf32(x)
-    return hi, x - hi
-
-
-@triton.jit
 def _dot(a, b, PRECISION: tl.constexpr):
     """``a @ b`` in fp32: ``"tf32x3"`` as three TF32 products of the operands' halves (the low halves' product,
     below fp32's rounding, left out), else ``tl.dot``'s ``PRECISION``. The halves are exact TF32 values, so the
     tensor cores' truncation to TF32 changes nothing."""
     if PRECISION == "tf32x3":
-        a_hi, a_lo = _split(a)
-        b_hi, b_lo = _split(b)
+        a_hi, a_lo = tf32_parts(a, False)
+        b_hi, b_lo = tf32_parts(b, False)
         return split_dot(a_hi, a_lo, b_hi, b_lo)
     return tl.dot(a, b, input_precision=PRECISION)
 

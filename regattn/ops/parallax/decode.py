@@ -27,8 +27,8 @@ from regattn.ops._common.attention_tiles import tma_pays
 from regattn.ops._common.launch import launch as launch_kernel
 from regattn.ops._common.workspace import stream_zeros
 from regattn.ops.parallax.tiles import (
-    LOG2E, contained_dot, dot_precision, group_pad, head_block, interpreting, kv_descriptors, kv_tile, tile_config,
-    visible,
+    LOG2E, contained_dot, dot_precision, group_pad, head_block, interpreting, kv_descriptors, kv_tile, split_range,
+    tile_config, visible,
 )
 
 
@@ -60,6 +60,36 @@ def _finish(o1, o2, d1, d2):
     """eq. (14) from the accumulators ``O1, O2`` and the row sums; zeros where ``d1 = 0``."""
     inv = tl.where(d1 > 0, 1.0 / tl.where(d1 > 0, d1, 1.0), 0.0)
     return (o1 * (1.0 + d2 * inv)[:, None] - o2) * inv[:, None]
+
+
+@triton.jit
+def _decode_tile(qr, K, V, K_DESC, V_DESC, b, h, j0, qpos, klen, window, sk_t, sv_t, m_i, d1, d2, acc, qk_scale,
+                 D, DV, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, MASK: tl.constexpr,
+                 HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr):
+    """One key tile of the online softmax over the stacked ``[Q; R]`` rows; ``MASK``: a tile some rows see only in
+    part, or not at all (through descriptors, keys from ``klen`` on are read too: the masks keep them out)."""
+    kt = kv_tile(K_DESC, K, b, h, j0, klen, sk_t, D, BLOCK_N, BLOCK_D, True, TMA)
+    v = kv_tile(V_DESC, V, b, h, j0, klen, sv_t, DV, BLOCK_N, BLOCK_DV, False, TMA)
+    s1, s2 = _unstack_rows(tl.dot(qr, kt, input_precision=PRECISION))
+    s1 = s1 * qk_scale
+    if MASK:
+        seen = visible(qpos, j0 + tl.arange(0, BLOCK_N), klen, window, True, HAS_WINDOW)
+        s1 = tl.where(seen, s1, float("-inf"))
+        s2 = tl.where(seen, s2, 0.0)
+    m_new = tl.maximum(m_i, tl.max(s1, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.math.exp2(m_i - m_use)
+    p1 = tl.math.exp2(s1 - m_use[:, None])
+    p2 = p1 * s2
+    d1 = d1 * alpha + tl.sum(p1, 1)
+    d2 = d2 * alpha + tl.sum(p2, 1)
+    pp = _stack_rows(p1, p2)
+    acc = acc * _stack_vec(alpha)[:, None]
+    if MASK:  # a non-finite value reaches only the rows that see its key
+        acc = contained_dot(acc, pp, v, _stack_rows(seen, seen), PRECISION)
+    else:
+        acc = tl.dot(pp.to(v.dtype), v, acc, input_precision=PRECISION)
+    return m_new, d1, d2, acc
 
 
 @triton.jit
@@ -116,40 +146,32 @@ def _parallax_decode_kernel(
     per_split = tl.cdiv(tl.cdiv(tl.maximum(hi - lo, 0), BLOCK_N), NUM_SPLITS) * BLOCK_N
     start = lo + split * per_split
     end = tl.minimum(hi, start + per_split)
-    # key tiles every real row of this tile sees whole, [full_lo, full_hi): the first row's causal end, the
-    # last row's window start; a non-finite value there reaches only rows that see it anyway
-    full_hi = tl.minimum(klen, t0 + off + 1)
+    # key tiles every real row of this tile sees whole, [whole_lo, whole_hi): from the last row's window start to
+    # the first row's causal end. Their values feed tl.dot alone, so the pipeliner copies key and value tiles ahead
+    # (with the masked tiles' elementwise use in the same loop, the value tiles came through registers). The masked
+    # tiles around them, a tile or two a program, run unpipelined.
+    full_hi = tl.maximum(tl.minimum(klen, t0 + off + 1), 0)
     full_lo = 0
     if HAS_WINDOW:
-        full_lo = tl.minimum(t0 + BLOCK_T, TN) - 1 + off - window + 1
+        full_lo = tl.maximum(tl.minimum(t0 + BLOCK_T, TN) - 1 + off - window + 1, 0)
+    whole_lo, whole_hi = split_range(start, end, tl.cdiv(full_lo, BLOCK_N) * BLOCK_N, (full_hi // BLOCK_N) * BLOCK_N)
 
     m_i = tl.full([HALF], float("-inf"), tl.float32)
     d1 = tl.zeros([HALF], tl.float32)
     d2 = tl.zeros([HALF], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    for j0 in range(start, end, BLOCK_N):
-        j = j0 + tl.arange(0, BLOCK_N)
-        # through descriptors, keys from klen on are read too: the scores' masks and contained_dot keep them out
-        kt = kv_tile(K_DESC, K, b, h, j0, klen, sk_t, D, BLOCK_N, BLOCK_D, True, TMA)
-        v = kv_tile(V_DESC, V, b, h, j0, klen, sv_t, DV, BLOCK_N, BLOCK_DV, False, TMA)
-        s1, s2 = _unstack_rows(tl.dot(qr, kt, input_precision=PRECISION))
-        seen = visible(qpos, j, klen, window, True, HAS_WINDOW)  # keys past the cache length never load
-        s1 = tl.where(seen, s1 * qk_scale, float("-inf"))
-        s2 = tl.where(seen, s2, 0.0)
-        m_new = tl.maximum(m_i, tl.max(s1, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.math.exp2(m_i - m_use)
-        p1 = tl.math.exp2(s1 - m_use[:, None])
-        p2 = p1 * s2
-        d1 = d1 * alpha + tl.sum(p1, 1)
-        d2 = d2 * alpha + tl.sum(p2, 1)
-        pp = _stack_rows(p1, p2)
-        acc = acc * _stack_vec(alpha)[:, None]
-        if (j0 >= full_lo) & (j0 + BLOCK_N <= full_hi):
-            acc = tl.dot(pp.to(v.dtype), v, acc, input_precision=PRECISION)
-        else:  # a partly visible tile: a non-finite value reaches only the rows that see its key
-            acc = contained_dot(acc, pp, v, _stack_rows(seen, seen), PRECISION)
-        m_i = m_new
+    for j0 in tl.range(start, whole_lo, BLOCK_N, num_stages=1):
+        m_i, d1, d2, acc = _decode_tile(qr, K, V, K_DESC, V_DESC, b, h, j0, qpos, klen, window, sk_t, sv_t, m_i, d1,
+                                        d2, acc, qk_scale, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, True, HAS_WINDOW,
+                                        PRECISION, TMA)
+    for j0 in range(whole_lo, whole_hi, BLOCK_N):
+        m_i, d1, d2, acc = _decode_tile(qr, K, V, K_DESC, V_DESC, b, h, j0, qpos, klen, window, sk_t, sv_t, m_i, d1,
+                                        d2, acc, qk_scale, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, False, HAS_WINDOW,
+                                        PRECISION, TMA)
+    for j0 in tl.range(whole_hi, end, BLOCK_N, num_stages=1):
+        m_i, d1, d2, acc = _decode_tile(qr, K, V, K_DESC, V_DESC, b, h, j0, qpos, klen, window, sk_t, sv_t, m_i, d1,
+                                        d2, acc, qk_scale, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, True, HAS_WINDOW,
+                                        PRECISION, TMA)
 
     orow = tl.arange(0, HALF)
     if NUM_SPLITS == 1:

@@ -54,9 +54,14 @@ TILES: dict[int, dict[str, dict]] = {
     # parallax-decode-variants.json), so the split kernel streams 128-key tiles too. Loaded through tensor
     # descriptors (TMA: 186 registers and no spill, against 255 and 32 bytes of stack unsplit) both ran 13-18%
     # faster in CUDA graphs on the H200 at B 8 and 64 from 4k to 32k keys and at B 1 from 8k, 5% at B 1 and 4k
-    # (tiles/parallax-decode-tma.json; decode.TMA_EAGER_BYTES: where eager calls take them)
-    128: _row(fwd=(128, 64, 8, 3, True), dq=(64, 64, 4, 2, True), dk=(32, 128, 8, 3), decode=(128, 4, 3, True),
-              decode_split=(128, 4, 3, True), decode_chunk=(64, 4, 2)),
+    # (tiles/parallax-decode-tma.json; decode.TMA_EAGER_BYTES: where eager calls take them). Since the key loop
+    # runs its whole tiles apart from its masked ones (their key and value tiles both copied ahead, through
+    # pointers too), 2 stages: in CUDA graphs on the H200 at B 1, 8 and 64 from 4k to 32k keys (tiles/
+    # parallax-decode-whole-tiles-graph.json) 0.99-1.04x cuDNN's time through descriptors (3 stages, 136 KiB of
+    # shared memory, up to 1.28x), 1.04-1.22x through pointers (the loop before: 1.08-1.24x). 64-key tiles through
+    # pointers ran 1.02-1.03x at B 8, but eager calls would then add up keys in another order than captured ones.
+    128: _row(fwd=(128, 64, 8, 3, True), dq=(64, 64, 4, 2, True), dk=(32, 128, 8, 3), decode=(128, 4, 2, True),
+              decode_split=(128, 4, 2, True), decode_chunk=(64, 4, 2)),
     # H100, bf16, B=4 H=16 T=8192 D=256: the forward's 32 x 32 tile spills nothing and ran 21.5 ms, the
     # former 64 x 32 (1120 bytes of stack) 55.7 ms (benchmarks/results/h100/tiles/parallax-d256.json)
     256: _row(fwd=(32, 32, 4, 3), dq=(32, 32, 4, 2), dk=(32, 32, 4, 2), decode=(64, 4, 2), decode_split=(64, 4, 2),

@@ -33,8 +33,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from regattn.ops._common.attention_tiles import (
     LOG2E, contained_dot, contained_split_dot, full_key_span, head_block, interpreting, key_span,
-    online_softmax_step, query_span, query_tile, row_dot, size_class, softmax_finish, split_dot, tile_configs,
-    tile_loop_bounds, tma_descriptors, tma_pays, visible_mask, visible_mask_t,
+    online_softmax_step, query_span, query_tile, row_dot, size_class, softmax_finish, split_dot, tf32_parts, tf32_round,
+    tile_configs, tile_loop_bounds, tma_descriptors, tma_pays, visible_mask, visible_mask_t,
 )
 from regattn.ops._common.checks import longest_sequence, sm_count
 from regattn.ops._common.ints import ceil_div
@@ -156,25 +156,10 @@ def _store_rows(ptr, x, rows, stride_row, cols, n_rows, N_COLS: tl.constexpr):
 
 @triton.jit
 def _tf32(x, ROUND: tl.constexpr):
-    """``x`` rounded to the nearest TF32 value (10-bit mantissa, ties away from zero) when ``ROUND``.
-
-    The tensor cores read fp32 operands as TF32 by dropping the low 13 bits (a biased truncation);
-    rounding first halves the error and removes the bias.
-    """
+    """``x`` rounded to the nearest TF32 value when ``ROUND`` (:func:`tf32_round`), else as it is."""
     if ROUND:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = ((bits + 0x1000) >> 13) << 13
-        x = tl.where(x == x, bits.to(tl.float32, bitcast=True), x)  # a NaN stays NaN whatever its payload
+        x = tf32_round(x)
     return x
-
-
-@triton.jit
-def _tf32_parts(x):
-    """``(hi, lo)``: ``x`` rounded to TF32 and the exact rest, whose leading 11 bits a TF32 product reads
-    (:func:`split_dot`: ``x`` to within ``2^-21``; with ``x`` truncated to TF32 instead, ``2^-20``: the scan's
-    error grew by half)."""
-    hi = _tf32(x, True)
-    return hi, x - hi
 
 
 @triton.jit
@@ -245,7 +230,7 @@ def _fold_tiles(m_i, l_i, acc, q, q_base, sqt, k_base, v_base, skt, svt, K_DESC,
     ``k_base, kl_base`` and ``v_base, vl_base``) scaled per query row by ``q_rs``, per key row by ``ks_base``'s
     entries and (after the fold) per value column (:mod:`regattn.ops.scan.split`); each product is a
     :func:`split_dot`, ``p`` split as ``2^P_SHIFT p``. ``PREC == "tf32x3"`` (not ``SPLIT``): ``q`` and ``q_lo`` are
-    the TF32 parts of the query tile (:func:`_tf32_parts`), and ``q k^T`` is the :func:`split_dot` of the parts.
+    the TF32 parts of the query tile (:func:`tf32_parts`), and ``q k^T`` is the :func:`split_dot` of the parts.
     Returns ``(m, l, acc)``."""
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + offs_n0
@@ -266,7 +251,7 @@ def _fold_tiles(m_i, l_i, acc, q, q_base, sqt, k_base, v_base, skt, svt, K_DESC,
                 k_c = _tf32(_load_rows(k_base, offs_n, skt, cols, Sb, D, EVEN_N), ROUND_TF32)
                 s = tl.dot(q_c, tl.trans(k_c), s, input_precision=PREC)
         elif PREC == "tf32x3":  # q's parts made once (``q, q_lo``: see _fwd_kernel), the key tile's here
-            k_hi, k_lo = _tf32_parts(_rows_at(K_DESC, k_base, bat, hk, n0, offs_n, skt, offs_d, Sb, D, EVEN_N, TMA))
+            k_hi, k_lo = tf32_parts(_rows_at(K_DESC, k_base, bat, hk, n0, offs_n, skt, offs_d, Sb, D, EVEN_N, TMA))
             s = split_dot(q, q_lo, tl.trans(k_hi), tl.trans(k_lo))
         else:
             k = _tf32(_rows_at(K_DESC, k_base, bat, hk, n0, offs_n, skt, offs_d, Sb, D, EVEN_N, TMA), ROUND_TF32)
@@ -371,7 +356,7 @@ def _fwd_kernel(Q, K, V, O, LSE, WS_M, WS_L, WS_ACC, CU, K_DESC, V_DESC, QL, KL,
     else:
         q_lo, q_rs, kl_base, vl_base, ks_base = q, qk_scale, k_base, v_base, KS
         if PREC == "tf32x3":  # q's parts once, where tl.dot's "tf32x3" would split q again for every key tile
-            q, q_lo = _tf32_parts(q)
+            q, q_lo = tf32_parts(q)
 
     lo, hi = _key_tiles(m0, Tb, Sb, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
     full_lo, full_hi = _full_keys(m0, Tb, Sb, BLOCK_M, CAUSAL, WINDOW)
