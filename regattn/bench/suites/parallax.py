@@ -288,9 +288,10 @@ def time_decode_variants(variants=None, *, shapes=None, dtype=torch.bfloat16, de
         sdpa = Contender({"decode": (sdpa_call, [])}, **timing)
 
         def launch(variant):
+            launch_args = {key: value for key, value in variant.items() if key != "switches"}
+
             def call():
                 return decode_module.parallax_decode_fwd(q, r, k, v, scale=q.shape[-1] ** -0.5, **launch_args)
-            launch_args = {key: value for key, value in variant.items() if key != "switches"}
             setting = contextlib.nullcontext
             if variant.get("switches"):
                 setting = functools.partial(mock.patch.multiple, decode_module, **variant["switches"])

@@ -27,8 +27,8 @@ from regattn.ops._common.attention_tiles import tma_pays
 from regattn.ops._common.launch import launch as launch_kernel
 from regattn.ops._common.workspace import stream_zeros
 from regattn.ops.parallax.tiles import (
-    LOG2E, contained_dot, dot_precision, group_pad, head_block, interpreting, kv_descriptors, kv_tile, split_range,
-    tile_config, visible,
+    LOG2E, contained_dot, dot_precision, group_pad, head_block, interpreting, key_range, kv_descriptors, kv_tile,
+    split_range, tile_config, visible,
 )
 
 
@@ -138,23 +138,17 @@ def _parallax_decode_kernel(
     V += b * sv_b + h * sv_h
     offs_dv = tl.arange(0, BLOCK_DV)
 
-    # this split's share of the visible key tiles
-    lo = 0
-    if HAS_WINDOW:
-        lo = (tl.maximum(t0 + off - window + 1, 0) // BLOCK_N) * BLOCK_N
-    hi = tl.maximum(tl.minimum(klen, t0 + BLOCK_T + off), 0)
+    # the visible key tiles of the tile's real rows, [lo, hi), of which every row sees [full_lo, full_hi) whole;
+    # this split's share of them
+    lo, full_lo, full_hi, hi = key_range(t0 + off, tl.minimum(t0 + BLOCK_T, TN) - 1 + off, klen, window, BLOCK_N,
+                                         True, HAS_WINDOW)
     per_split = tl.cdiv(tl.cdiv(tl.maximum(hi - lo, 0), BLOCK_N), NUM_SPLITS) * BLOCK_N
     start = lo + split * per_split
     end = tl.minimum(hi, start + per_split)
-    # key tiles every real row of this tile sees whole, [whole_lo, whole_hi): from the last row's window start to
-    # the first row's causal end. Their values feed tl.dot alone, so the pipeliner copies key and value tiles ahead
-    # (with the masked tiles' elementwise use in the same loop, the value tiles came through registers). The masked
-    # tiles around them, a tile or two a program, run unpipelined.
-    full_hi = tl.maximum(tl.minimum(klen, t0 + off + 1), 0)
-    full_lo = 0
-    if HAS_WINDOW:
-        full_lo = tl.maximum(tl.minimum(t0 + BLOCK_T, TN) - 1 + off - window + 1, 0)
-    whole_lo, whole_hi = split_range(start, end, tl.cdiv(full_lo, BLOCK_N) * BLOCK_N, (full_hi // BLOCK_N) * BLOCK_N)
+    # The whole tiles' values feed tl.dot alone, so the pipeliner copies key and value tiles ahead (with the masked
+    # tiles' elementwise use in the same loop, the value tiles came through registers). The masked tiles around
+    # them, a tile or two a program, run unpipelined.
+    whole_lo, whole_hi = split_range(start, end, full_lo, full_hi)
 
     m_i = tl.full([HALF], float("-inf"), tl.float32)
     d1 = tl.zeros([HALF], tl.float32)
