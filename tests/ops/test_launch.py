@@ -75,3 +75,36 @@ def test_under_torch_compile():
     x, y = torch.randn(200, device=DEVICE), torch.randn(200, device=DEVICE)
     compiled = torch.compile(lambda x, y: _run(x, y, 1, 3.0, False), fullgraph=True)
     torch.testing.assert_close(compiled(x, y), _expected(x, y, 1, 3.0, False))
+
+
+BOXES = []  # the tile each pre-hook call saw
+_tuned_sum = triton.autotune([triton.Config({"BLOCK": 32}, num_warps=1, pre_hook=lambda a: BOXES.append(a["BLOCK"]))],
+                             key=["n", "alpha"])(triton.heuristics({"SQUARE": lambda a: a["alpha"] > 1.0})(_scaled_sum))
+
+
+def test_tuned_launch_takes_the_chosen_config(interpret, monkeypatch):
+    """After a key's first call through the autotuner, calls of that key launch its config through ``launch``,
+    with the config's pre-hook run and the heuristics applied as Triton applies them; a new key goes through the
+    autotuner again."""
+    launched = []
+
+    def recorded(kernel, grid, *args, **kwargs):
+        launched.append((kernel, grid, kwargs))
+        kernel[grid](*args, **kwargs)
+
+    monkeypatch.setattr(launch_module, "_binder", lambda kernel: (object(), None))  # as on a GPU
+    monkeypatch.setattr(launch_module, "launch", recorded)
+    BOXES.clear()
+    for n, alpha, fast in ((100, 0.5, False), (100, 0.5, True), (37, 2.0, False), (37, 2.0, True), (100, 0.5, True)):
+        x, y = torch.randn(n, device=DEVICE), torch.randn(n, device=DEVICE)
+        o = torch.empty_like(y)
+        before = len(launched)
+        launch_module.launch_tuned(_tuned_sum, lambda meta: (triton.cdiv(meta["n"], meta["BLOCK"]),), x, y, o, n, 1,
+                                   alpha=alpha)  # a key name given by keyword
+        torch.testing.assert_close(o, _expected(x, y, 1, alpha, alpha > 1.0), rtol=1e-6, atol=1e-6)
+        assert len(launched) == before + fast
+        if fast:
+            kernel, grid, kwargs = launched[-1]
+            assert kernel is _scaled_sum and grid == (triton.cdiv(n, 32),)
+            assert kwargs["BLOCK"] == 32 and kwargs["num_warps"] == 1 and kwargs["SQUARE"] == (alpha > 1.0)
+    assert BOXES == [32] * 5

@@ -38,6 +38,7 @@ from regattn.ops._common.attention_tiles import (
 )
 from regattn.ops._common.checks import longest_sequence, sm_count
 from regattn.ops._common.ints import ceil_div
+from regattn.ops._common.launch import launch_tuned
 from regattn.ops.scan.split import P_SHIFT, column_parts, row_parts
 
 P_SCALE: tl.constexpr = tl.constexpr(2.0 ** P_SHIFT)
@@ -826,7 +827,7 @@ def _launch(configs, tuned, plain, grid, *args, streamed, **meta):
         _set_boxes(args, c.kwargs["BLOCK_N" if streamed == "N" else "BLOCK_M"])  # the streamed tile's rows
         plain[grid(c.kwargs)](*args, **c.all_kwargs(), **meta)
     else:
-        tuned[grid](*args, **meta)
+        launch_tuned(tuned, grid, *args, **meta)
 
 
 def _head_dims(D: int, DV: int):
