@@ -94,6 +94,7 @@ def test_tuned_launch_takes_the_chosen_config(interpret, monkeypatch):
 
     monkeypatch.setattr(launch_module, "_binder", lambda kernel: (object(), None))  # as on a GPU
     monkeypatch.setattr(launch_module, "launch", recorded)
+    monkeypatch.setattr(launch_module, "_CHOSEN", {})
     BOXES.clear()
     for n, alpha, fast in ((100, 0.5, False), (100, 0.5, True), (37, 2.0, False), (37, 2.0, True), (100, 0.5, True)):
         x, y = torch.randn(n, device=DEVICE), torch.randn(n, device=DEVICE)
