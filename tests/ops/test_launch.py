@@ -83,17 +83,17 @@ _tuned_sum = triton.autotune([triton.Config({"BLOCK": 32}, num_warps=1, pre_hook
 
 
 def test_tuned_launch_takes_the_chosen_config(interpret, monkeypatch):
-    """After a key's first call through the autotuner, calls of that key launch its config through ``launch``,
+    """After a key's first call through the autotuner, calls of that key launch its config's binary,
     with the config's pre-hook run and the heuristics applied as Triton applies them; a new key goes through the
     autotuner again."""
     launched = []
 
-    def recorded(kernel, grid, *args, **kwargs):
+    def recorded(kernel, binder, device, grid, *args, **kwargs):
         launched.append((kernel, grid, kwargs))
         kernel[grid](*args, **kwargs)
 
     monkeypatch.setattr(launch_module, "_binder", lambda kernel: (object(), None))  # as on a GPU
-    monkeypatch.setattr(launch_module, "launch", recorded)
+    monkeypatch.setattr(launch_module, "_launch_binary", recorded)
     monkeypatch.setattr(launch_module, "_CHOSEN", {})
     BOXES.clear()
     for n, alpha, fast in ((100, 0.5, False), (100, 0.5, True), (37, 2.0, False), (37, 2.0, True), (100, 0.5, True)):

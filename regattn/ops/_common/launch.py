@@ -36,6 +36,11 @@ def launch(kernel, grid: tuple, *args, **kwargs) -> None:
     if binder is None:
         kernel[grid](*args, **kwargs)
         return
+    _launch_binary(kernel, binder, device, grid, *args, **kwargs)
+
+
+def _launch_binary(kernel, binder, device, grid: tuple, *args, **kwargs) -> None:
+    """:func:`launch` once ``_binder`` has given the kernel's binder on ``device``."""
     bound, specialization, options = binder(*args, **kwargs)
     key = (device, tuple(specialization), tuple(options.items()))
     binaries = _BINARIES.setdefault(kernel, {})
@@ -54,12 +59,11 @@ def launch_tuned(tuned, grid, *args, **kwargs) -> None:
 
     The first call of each key (the values of the names in the autotuner's key, and the first argument's dtype,
     which the kernels' other tensors follow) runs the autotuner; later calls launch the config it chose through
-    :func:`launch`, its pre-hook and the heuristics applied as the autotuner and Triton apply them."""
-    kernel, rules = tuned.fn, []
-    while isinstance(kernel, Heuristics):
-        rules.append(kernel.values)
-        kernel = kernel.fn
-    if _binder(kernel)[0] is None:  # the calls Triton must see (see the module's notes)
+    its compiled binary (as :func:`launch`), its pre-hook and the heuristics applied as the autotuner and Triton
+    apply them."""
+    kernel, rules = _under_heuristics(tuned)
+    binder, device = _binder(kernel)
+    if binder is None:  # the calls Triton must see (see the module's notes)
         tuned[grid](*args, **kwargs)
         return
     key = (tuned, *tuned_key(tuned, args, kwargs))
@@ -75,7 +79,17 @@ def launch_tuned(tuned, grid, *args, **kwargs) -> None:
     for values in rules:
         for name, rule in values.items():
             meta[name] = rule({**named, **meta})
-    launch(kernel, grid({**named, **meta}) if callable(grid) else grid, *args, **meta)
+    _launch_binary(kernel, binder, device, grid({**named, **meta}) if callable(grid) else grid, *args, **meta)
+
+
+@functools.cache
+def _under_heuristics(tuned) -> tuple:
+    """``(the jit function under an autotuner, the rules of the heuristics layers between them, outer first)``."""
+    kernel, rules = tuned.fn, []
+    while isinstance(kernel, Heuristics):
+        rules.append(kernel.values)
+        kernel = kernel.fn
+    return kernel, tuple(rules)
 
 
 def tuned_key(tuned, args, kwargs) -> tuple:
