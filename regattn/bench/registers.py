@@ -464,7 +464,7 @@ def nsa_rows(head_dims=(128,), kinds=None, candidates=False, *, B=1, T=32768, HQ
         kc = torch.empty(B, T // 16, H, D, device="meta", dtype=torch.bfloat16)
         blocks = torch.empty(B, H, T, topk, device="meta", dtype=torch.int32)
         lse = torch.empty(B, HQ, T, device="meta")
-        with captured_launches() as launches, mock.patch("regattn.ops.nsa.kernels.row_dot", lambda o, do: lse):
+        with captured_launches() as launches, mock.patch("regattn.ops.nsa.kernels.row_dot", lambda o, do, **_: lse):
             selected_blocks(q, kc, lse.transpose(1, 2), T, offset=0, block_cmp=32, stride_cmp=16, block_slc=block_slc,
                             topk=topk, scale=D ** -0.5)
             selected_forward(q, kv, kv, blocks, block_slc=block_slc, offset=0, scale=D ** -0.5)

@@ -24,6 +24,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from regattn.ops._common.checks import capturing, compute_capability
 from regattn.ops._common.ints import ceil_div, next_pow2
+from regattn.ops._common.launch import launch
 
 LOG2E = 1.4426950408889634
 
@@ -282,29 +283,51 @@ def softmax_finish(acc, m_i, l_i):
 
 
 @triton.jit
-def _row_dot_kernel(A, B, OUT, n_rows, D, stride_a, stride_b,
-                    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+def _row_dot_kernel(A, B, OUT, ZEROS, n_rows, D, ZD, stride_a, stride_b, T, H, BLOCK_R: tl.constexpr,
+                    BLOCK_D: tl.constexpr, BLOCK_ZD: tl.constexpr, HEADS_FIRST: tl.constexpr, ZERO: tl.constexpr):
+    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
     mask = (rows < n_rows)[:, None] & (cols < D)[None, :]
     a = tl.load(A + rows[:, None] * stride_a + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     b = tl.load(B + rows[:, None] * stride_b + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    tl.store(OUT + rows, tl.sum(a * b, 1), mask=rows < n_rows)
+    out = rows
+    if HEADS_FIRST:  # row (b, t, h) of [B, T, H] goes to (b, h, t)
+        out = rows // (T * H) * (T * H) + rows % H * T + rows // H % T
+    tl.store(OUT + out, tl.sum(a * b, 1), mask=rows < n_rows)
+    if ZERO:
+        zcols = tl.arange(0, BLOCK_ZD)
+        tl.store(ZEROS + rows[:, None] * ZD + zcols[None, :], tl.zeros([BLOCK_R, BLOCK_ZD], tl.float32),
+                 mask=(rows < n_rows)[:, None] & (zcols < ZD)[None, :])
 
 
-def row_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def row_dot(a: torch.Tensor, b: torch.Tensor, *, heads_first: bool = False, zeros: torch.Tensor | None = None):
     """``sum_d a[..., d] * b[..., d]`` in fp32 for contiguous ``a, b: [..., D]`` -> ``[...]``.
 
     The backward's ``delta = rowsum(o * dO)``, fused so no fp32 copy of ``o`` or ``dO`` is made.
+    ``heads_first``: ``a, b: [B, T, H, D]`` give ``[B, H, T]`` (the layout of the kernels' log-sum-exp).
+    ``zeros``: a contiguous fp32 ``[..., Dz]`` with ``a``'s leading dims that the same launch fills with zeros
+    (the backward's fp32 ``dq`` that its atomics add into).
     """
     D = a.shape[-1]
     a2, b2 = a.reshape(-1, D), b.reshape(-1, D)
-    out = torch.empty(a2.shape[0], device=a.device, dtype=torch.float32)
+    n = a2.shape[0]
+    T = H = 1
+    shape = a.shape[:-1]
+    if heads_first:
+        Bh, T, H = shape
+        shape = (Bh, H, T)
+    if zeros is not None and (zeros.shape[:-1] != a.shape[:-1] or zeros.dtype != torch.float32
+                              or not zeros.is_contiguous()):
+        raise ValueError(f"zeros: expected a contiguous fp32 tensor of shape [{', '.join(map(str, a.shape[:-1]))}, "
+                         f"*], got {zeros.dtype} {tuple(zeros.shape)}")
+    zd = zeros.shape[-1] if zeros is not None else 1
+    out = torch.empty(shape, device=a.device, dtype=torch.float32)
     block_d = next_pow2(D)
-    block_r = max(1, min(64, 4096 // block_d))
-    _row_dot_kernel[(ceil_div(a2.shape[0], block_r),)](a2, b2, out, a2.shape[0], D, a2.stride(0), b2.stride(0),
-                                                        BLOCK_R=block_r, BLOCK_D=block_d)
-    return out.view(a.shape[:-1])
+    block_r = max(1, min(64, 4096 // max(block_d, next_pow2(zd))))
+    launch(_row_dot_kernel, (ceil_div(n, block_r),), a2, b2, out, out if zeros is None else zeros, n, D, zd,
+           a2.stride(0), b2.stride(0), T, H, BLOCK_R=block_r, BLOCK_D=block_d, BLOCK_ZD=next_pow2(zd),
+           HEADS_FIRST=heads_first, ZERO=zeros is not None)
+    return out
 
 
 def interpreting() -> bool:

@@ -267,7 +267,7 @@ def selected_backward(do, q, k, v, blocks, o, lse, *, block_slc: int, offset: in
     dv = torch.zeros(v.shape, device=v.device, dtype=torch.float32)
     B, T, HQ, _ = q.shape
     if T:
-        delta = row_dot(o, do).transpose(1, 2).contiguous()   # [B, HQ, T]
+        delta = row_dot(o, do, heads_first=True)  # [B, HQ, T]
         topk = blocks.shape[3]
         grid, strides, dims, sizes = _launch(q, k, v, blocks, block_slc, num_warps=QUERY_WARPS)
         selected_dq_kernel[grid](q, k, v, blocks, do, lse, delta, dq, *strides, *o.stride()[:3], *dims, offset, topk,

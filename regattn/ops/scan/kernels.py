@@ -933,7 +933,9 @@ def backward(do, q, k, v, o, lse, *, causal, window, scale, precision, cu_seqlen
     S, H, DV = k.shape[1], k.shape[2], v.shape[3]
     BLOCK_D, BLOCK_DV = _head_dims(D, DV)
     do = do.contiguous()
-    delta = row_dot(o, do).transpose(1, 2).contiguous()  # [B, HQ, T]
+    fused = q.dtype != torch.float32 and FUSED_DQ and not torch.are_deterministic_algorithms_enabled()
+    dq32 = torch.empty(B, T, HQ, D, dtype=torch.float32, device=q.device) if fused else None
+    delta = row_dot(o, do, heads_first=True, zeros=dq32)  # [B, HQ, T]; dq32 zeroed for its atomics
     dk = torch.empty(B, S, HQ, D, dtype=torch.float32 if HQ != H else k.dtype, device=k.device)
     dv = torch.empty(B, S, HQ, DV, dtype=torch.float32 if HQ != H else v.dtype, device=v.device)
     varlen = cu_seqlens is not None
@@ -948,8 +950,7 @@ def backward(do, q, k, v, o, lse, *, causal, window, scale, precision, cu_seqlen
                 VARLEN=varlen, PREC=prec, ROUND_TF32=_numerics(q.dtype, precision)["ROUND_TF32"])
     common = (T, S, HQ, HQ // H, scale * LOG2E, scale, size_class(B * HQ * T))
     key_grid = lambda m: (ceil_div(max_s or S, m["BLOCK_N"]), nseq * HQ)  # noqa: E731
-    if bfam == "half" and FUSED_DQ and not torch.are_deterministic_algorithms_enabled():  # atomics: any order
-        dq32 = torch.zeros(B, T, HQ, D, dtype=torch.float32, device=q.device)
+    if fused:  # dq added by atomics, in any order
         desc = None if varlen else query_descriptors(q, do, dq32, BLOCK_D, BLOCK_DV, work=B * HQ * T * S * D)
         _launch(FUSED_CONFIGS, _FUSED_TUNED, _bwd_dkdv_kernel, key_grid, q, k, v, do, lse, delta, dk, dv, cu, dq32,
                 *(desc or (q, do, dq32)), *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk),
