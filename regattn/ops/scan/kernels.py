@@ -933,7 +933,8 @@ def backward(do, q, k, v, o, lse, *, causal, window, scale, precision, cu_seqlen
     S, H, DV = k.shape[1], k.shape[2], v.shape[3]
     BLOCK_D, BLOCK_DV = _head_dims(D, DV)
     do = do.contiguous()
-    fused = q.dtype != torch.float32 and FUSED_DQ and not torch.are_deterministic_algorithms_enabled()
+    bfam = "fp32" if q.dtype == torch.float32 else "half"
+    fused = bfam == "half" and FUSED_DQ and not torch.are_deterministic_algorithms_enabled()
     dq32 = torch.empty(B, T, HQ, D, dtype=torch.float32, device=q.device) if fused else None
     delta = row_dot(o, do, heads_first=True, zeros=dq32)  # [B, HQ, T]; dq32 zeroed for its atomics
     dk = torch.empty(B, S, HQ, D, dtype=torch.float32 if HQ != H else k.dtype, device=k.device)
@@ -945,7 +946,6 @@ def backward(do, q, k, v, o, lse, *, causal, window, scale, precision, cu_seqlen
         max_t = max_s = longest_sequence(cu_seqlens, max_seqlen)
     cu = cu_seqlens if varlen else q
     prec = dot_precision(q.dtype, precision)
-    bfam = "fp32" if q.dtype == torch.float32 else "half"
     meta = dict(D=D, DV=DV, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, CAUSAL=causal, WINDOW=window or 0,
                 VARLEN=varlen, PREC=prec, ROUND_TF32=_numerics(q.dtype, precision)["ROUND_TF32"])
     common = (T, S, HQ, HQ // H, scale * LOG2E, scale, size_class(B * HQ * T))
