@@ -182,7 +182,7 @@ def state_rows(T, HQ, GROUPS, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def lla_cg_begin_kernel(Q, K, LAM, PRE, M2, ARGMAX, OMEGA, MT, X, R, P_HI, P_LO, RR, RZ, BOUND,
+def lla_cg_begin_kernel(Q, K, LAM, PRE, M2, ARGMAX, OMEGA, MT, X, R, P, P_HI, P_LO, RR, RZ, BOUND,
                         sqb, sqt, sqh, sqd, skb, sks, skh, skd, slb, slt, slh, sld, spb, sph,
                         T, S, HQ, GROUPS, D, qk_scale2, tol2, pre_first, pre_blocks, SIZE_CLASS,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, WINDOW: tl.constexpr,
@@ -204,22 +204,25 @@ def lla_cg_begin_kernel(Q, K, LAM, PRE, M2, ARGMAX, OMEGA, MT, X, R, P_HI, P_LO,
                             pre_blocks, D, PB, q.dtype, DPREC, PRECOND)
     store_state(X, row0, row_ok, tl.zeros(r.shape, tl.float32))
     store_state(R, row0, row_ok, r)
-    store_search(P_HI, P_LO, row0, row_ok, p)
+    store_search(P, P_HI, P_LO, row0, row_ok, p)
     store_row_scalars(RR, row0, row_ok, rr)
     store_row_scalars(RZ, row0, row_ok, rz)
     store_row_scalars(BOUND, row0, row_ok, tol2 * rr)
 
 
 @triton.jit
-def store_search(P_HI, P_LO, row0, row_ok, p):
-    """The search vectors ``p`` in the two parts of ``split_halves``, in ``P_HI``'s dtype."""
+def store_search(P, P_HI, P_LO, row0, row_ok, p):
+    """The search vectors ``p``: in fp32 for CG's updates, and in the two parts of ``split_halves`` (``P_HI``'s dtype)
+    for the key pass's products, which load them as they are (formed there from ``P``, the step's key loop spilled
+    on sm_90 with the preconditioner)."""
     hi, lo = split_halves(p, P_HI.dtype.element_ty)
+    store_state(P, row0, row_ok, p)
     store_state(P_HI, row0, row_ok, hi)
     store_state(P_LO, row0, row_ok, lo)
 
 
 @triton.jit
-def lla_cg_step_kernel(Q, K, LAM, PRE, M2, OMEGA, MT, X, R, P_HI, P_LO, RR, RZ, BOUND,
+def lla_cg_step_kernel(Q, K, LAM, PRE, M2, OMEGA, MT, X, R, P, P_HI, P_LO, RR, RZ, BOUND,
                        sqb, sqt, sqh, sqd, skb, sks, skh, skd, slb, slt, slh, sld, spb, sph,
                        T, S, HQ, GROUPS, D, qk_scale2, pre_first, pre_blocks, SIZE_CLASS,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, WINDOW: tl.constexpr,
@@ -239,9 +242,7 @@ def lla_cg_step_kernel(Q, K, LAM, PRE, M2, OMEGA, MT, X, R, P_HI, P_LO, RR, RZ, 
         scatter = key_scatter(load_state(P_HI, row0, row_ok, BLOCK_D), load_state(P_LO, row0, row_ok, BLOCK_D), q,
                               tl.load(M2 + row, mask=row_ok, other=0.0), pos0, K + b * skb + hk * skh, sks, skd, lo,
                               hi, S, D, feat, qk_scale2, BLOCK_N, WINDOW, 1, DPREC)
-        # p's parts loaded again rather than held in registers across the key pass
-        p = load_state(P_HI, row0, row_ok, BLOCK_D).to(tl.float32) + \
-            load_state(P_LO, row0, row_ok, BLOCK_D).to(tl.float32)
+        p = load_state(P, row0, row_ok, BLOCK_D)  # loaded again rather than held in registers across the key pass
         lam, lam_min = row_ridge(LAM + b * slb + h * slh, offs_m, feat, slt, sld, T, D)
         omega = tl.load(OMEGA + row, mask=row_ok, other=0.0)
         sp = system_rest(scatter, p, q, load_state(MT, row0, row_ok, BLOCK_D), omega, lam, 1, True)
@@ -252,7 +253,7 @@ def lla_cg_step_kernel(Q, K, LAM, PRE, M2, OMEGA, MT, X, R, P_HI, P_LO, RR, RZ, 
         store_state(R, row0, row_ok, r)
         p, rr, rz = cg_direction(r, p, rr, rz, active, PRE + b * spb + hk * sph, pos0, pre_first, pre_blocks, D, PB,
                                  q.dtype, DPREC, PRECOND)
-        store_search(P_HI, P_LO, row0, row_ok, p)
+        store_search(P, P_HI, P_LO, row0, row_ok, p)
         store_row_scalars(RR, row0, row_ok, rr)
         store_row_scalars(RZ, row0, row_ok, rz)
 
@@ -402,7 +403,7 @@ CG_KERNELS = {"begin": lla_cg_begin_kernel, "step": lla_cg_step_kernel, "end": l
 def tuned_cg_kernels(tiles: dict) -> dict:
     """The CG launches' kernels autotuned over ``tiles`` (as :data:`CG_TILES`), by kernel and fp32 inputs; the
     step kernel updates the state in place, so the autotuner restores it after timing each tile."""
-    state = ["X", "R", "P_HI", "P_LO", "RR", "RZ"]
+    state = ["X", "R", "P", "P_HI", "P_LO", "RR", "RZ"]
     key = ["D", "WINDOW", "SIZE_CLASS"]
     return {name: {fp32: triton.autotune(tile_configs(configs), key=key + (["PRECOND"] if name != "end" else []),
                                          restore_value=state if name == "step" else None)(CG_KERNELS[name])
@@ -425,11 +426,11 @@ def cg_launch(name: str, T: int, fp32: bool):
 
 
 def cg_state(rows: int, block_d: int, dtype: torch.dtype, device) -> dict:
-    """The state of the CG launches for ``rows`` query rows: ``mu~``, the iterate and the residual (fp32), the
-    search vector in two parts of ``dtype`` (``tiles.split_halves``) and per row ``r.r``, ``r.z`` and the bound
-    on ``r.r``."""
+    """The state of the CG launches for ``rows`` query rows: ``mu~``, the iterate, the residual and the search
+    vector (fp32, as the one launch holds them), the search vector's two parts of ``dtype`` that the key pass's
+    products take (``tiles.search_parts``) and per row ``r.r``, ``r.z`` and the bound on ``r.r``."""
     vec = dict(device=device, dtype=torch.float32)
-    state = {name: torch.empty(rows, block_d, **vec) for name in ("MT", "X", "R")}
+    state = {name: torch.empty(rows, block_d, **vec) for name in ("MT", "X", "R", "P")}
     state.update({name: torch.empty(rows, block_d, device=device, dtype=dtype) for name in ("P_HI", "P_LO")})
     state.update({name: torch.empty(rows, 1, **vec) for name in ("RR", "RZ", "BOUND")})
     return state
