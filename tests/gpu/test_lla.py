@@ -75,10 +75,10 @@ def test_converged(dtype, window, backward):
                          ids=["1x1", "2x2", "1x1-shifted", "2x2-shifted"])
 def test_block_diagonal_direct_solves_bf16(blocks, shift):
     """BD-LLA's direct solves, forward and backward: the second moments in four products of bf16 parts with
-    the weights of mu~ (``moment_precision``), the backward's cross terms in tf32x3 (``cross_precision``), where
-    one tf32 or bf16 product would lose the cancellations of keys far from the query. Shifted, every key and
-    query sits 4 per feature off the origin, so ``Sigma_dd`` (about 2 a feature) is an eighth of the second
-    moment it is taken from."""
+    the weights of mu~ (``moment_precision``), the backward's cross terms centred on a tile's mean key or query
+    in one tf32 product (``cross_precision``), where uncentred they would lose the cancellations of keys far
+    from the origin. Shifted, every key and query sits 4 per feature off the origin, so ``Sigma_dd`` (about 2 a
+    feature) is an eighth of the second moment it is taken from."""
     check_converged(BF16, blocks=blocks, shift=shift)
 
 

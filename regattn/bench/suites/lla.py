@@ -77,8 +77,8 @@ def latency_solves(D: int, cg: int | None) -> list[dict]:
 
 def training_solves(D: int, cg: int | None) -> list[dict]:
     """The kernels' solves timed forward and backward: FlashLLA with ``cg`` (default 8) CG iterations and
-    BD-LLA's direct solve of g = D."""
-    return [dict(cg_iters=cg or 8), dict(blocks=D)]
+    BD-LLA's direct solves (g = D, and D/2 without ``cg``)."""
+    return [dict(cg_iters=cg or 8), dict(blocks=D)] + ([] if cg else [dict(blocks=D // 2)])
 
 
 def latency_cases(shape, setup):

@@ -18,7 +18,8 @@ BD-LLA with direct solves (``BD = 1``: 1 x 1 blocks, ``BD = 2``: 2 x 2 blocks on
 its diagonal ``h0 = rho (u - beta rho)`` and, for pairs, the off-diagonal ``hs_d = (h1_d + h1_{d xor 1}) / 2``
 with ``h1_d = rho_d (u_{d xor 1} - beta rho_{d xor 1})``. The quadratic ``a b - beta a^2`` of the w-path
 becomes ``sum_d z_d^2 h0_d + sum_d z_d z_{d xor 1} h1_d`` and the z-path's ``F rho + w a u`` becomes
-``-c rho + 2 w (h0 z + hs z_swap)``.
+``-c rho + 2 w (h0 z + hs z_swap)``; both are formed from keys and queries less the mean of the program's own key
+(kernel 2) or query tile (kernel 1), see ``cross_quad``.
 
 Kernel 1 runs per query tile (the solve for ``u``, then dq); kernel 2 per key tile (dk, dv), summing
 the query heads of a GQA group in one program.
@@ -53,14 +54,36 @@ def pair_terms(w, gamma, a, om, bu, beta, delta_safe):
 
 
 @triton.jit
-def cross_quad(h, q32, qs32, kt, kst, PREC: tl.constexpr):
-    """``sum_d z_ijd z_ije h_id`` on a tile with ``e`` the column of ``kst``/``qs32`` (``d`` itself or its
-    partner ``d xor 1``), fp32 ``[BM, BN]``: ``h.(k k') - (h q).k' - (h q').k + sum h q q'``, whose terms cancel
-    where keys sit far from the query: ``PREC`` (``forward.cross_precision``) keeps fp32 accuracy."""
-    k32 = kt.to(tl.float32)
-    ks32 = kst.to(tl.float32)
-    return (tl.dot(h, k32 * ks32, input_precision=PREC) - tl.dot(h * q32, ks32, input_precision=PREC)
-            - tl.dot(h * qs32, k32, input_precision=PREC) + tl.sum(h * q32 * qs32, 1)[:, None])
+def feature_mean(x, ok, AXIS: tl.constexpr):
+    """Mean of ``x`` over the entries of ``AXIS`` where ``ok`` (0 where none is): the centre of the cross terms."""
+    xs = tl.where(ok, x, 0.0)
+    return tl.sum(xs, AXIS) / tl.maximum(tl.sum(tl.where(ok, 1.0, 0.0), AXIS), 1.0)
+
+
+@triton.jit
+def cross_quad(hd, h1, lin, const, kc, ksc, BD: tl.constexpr, PREC: tl.constexpr):
+    """``sum_d h0_d z_d^2 (+ sum_d h1_d z_d z_(d xor 1))`` on a ``[BM, BN]`` tile, ``z_ij = k_j - q_i``, from keys
+    and queries less a shared centre ``c`` (``kc = k - c``, ``ksc`` its partner features, ``[BD, BN]``):
+    ``h0.kc^2 (+ h1.(kc ksc)) - lin.kc + const`` with the row terms ``lin`` and ``const`` of :func:`cross_rows`.
+    Centred, no term is much larger than the result unless a key sits nearer a query than to the centre, so
+    one ``PREC`` product of each keeps the accuracy that uncentred terms (``k^2`` against ``2 q k``) needed
+    three tf32 products for."""
+    quad = tl.dot(hd, kc * kc, input_precision=PREC) - tl.dot(lin, kc, input_precision=PREC) + const[:, None]
+    if BD == 2:
+        quad += tl.dot(h1, kc * ksc, input_precision=PREC)
+    return quad
+
+
+@triton.jit
+def cross_rows(hd, h1, qc, qsc, BD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """``(lin, const)`` of :func:`cross_quad` for centred queries ``qc`` (``qsc``: partner features):
+    ``lin = 2 h0 qc (+ swap(h1 qc) + h1 qsc)``, ``const = sum h0 qc^2 (+ sum h1 qc qsc)``."""
+    lin = 2.0 * hd * qc
+    const = tl.sum(hd * qc * qc, 1)
+    if BD == 2:
+        lin += swap_pairs(h1 * qc, BLOCK_M, BLOCK_D) + h1 * qsc
+        const += tl.sum(h1 * qc * qsc, 1)
+    return lin, const
 
 
 @triton.jit
@@ -128,7 +151,6 @@ def lla_bwd_q_kernel(Q, K, V, LAM, DO, RHO, DELTA, M2, OMEGA, CENTRE, DQ, U, BET
     # the second solve (eq. 37) and dmu (eq. 38)
     y = ck - csum[:, None] * q32
     mu = mt - omega[:, None] * q32
-    qs32 = swap_pairs(q32, BLOCK_M, BLOCK_D)
     sdiag = kk - 2.0 * q32 * mt + omega[:, None] * q32 * q32 + lam
     if BD == 1:
         u = y / tl.where(sdiag == 0.0, 1.0, sdiag)
@@ -145,7 +167,12 @@ def lla_bwd_q_kernel(Q, K, V, LAM, DO, RHO, DELTA, M2, OMEGA, CENTRE, DQ, U, BET
     h1 = rho * (swap_pairs(u, BLOCK_M, BLOCK_D) - beta[:, None] * swap_pairs(rho, BLOCK_M, BLOCK_D))
     hs = 0.5 * (h1 + swap_pairs(h1, BLOCK_M, BLOCK_D))  # its pair entries (BD = 2)
 
-    # pass B: dq through the w-path and the z-path, and dm for the row maximum
+    # pass B: dq through the w-path and the z-path, and dm for the row maximum; the cross terms centred on
+    # the tile's mean query
+    centre_q = feature_mean(q32, row_ok[:, None], 0)
+    centre_s = tl.reshape(swap_pairs(centre_q[None, :], 1, BLOCK_D), (BLOCK_D,))  # the partner features'
+    qc = q32 - centre_q[None, :]
+    lin, const = cross_rows(hd, h1, qc, swap_pairs(qc, BLOCK_M, BLOCK_D), BD, BLOCK_M, BLOCK_D)
     dq = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     dwsum = tl.zeros((BLOCK_M,), tl.float32)
     fsum = tl.zeros((BLOCK_M,), tl.float32)
@@ -161,9 +188,11 @@ def lla_bwd_q_kernel(Q, K, V, LAM, DO, RHO, DELTA, M2, OMEGA, CENTRE, DQ, U, BET
         bu = relmm_tile(u, q32, kt, DPREC)
         s, dw, f, g = pair_terms(w, gamma, a, om, bu, beta, delta_safe)
         if BD > 0:
-            quad = cross_quad(hd, q32, q32, kt, kt, XPREC)
+            kc = kt.to(tl.float32) - centre_q[:, None]
+            ksc = kc
             if BD == 2:
-                quad += cross_quad(h1, q32, qs32, kt, load_cols(Kb, offs_n, offs_d ^ 1, sks, skd, S, D), XPREC)
+                ksc = load_cols(Kb, offs_n, offs_d ^ 1, sks, skd, S, D).to(tl.float32) - centre_s[:, None]
+            quad = cross_quad(hd, h1, lin, const, kc, ksc, BD, XPREC)
             dw = gamma * s + w * (2.0 * beta[:, None] * a - bu - beta[:, None] + quad)
         dq += tl.dot(dw.to(kt.dtype), tl.trans(kt), input_precision=DPREC)
         dwsum += tl.sum(dw, 1)
@@ -208,7 +237,17 @@ def lla_bwd_kv_kernel(Q, K, V, DO, RHO, U, DELTA, M2, OMEGA, CENTRE, BETA, DK, D
         i_hi = tl.minimum(start_n + BLOCK_N - 1 + WINDOW - 1 - (S - T) + 1, T)
     dk = tl.zeros((BLOCK_D, BLOCK_N), tl.float32)
     dv = tl.zeros((BLOCK_DV, BLOCK_N), tl.float32)
-    kst = load_cols(K + b * skb + hk * skh, offs_n, offs_d ^ 1, sks, skd, S, D)  # partner features (BD = 2)
+    # the block-diagonal variants' cross terms, centred on the tile's mean key (``cross_quad``); ksc: the partner
+    # features (BD = 2), their centre the same means swapped
+    col_ok = offs_n < S
+    centre_k = feature_mean(kt.to(tl.float32), col_ok[None, :], 1)
+    kc = kt.to(tl.float32) - centre_k[:, None]
+    centre_s = centre_k
+    ksc = kc
+    if BD == 2:
+        kst = load_cols(K + b * skb + hk * skh, offs_n, offs_d ^ 1, sks, skd, S, D).to(tl.float32)
+        centre_s = feature_mean(kst, col_ok[None, :], 1)
+        ksc = kst - centre_s[:, None]
     wh = tl.zeros((BLOCK_D, BLOCK_N), tl.float32)   # sum_i w_ij h0_i (BD > 0)
     whs = tl.zeros((BLOCK_D, BLOCK_N), tl.float32)  # sum_i w_ij hs_i (BD = 2)
     for g in range(GROUPS):
@@ -241,25 +280,32 @@ def lla_bwd_kv_kernel(Q, K, V, DO, RHO, U, DELTA, M2, OMEGA, CENTRE, BETA, DK, D
             dmu = 2.0 * beta[:, None] * rho - u
             if BD > 0:
                 hd = rho * (u - beta[:, None] * rho)
-                quad = cross_quad(hd, q32, q32, kt, kt, XPREC)
+                qc = q32 - centre_k[None, :]
+                h1 = hd
+                hs = hd
+                qsc = qc
                 if BD == 2:
                     vec_s = ((b * T + offs_m[:, None]) * HQ + h) * D + (offs_d ^ 1)[None, :]
                     rho_s = tl.load(RHO + vec_s, mask=vec_ok, other=0.0)
                     u_s = tl.load(U + vec_s, mask=vec_ok, other=0.0)
-                    qs32 = load_rows(Q + b * sqb + h * sqh, offs_m, offs_d ^ 1, sqt, sqd, T, D).to(tl.float32)
+                    qsc = load_rows(Q + b * sqb + h * sqh, offs_m, offs_d ^ 1, sqt, sqd, T, D).to(tl.float32)
+                    qsc -= centre_s[None, :]
                     h1 = rho * (u_s - beta[:, None] * rho_s)
                     hs = 0.5 * (h1 + rho_s * (u - beta[:, None] * rho))
-                    quad += cross_quad(h1, q32, qs32, kt, kst, XPREC)
-                    dk -= 2.0 * tl.dot(tl.trans(hs * qs32), w, input_precision=XPREC)
                     whs += tl.dot(tl.trans(hs), w, input_precision=XPREC)
+                lin, const = cross_rows(hd, h1, qc, qsc, BD, BLOCK_M, BLOCK_D)
+                quad = cross_quad(hd, h1, lin, const, kc, ksc, BD, XPREC)
                 dw = gamma * s + w * (2.0 * beta[:, None] * a - bu - beta[:, None] + quad)
                 f = -gamma * w / delta_safe[:, None]   # -c: the rho term of dL/dz
-                dk -= 2.0 * tl.dot(tl.trans(hd * q32), w, input_precision=XPREC)
                 wh += tl.dot(tl.trans(hd), w, input_precision=XPREC)
+                # w dmu and the centred queries' share of 2 sum_i w_ij (h0_i z_ij + hs_i z_ij,swap)
+                zq = hd * qc
+                if BD == 2:
+                    zq += hs * qsc
+                dk += tl.dot(tl.trans(dmu - 2.0 * zq), w, input_precision=XPREC)
             # column reductions, kept transposed ([D, BN]) so every product is a plain tl.dot
             dk += scale * tl.dot(tl.trans(q), dw.to(q.dtype), input_precision=DPREC)
             if BD > 0:
-                dk += tl.dot(tl.trans(dmu.to(q.dtype)), w.to(q.dtype), input_precision=DPREC)
                 dk += tl.dot(tl.trans(rho.to(q.dtype)), f.to(q.dtype), input_precision=DPREC)
             else:  # dL/dz_ij = w_ij dmu_i + f_ij rho_i + w_ij a_ij u_i
                 #            = rho_i (w_ij (2 beta_i om_ij + z_ij.u_i) - c_ij) - u_i w_ij om_ij
@@ -270,11 +316,10 @@ def lla_bwd_kv_kernel(Q, K, V, DO, RHO, U, DELTA, M2, OMEGA, CENTRE, BETA, DK, D
                 dk += tl.dot(tl.trans(rho.to(q.dtype)), rho_coef.to(q.dtype), input_precision=DPREC)
                 dk -= tl.dot(tl.trans(u.to(q.dtype)), wom.to(q.dtype), input_precision=DPREC)
             dv += tl.dot(tl.trans(do), s.to(do.dtype), input_precision=DPREC)
-    if BD > 0:  # 2 sum_i w_ij (h0_i k_j + hs_i k_j,swap)
-        dk += 2.0 * kt.to(tl.float32) * wh
+    if BD > 0:  # the centred keys' share: 2 sum_i w_ij (h0_i kc_j + hs_i ksc_j)
+        dk += 2.0 * kc * wh
     if BD == 2:
-        dk += 2.0 * kst.to(tl.float32) * whs
-    col_ok = offs_n < S
+        dk += 2.0 * ksc * whs
     dk_ptrs = DK + ((b * S + offs_n[None, :]) * H + hk) * D + offs_d[:, None]
     tl.store(dk_ptrs, dk, mask=col_ok[None, :] & (offs_d < D)[:, None])
     dv_ptrs = DV_OUT + ((b * S + offs_n[None, :]) * H + hk) * DV + offs_dv[:, None]
@@ -283,13 +328,22 @@ def lla_bwd_kv_kernel(Q, K, V, DO, RHO, U, DELTA, M2, OMEGA, CENTRE, BETA, DK, D
 
 # fp16/bf16 tiles (BLOCK_M, BLOCK_N, num_warps, num_stages) beyond D = 64 that the autotuner times on a GPU,
 # for full LLA (False) and the block-diagonal variants (True); the first is the fixed tile (AUTOTUNE off).
-# The sm_90 compile at D = 128, bf16 (stack bytes of the q and kv kernels): CG 1768 / 1712 at 64 x 64 on 8
-# warps, 0 / 352 at 32 x 32 on 8; 2 x 2 blocks 4504 / 18048 at 32 x 32 on 4 warps, 1288 / 7704 at 32 x 16 on
-# 8; 1 x 1 blocks 1768 / 13256 and 416 / 5080. The forward's spill-free 32-row tile was the slower one on the
-# H100 (see forward.FORWARD_TILES), so the former tiles are timed beside these. Full LLA's forward+backward
-# (B 4, H 16, T 8192, D 128, bf16, cg=8, each tile alone) took 267 ms with 128 x 64 on 8 warps, whose
-# warpgroups own 64 rows each, 280 with 64 x 64 on 4 warps, 316 with 64 x 64 on 8 and 511 with 32 x 32.
-BACKWARD_TILES = {False: [(32, 32, 8, 1), (64, 64, 8, 1), (128, 64, 8, 1)], True: [(32, 16, 8, 1), (32, 32, 4, 1)]}
+# Full LLA: the sm_90 compile at D = 128, bf16 (stack bytes of the q and kv kernels): 1768 / 1712 at 64 x 64 on
+# 8 warps, 0 / 352 at 32 x 32 on 8. The forward's spill-free 32-row tile was the slower one on the H100 (see
+# forward.FORWARD_TILES), so the former tiles are timed beside these. Forward+backward (B 4, H 16, T 8192,
+# D 128, bf16, cg=8, each tile alone) took 267 ms with 128 x 64 on 8 warps, whose warpgroups own 64 rows each,
+# 280 with 64 x 64 on 4 warps, 316 with 64 x 64 on 8 and 511 with 32 x 32.
+# Block-diagonal, with the centred cross terms in tf32 (``python -m regattn.bench.registers lla_bwd --kinds diag
+# pairs --candidates``): every tile spills in the kv kernel; 1 x 1 blocks, stack bytes of the q / kv kernel and
+# the kv kernel's key-loop instructions a query-key pair (all warps): 1080 / 2984 and 21 at 32 x 32 on 4 warps,
+# 104 / 1344 and 19 at 16 x 32 on 4, 40 / 1032 and 17 at 16 x 64 on 8, - / 4312 and 11 at 64 x 64 on 8 (the q
+# kernel's shared memory is over 227 KiB there). On the H200 at the shape above (bf16, 1 x 1 blocks, as the
+# autotuner timed them): the q kernel 82 ms at 32 x 32 on 4 warps (101 at 16 x 32 on 4, 112 at 16 x 64 on 8, 172
+# at 16 x 32 on 8); the kv kernel 187 ms at 16 x 64 on 8 (253 at 16 x 32 on 4, 257 at 16 x 32 on 8, 337 at 64 x 64
+# on 8, 503 at 32 x 32 on 4); forward and backward 292 ms, 972 with the uncentred cross terms in three tf32
+# products. With 2 x 2 blocks the kv kernel took 724 ms at 16 x 64 on 8 (882 to 1920 at the others).
+BACKWARD_TILES = {False: [(32, 32, 8, 1), (64, 64, 8, 1), (128, 64, 8, 1)],
+                  True: [(16, 32, 4, 1), (32, 32, 4, 1), (16, 32, 8, 1), (16, 64, 8, 1)]}
 AUTOTUNE = True
 
 

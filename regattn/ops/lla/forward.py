@@ -324,9 +324,9 @@ def moment_precision(dtype: torch.dtype) -> str:
 
 
 def cross_precision(dtype: torch.dtype) -> str:
-    """The backward's cross-term products of fp32 factors (``backward.cross_quad``): exact for fp32 inputs,
-    else three tf32 products (about fp32 accuracy)."""
-    return "ieee" if dtype == torch.float32 else "tf32x3"
+    """The backward's cross-term products of fp32 factors (``backward.cross_quad``, centred): exact for fp32
+    inputs, else one tf32 product."""
+    return "ieee" if dtype == torch.float32 else "tf32"
 
 
 # The tiles (BLOCK_M, BLOCK_N, num_warps, num_stages) the autotuner times on a GPU, by (fp32 inputs, narrow
