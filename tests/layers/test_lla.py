@@ -8,6 +8,10 @@ from tests.helpers import randn, rel_err
 
 @pytest.mark.parametrize("lam,window,blocks", [("head", None, None), ("dim", 5, 2)])
 def test_generation_matches_full_forward(lam, window, blocks):
+    """Prefill then steps give the full forward's output up to float64 rounding, which BD-LLA's solve amplifies
+    where its denominator ``omega - mu.rho`` nears zero: over 300 draws the largest error was 7.6e-12, and one
+    draw gave 1.0e-10 at a single row, which a 1e-15 relative change of the inputs moves by 9e-10 in the full
+    forward itself. A cache that loses or repeats a token is wrong by order one."""
     torch.manual_seed(0)
     layer = LLA(16, 4, num_kv_heads=2, lam=lam, window=window, blocks=blocks, cg_iters=None, rope=True,
                 backend="torch").double()
@@ -18,7 +22,7 @@ def test_generation_matches_full_forward(lam, window, blocks):
     for t in range(6, 11, 2):
         y, cache = layer.step(x[:, t:t + 2], cache)
         outs.append(y)
-    assert rel_err(torch.cat(outs, 1), full) < 1e-10
+    assert rel_err(torch.cat(outs, 1), full) < 1e-8
     if window is not None:
         assert cache.k.shape[1] == window
 
