@@ -37,7 +37,7 @@ from regattn.ops._common.ints import ceil_div
 from regattn.ops.lla.forward import cross_precision, lam_tensor, moment_precision
 from regattn.ops.lla.tiles import (
     cg_solve, load_cols, load_rows, one_minus_a, pair_moments, pair_solve, query_head, query_key_tiles,
-    relmm_tile, smallest_ridge, split_dot, square_moments, swap_pairs, tile_weights,
+    relmm_tile, smallest_ridge, split_dot, square_moments, swap_key_pairs, swap_pairs, tile_weights,
 )
 
 
@@ -170,7 +170,6 @@ def lla_bwd_q_kernel(Q, K, V, LAM, DO, RHO, DELTA, M2, OMEGA, CENTRE, DQ, U, BET
     # pass B: dq through the w-path and the z-path, and dm for the row maximum; the cross terms centred on
     # the tile's mean query
     centre_q = feature_mean(q32, row_ok[:, None], 0)
-    centre_s = tl.reshape(swap_pairs(centre_q[None, :], 1, BLOCK_D), (BLOCK_D,))  # the partner features'
     qc = q32 - centre_q[None, :]
     lin, const = cross_rows(hd, h1, qc, swap_pairs(qc, BLOCK_M, BLOCK_D), BD, BLOCK_M, BLOCK_D)
     dq = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
@@ -191,7 +190,7 @@ def lla_bwd_q_kernel(Q, K, V, LAM, DO, RHO, DELTA, M2, OMEGA, CENTRE, DQ, U, BET
             kc = kt.to(tl.float32) - centre_q[:, None]
             ksc = kc
             if BD == 2:
-                ksc = load_cols(Kb, offs_n, offs_d ^ 1, sks, skd, S, D).to(tl.float32) - centre_s[:, None]
+                ksc = swap_key_pairs(kc)
             quad = cross_quad(hd, h1, lin, const, kc, ksc, BD, XPREC)
             dw = gamma * s + w * (2.0 * beta[:, None] * a - bu - beta[:, None] + quad)
         dq += tl.dot(dw.to(kt.dtype), tl.trans(kt), input_precision=DPREC)
@@ -238,16 +237,13 @@ def lla_bwd_kv_kernel(Q, K, V, DO, RHO, U, DELTA, M2, OMEGA, CENTRE, BETA, DK, D
     dk = tl.zeros((BLOCK_D, BLOCK_N), tl.float32)
     dv = tl.zeros((BLOCK_DV, BLOCK_N), tl.float32)
     # the block-diagonal variants' cross terms, centred on the tile's mean key (``cross_quad``); ksc: the partner
-    # features (BD = 2), their centre the same means swapped
+    # features of the centred keys (BD = 2)
     col_ok = offs_n < S
     centre_k = feature_mean(kt.to(tl.float32), col_ok[None, :], 1)
     kc = kt.to(tl.float32) - centre_k[:, None]
-    centre_s = centre_k
     ksc = kc
     if BD == 2:
-        kst = load_cols(K + b * skb + hk * skh, offs_n, offs_d ^ 1, sks, skd, S, D).to(tl.float32)
-        centre_s = feature_mean(kst, col_ok[None, :], 1)
-        ksc = kst - centre_s[:, None]
+        ksc = swap_key_pairs(kc)
     wh = tl.zeros((BLOCK_D, BLOCK_N), tl.float32)   # sum_i w_ij h0_i (BD > 0)
     whs = tl.zeros((BLOCK_D, BLOCK_N), tl.float32)  # sum_i w_ij hs_i (BD = 2)
     for g in range(GROUPS):
@@ -285,11 +281,9 @@ def lla_bwd_kv_kernel(Q, K, V, DO, RHO, U, DELTA, M2, OMEGA, CENTRE, BETA, DK, D
                 hs = hd
                 qsc = qc
                 if BD == 2:
-                    vec_s = ((b * T + offs_m[:, None]) * HQ + h) * D + (offs_d ^ 1)[None, :]
-                    rho_s = tl.load(RHO + vec_s, mask=vec_ok, other=0.0)
-                    u_s = tl.load(U + vec_s, mask=vec_ok, other=0.0)
-                    qsc = load_rows(Q + b * sqb + h * sqh, offs_m, offs_d ^ 1, sqt, sqd, T, D).to(tl.float32)
-                    qsc -= centre_s[None, :]
+                    rho_s = swap_pairs(rho, BLOCK_M, BLOCK_D)
+                    u_s = swap_pairs(u, BLOCK_M, BLOCK_D)
+                    qsc = swap_pairs(qc, BLOCK_M, BLOCK_D)
                     h1 = rho * (u_s - beta[:, None] * rho_s)
                     hs = 0.5 * (h1 + rho_s * (u - beta[:, None] * rho))
                     whs += tl.dot(tl.trans(hs), w, input_precision=XPREC)

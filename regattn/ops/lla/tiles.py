@@ -500,6 +500,12 @@ def swap_pairs(x, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
 
 
 @triton.jit
+def swap_key_pairs(kt):
+    """Row ``d`` of the result is row ``d xor 1`` of ``kt [BD, BN]`` (the partner feature of each key)."""
+    return tl.reshape(tl.flip(tl.reshape(kt, (kt.shape[0] // 2, 2, kt.shape[1])), 1), kt.shape)
+
+
+@triton.jit
 def pair_halves(x):
     """``(x[:, 0::2], x[:, 1::2])`` of ``x [R, BD]``: features ``2d`` and ``2d + 1``, ``[R, BD // 2]`` each."""
     return tl.split(tl.reshape(x, (x.shape[0], x.shape[1] // 2, 2)))
