@@ -19,7 +19,7 @@ its diagonal ``h0 = rho (u - beta rho)`` and, for pairs, the off-diagonal ``hs_d
 with ``h1_d = rho_d (u_{d xor 1} - beta rho_{d xor 1})``. The quadratic ``a b - beta a^2`` of the w-path
 becomes ``sum_d z_d^2 h0_d + sum_d z_d z_{d xor 1} h1_d`` and the z-path's ``F rho + w a u`` becomes
 ``-c rho + 2 w (h0 z + hs z_swap)``; both are formed from keys and queries less the mean of the program's own key
-(kernel 2) or query tile (kernel 1), see ``cross_quad``.
+tile (kernel 2) or query tile (kernel 1), see ``cross_quad``.
 
 Kernel 1 runs per query tile (the solve for ``u``, then dq); kernel 2 per key tile (dk, dv), summing
 the query heads of a GQA group in one program.
@@ -65,9 +65,9 @@ def cross_quad(hd, h1, lin, const, kc, ksc, BD: tl.constexpr, PREC: tl.constexpr
     """``sum_d h0_d z_d^2 (+ sum_d h1_d z_d z_(d xor 1))`` on a ``[BM, BN]`` tile, ``z_ij = k_j - q_i``, from keys
     and queries less a shared centre ``c`` (``kc = k - c``, ``ksc`` its partner features, ``[BD, BN]``):
     ``h0.kc^2 (+ h1.(kc ksc)) - lin.kc + const`` with the row terms ``lin`` and ``const`` of :func:`cross_rows`.
-    Centred, no term is much larger than the result unless a key sits nearer a query than to the centre, so
-    one ``PREC`` product of each keeps the accuracy that uncentred terms (``k^2`` against ``2 q k``) needed
-    three tf32 products for."""
+    Centred, no term is much larger than the result unless a key and a query sit much nearer each other than
+    to the centre, so one ``PREC`` product of each keeps the accuracy that uncentred terms (``k^2`` against
+    ``2 q k``) needed three tf32 products for."""
     quad = tl.dot(hd, kc * kc, input_precision=PREC) - tl.dot(lin, kc, input_precision=PREC) + const[:, None]
     if BD == 2:
         quad += tl.dot(h1, kc * ksc, input_precision=PREC)
