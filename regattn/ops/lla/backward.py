@@ -37,7 +37,7 @@ from regattn.ops._common.ints import ceil_div
 from regattn.ops.lla.forward import cross_precision, lam_tensor, moment_precision
 from regattn.ops.lla.tiles import (
     cg_solve, load_cols, load_rows, one_minus_a, pair_moments, pair_solve, query_head, query_key_tiles,
-    relmm_tile, smallest_ridge, split_dot, square_moments, swap_key_pairs, swap_pairs, tile_weights,
+    relmm_tile, smallest_ridge, split_dot, square_moments, swap_pairs, tile_weights,
 )
 
 
@@ -75,13 +75,13 @@ def cross_quad(hd, h1, lin, const, kc, ksc, BD: tl.constexpr, PREC: tl.constexpr
 
 
 @triton.jit
-def cross_rows(hd, h1, qc, qsc, BD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+def cross_rows(hd, h1, qc, qsc, BD: tl.constexpr):
     """``(lin, const)`` of :func:`cross_quad` for centred queries ``qc`` (``qsc``: partner features):
     ``lin = 2 h0 qc (+ swap(h1 qc) + h1 qsc)``, ``const = sum h0 qc^2 (+ sum h1 qc qsc)``."""
     lin = 2.0 * hd * qc
     const = tl.sum(hd * qc * qc, 1)
     if BD == 2:
-        lin += swap_pairs(h1 * qc, BLOCK_M, BLOCK_D) + h1 * qsc
+        lin += swap_pairs(h1 * qc, 1) + h1 * qsc
         const += tl.sum(h1 * qc * qsc, 1)
     return lin, const
 
@@ -164,14 +164,15 @@ def lla_bwd_q_kernel(Q, K, V, LAM, DO, RHO, DELTA, M2, OMEGA, CENTRE, DQ, U, BET
                      qk_scale2, iters, tol2, Kb, 0, 1, BLOCK_N, WINDOW, 1, DPREC, False, False, 1) + beta[:, None] * rho
     dmu = 2.0 * beta[:, None] * rho - u
     hd = rho * (u - beta[:, None] * rho)  # diagonal of the masked dL/dSigma
-    h1 = rho * (swap_pairs(u, BLOCK_M, BLOCK_D) - beta[:, None] * swap_pairs(rho, BLOCK_M, BLOCK_D))
-    hs = 0.5 * (h1 + swap_pairs(h1, BLOCK_M, BLOCK_D))  # its pair entries (BD = 2)
+    h1 = rho * (swap_pairs(u, 1) - beta[:, None] * swap_pairs(rho, 1))
+    hs = 0.5 * (h1 + swap_pairs(h1, 1))  # its pair entries (BD = 2)
 
     # pass B: dq through the w-path and the z-path, and dm for the row maximum; the cross terms centred on
     # the tile's mean query
-    centre_q = feature_mean(q32, row_ok[:, None], 0)
-    qc = q32 - centre_q[None, :]
-    lin, const = cross_rows(hd, h1, qc, swap_pairs(qc, BLOCK_M, BLOCK_D), BD, BLOCK_M, BLOCK_D)
+    if BD > 0:
+        centre_q = feature_mean(q32, row_ok[:, None], 0)
+        qc = q32 - centre_q[None, :]
+        lin, const = cross_rows(hd, h1, qc, swap_pairs(qc, 1), BD)
     dq = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     dwsum = tl.zeros((BLOCK_M,), tl.float32)
     fsum = tl.zeros((BLOCK_M,), tl.float32)
@@ -190,7 +191,7 @@ def lla_bwd_q_kernel(Q, K, V, LAM, DO, RHO, DELTA, M2, OMEGA, CENTRE, DQ, U, BET
             kc = kt.to(tl.float32) - centre_q[:, None]
             ksc = kc
             if BD == 2:
-                ksc = swap_key_pairs(kc)
+                ksc = swap_pairs(kc, 0)
             quad = cross_quad(hd, h1, lin, const, kc, ksc, BD, XPREC)
             dw = gamma * s + w * (2.0 * beta[:, None] * a - bu - beta[:, None] + quad)
         dq += tl.dot(dw.to(kt.dtype), tl.trans(kt), input_precision=DPREC)
@@ -200,7 +201,7 @@ def lla_bwd_q_kernel(Q, K, V, LAM, DO, RHO, DELTA, M2, OMEGA, CENTRE, DQ, U, BET
     if BD > 0:  # sum_j dL/dz_ij = -sum_j c_ij rho + omega dmu + 2 (h0 mu + hs mu_swap)
         zsum = omega[:, None] * dmu - csum[:, None] * rho + 2.0 * hd * mu
         if BD == 2:
-            zsum += 2.0 * hs * swap_pairs(mu, BLOCK_M, BLOCK_D)
+            zsum += 2.0 * hs * swap_pairs(mu, 1)
         dq = scale * dq - zsum
     else:
         dq = scale * dq - (omega[:, None] * dmu + fsum[:, None] * rho + gsum[:, None] * u)
@@ -243,7 +244,7 @@ def lla_bwd_kv_kernel(Q, K, V, DO, RHO, U, DELTA, M2, OMEGA, CENTRE, BETA, DK, D
     kc = kt.to(tl.float32) - centre_k[:, None]
     ksc = kc
     if BD == 2:
-        ksc = swap_key_pairs(kc)
+        ksc = swap_pairs(kc, 0)
     wh = tl.zeros((BLOCK_D, BLOCK_N), tl.float32)   # sum_i w_ij h0_i (BD > 0)
     whs = tl.zeros((BLOCK_D, BLOCK_N), tl.float32)  # sum_i w_ij hs_i (BD = 2)
     for g in range(GROUPS):
@@ -281,13 +282,13 @@ def lla_bwd_kv_kernel(Q, K, V, DO, RHO, U, DELTA, M2, OMEGA, CENTRE, BETA, DK, D
                 hs = hd
                 qsc = qc
                 if BD == 2:
-                    rho_s = swap_pairs(rho, BLOCK_M, BLOCK_D)
-                    u_s = swap_pairs(u, BLOCK_M, BLOCK_D)
-                    qsc = swap_pairs(qc, BLOCK_M, BLOCK_D)
+                    rho_s = swap_pairs(rho, 1)
+                    u_s = swap_pairs(u, 1)
+                    qsc = swap_pairs(qc, 1)
                     h1 = rho * (u_s - beta[:, None] * rho_s)
                     hs = 0.5 * (h1 + rho_s * (u - beta[:, None] * rho))
                     whs += tl.dot(tl.trans(hs), w, input_precision=XPREC)
-                lin, const = cross_rows(hd, h1, qc, qsc, BD, BLOCK_M, BLOCK_D)
+                lin, const = cross_rows(hd, h1, qc, qsc, BD)
                 quad = cross_quad(hd, h1, lin, const, kc, ksc, BD, XPREC)
                 dw = gamma * s + w * (2.0 * beta[:, None] * a - bu - beta[:, None] + quad)
                 f = -gamma * w / delta_safe[:, None]   # -c: the rho term of dL/dz

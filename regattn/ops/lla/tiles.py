@@ -494,15 +494,14 @@ def guarded_denominator(delta, omega, mu, lam_min, FULL: tl.constexpr):
 
 
 @triton.jit
-def swap_pairs(x, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Column ``d`` of the result is column ``d xor 1`` of ``x [BM, BD]`` (the partner feature)."""
-    return tl.reshape(tl.flip(tl.reshape(x, (BLOCK_M, BLOCK_D // 2, 2)), 2), (BLOCK_M, BLOCK_D))
-
-
-@triton.jit
-def swap_key_pairs(kt):
-    """Row ``d`` of the result is row ``d xor 1`` of ``kt [BD, BN]`` (the partner feature of each key)."""
-    return tl.reshape(tl.flip(tl.reshape(kt, (kt.shape[0] // 2, 2, kt.shape[1])), 1), kt.shape)
+def swap_pairs(x, AXIS: tl.constexpr):
+    """Entry ``d`` along ``AXIS`` of ``x`` (2-D) becomes entry ``d xor 1``: the partner feature of each row
+    (``AXIS = 1``, ``[BM, BD]``) or of each key (``AXIS = 0``, ``[BD, BN]``)."""
+    if AXIS == 0:
+        pairs = tl.flip(tl.reshape(x, (x.shape[0] // 2, 2, x.shape[1])), 1)
+    else:
+        pairs = tl.flip(tl.reshape(x, (x.shape[0], x.shape[1] // 2, 2)), 2)
+    return tl.reshape(pairs, x.shape)
 
 
 @triton.jit
