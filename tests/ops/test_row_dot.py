@@ -43,3 +43,15 @@ def test_wrong_zeros_refused(zeros):
     a, b = _pair((2, 37, 3, 24), torch.float16)
     with pytest.raises(ValueError, match="zeros"):
         row_dot(a, b, zeros=zeros.to(DEVICE))
+
+
+def test_heads_first_needs_four_dims():
+    a, b = _pair((37, 3, 24), torch.float16)
+    with pytest.raises(ValueError, match="heads_first"):
+        row_dot(a, b, heads_first=True)
+
+
+def test_zeros_on_another_device_refused():
+    a, b = _pair((2, 37, 3, 24), torch.float16)
+    with pytest.raises(ValueError, match="zeros"):
+        row_dot(a, b, zeros=torch.empty(2, 37, 3, 8, device="meta"))

@@ -314,12 +314,14 @@ def row_dot(a: torch.Tensor, b: torch.Tensor, *, heads_first: bool = False, zero
     T = H = 1
     shape = a.shape[:-1]
     if heads_first:
+        if a.dim() != 4:
+            raise ValueError(f"a: heads_first takes [B, T, H, D], got shape {tuple(a.shape)}")
         Bh, T, H = shape
         shape = (Bh, H, T)
     if zeros is not None and (zeros.shape[:-1] != a.shape[:-1] or zeros.dtype != torch.float32
-                              or not zeros.is_contiguous()):
+                              or not zeros.is_contiguous() or zeros.device != a.device):
         raise ValueError(f"zeros: expected a contiguous fp32 tensor of shape [{', '.join(map(str, a.shape[:-1]))}, "
-                         f"*], got {zeros.dtype} {tuple(zeros.shape)}")
+                         f"*] on {a.device}, got {zeros.dtype} {tuple(zeros.shape)} on {zeros.device}")
     zd = zeros.shape[-1] if zeros is not None else 1
     out = torch.empty(shape, device=a.device, dtype=torch.float32)
     block_d = next_pow2(D)
