@@ -253,6 +253,28 @@ def test_block_diagonal_at_awkward_sizes(D, T, window, size, monkeypatch):
         assert within_float32_rule(g, r, r32), name
 
 
+@pytest.mark.parametrize("size", [1, 2])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_block_diagonal_backward_keeps_a_non_finite_query_to_its_row(size, bad):
+    """The direct solves' backward centres its cross terms on the query tile's mean: a non-finite query leaves the
+    centre to the tile's other rows, whose dq stay those of the clean inputs (the centre moves, the result only by
+    rounding)."""
+    B, T, HQ, D = 1, 20, 2, 8
+    q, k, v, lam = make(B, T, T, HQ, 1, D, 5, "dim")
+    do = randn(B, T, HQ, 5)
+    poisoned = q.clone()
+    poisoned[0, 6, 0, 3] = bad
+
+    def dq_of(q):
+        return grads_of(lambda *a: regattn.lla(*a[:3], lam=a[3], blocks=D // size, backend="triton"),
+                        q.float(), k.float(), v.float(), lam.float(), do)[1][0]
+    clean, got = dq_of(q), dq_of(poisoned)
+    others = torch.ones(T, HQ, dtype=torch.bool)
+    others[6, 0] = False
+    assert torch.isfinite(got[0][others]).all()
+    torch.testing.assert_close(got[0][others], clean[0][others], rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("size", [1, 2, 8])
 def test_block_diagonal_half_precision_forward(size):
     """fp16 BD-LLA (direct solves with their second moments in three tf32 products on a GPU; CG per block):

@@ -55,9 +55,10 @@ def pair_terms(w, gamma, a, om, bu, beta, delta_safe):
 
 @triton.jit
 def feature_mean(x, ok, AXIS: tl.constexpr):
-    """Mean of ``x`` over the entries of ``AXIS`` where ``ok`` (0 where none is): the centre of the cross terms."""
-    xs = tl.where(ok, x, 0.0)
-    return tl.sum(xs, AXIS) / tl.maximum(tl.sum(tl.where(ok, 1.0, 0.0), AXIS), 1.0)
+    """Mean of ``x`` over the entries of ``AXIS`` where ``ok`` and finite (0 where none is): the centre of the cross
+    terms, which a non-finite query or key leaves to the others."""
+    ok = ok & (tl.abs(x) < float("inf"))
+    return tl.sum(tl.where(ok, x, 0.0), AXIS) / tl.maximum(tl.sum(tl.where(ok, 1.0, 0.0), AXIS), 1.0)
 
 
 @triton.jit
