@@ -238,16 +238,11 @@ def lla_bwd_kv_kernel(Q, K, V, DO, RHO, U, DELTA, M2, OMEGA, CENTRE, BETA, DK, D
         i_hi = tl.minimum(start_n + BLOCK_N - 1 + WINDOW - 1 - (S - T) + 1, T)
     dk = tl.zeros((BLOCK_D, BLOCK_N), tl.float32)
     dv = tl.zeros((BLOCK_DV, BLOCK_N), tl.float32)
-    # the block-diagonal variants' cross terms, centred on the tile's mean key (``cross_quad``); ksc: the partner
-    # features of the centred keys (BD = 2)
+    # the block-diagonal variants' cross terms, centred on the tile's mean key (``cross_quad``); the centred keys
+    # are formed again for each query tile from the keys' own tile: held across the loop beside dk and dv, they
+    # spilled
     col_ok = offs_n < S
     centre_k = feature_mean(kt.to(tl.float32), col_ok[None, :], 1)
-    kc = kt.to(tl.float32) - centre_k[:, None]
-    ksc = kc
-    if BD == 2:
-        ksc = swap_pairs(kc, 0)
-    wh = tl.zeros((BLOCK_D, BLOCK_N), tl.float32)   # sum_i w_ij h0_i (BD > 0)
-    whs = tl.zeros((BLOCK_D, BLOCK_N), tl.float32)  # sum_i w_ij hs_i (BD = 2)
     for g in range(GROUPS):
         h = hk * GROUPS + g
         for start_m in range(i_lo, i_hi, BLOCK_M):
@@ -277,6 +272,10 @@ def lla_bwd_kv_kernel(Q, K, V, DO, RHO, U, DELTA, M2, OMEGA, CENTRE, BETA, DK, D
             s, dw, f, _ = pair_terms(w, gamma, a, om, bu, beta, delta_safe)
             dmu = 2.0 * beta[:, None] * rho - u
             if BD > 0:
+                kc = kt.to(tl.float32) - centre_k[:, None]
+                ksc = kc  # the partner features of the centred keys (BD = 2)
+                if BD == 2:
+                    ksc = swap_pairs(kc, 0)
                 hd = rho * (u - beta[:, None] * rho)
                 qc = q32 - centre_k[None, :]
                 h1 = hd
@@ -288,13 +287,14 @@ def lla_bwd_kv_kernel(Q, K, V, DO, RHO, U, DELTA, M2, OMEGA, CENTRE, BETA, DK, D
                     qsc = swap_pairs(qc, 1)
                     h1 = rho * (u_s - beta[:, None] * rho_s)
                     hs = 0.5 * (h1 + rho_s * (u - beta[:, None] * rho))
-                    whs += tl.dot(tl.trans(hs), w, input_precision=XPREC)
+                    dk += 2.0 * ksc * tl.dot(tl.trans(hs), w, input_precision=XPREC)
                 lin, const = cross_rows(hd, h1, qc, qsc, BD)
                 quad = cross_quad(hd, h1, lin, const, kc, ksc, BD, XPREC)
                 dw = gamma * s + w * (2.0 * beta[:, None] * a - bu - beta[:, None] + quad)
                 f = -gamma * w / delta_safe[:, None]   # -c: the rho term of dL/dz
-                wh += tl.dot(tl.trans(hd), w, input_precision=XPREC)
-                # w dmu and the centred queries' share of 2 sum_i w_ij (h0_i z_ij + hs_i z_ij,swap)
+                # 2 sum_i w_ij (h0_i z_ij + hs_i z_ij,swap) with z = kc - qc: the centred keys' share, then w dmu
+                # and the centred queries' share
+                dk += 2.0 * kc * tl.dot(tl.trans(hd), w, input_precision=XPREC)
                 zq = hd * qc
                 if BD == 2:
                     zq += hs * qsc
@@ -312,10 +312,6 @@ def lla_bwd_kv_kernel(Q, K, V, DO, RHO, U, DELTA, M2, OMEGA, CENTRE, BETA, DK, D
                 dk += tl.dot(tl.trans(rho.to(q.dtype)), rho_coef.to(q.dtype), input_precision=DPREC)
                 dk -= tl.dot(tl.trans(u.to(q.dtype)), wom.to(q.dtype), input_precision=DPREC)
             dv += tl.dot(tl.trans(do), s.to(do.dtype), input_precision=DPREC)
-    if BD > 0:  # the centred keys' share: 2 sum_i w_ij (h0_i kc_j + hs_i ksc_j)
-        dk += 2.0 * kc * wh
-    if BD == 2:
-        dk += 2.0 * ksc * whs
     dk_ptrs = DK + ((b * S + offs_n[None, :]) * H + hk) * D + offs_d[:, None]
     tl.store(dk_ptrs, dk, mask=col_ok[None, :] & (offs_d < D)[:, None])
     dv_ptrs = DV_OUT + ((b * S + offs_n[None, :]) * H + hk) * DV + offs_dv[:, None]
@@ -331,15 +327,15 @@ def lla_bwd_kv_kernel(Q, K, V, DO, RHO, U, DELTA, M2, OMEGA, CENTRE, BETA, DK, D
 # 280 with 64 x 64 on 4 warps, 316 with 64 x 64 on 8 and 511 with 32 x 32.
 # Block-diagonal, with the centred cross terms in tf32 (``python -m regattn.bench.registers lla_bwd --kinds diag
 # pairs --candidates``): every tile spills in the kv kernel; 1 x 1 blocks, stack bytes of the q / kv kernel and
-# the kv kernel's key-loop instructions a query-key pair (all warps): 1080 / 2984 and 21 at 32 x 32 on 4 warps,
-# 104 / 1344 and 19 at 16 x 32 on 4, 40 / 1032 and 17 at 16 x 64 on 8, - / 4312 and 11 at 64 x 64 on 8 (the q
-# kernel's shared memory is over 227 KiB there). On the H200 at the shape above (bf16, 1 x 1 blocks, as the
-# autotuner timed them): the q kernel 82 ms at 32 x 32 on 4 warps (101 at 16 x 32 on 4, 112 at 16 x 64 on 8, 172
-# at 16 x 32 on 8); the kv kernel 187 ms at 16 x 64 on 8 (253 at 16 x 32 on 4, 257 at 16 x 32 on 8, 337 at 64 x 64
-# on 8, 503 at 32 x 32 on 4); forward and backward 292 ms, 972 with the uncentred cross terms in three tf32
-# products. With 2 x 2 blocks the kv kernel took 724 ms at 16 x 64 on 8 (882 to 1920 at the others).
+# the kv kernel's key-loop instructions a query-key pair (all warps): 40 / 872 and 16 at 16 x 64 on 8 warps, 96 /
+# 976 and 19 at 16 x 32 on 4, 1080 / 2616 and 20 at 32 x 32 on 4, 32 / 488 and 29 at 16 x 32 on 8. On the H200
+# at the shape above (bf16, as the autotuner timed them in one run), 1 x 1 blocks: the q kernel 81 ms at 32 x 32
+# on 4 warps (101 at 16 x 32 on 4, 112 at 16 x 64 on 8, 175 at 16 x 32 on 8), the kv kernel 170 ms at 16 x 64 on 8
+# (193 at 16 x 32 on 4, 237 at 16 x 32 on 8, 397 at 32 x 32 on 4), forward and backward 277 ms; 2 x 2 blocks: the
+# q kernel 136 ms at 16 x 32 on 4 (143 at 16 x 64 on 8), the kv kernel 213 ms at 16 x 64 on 8 (264 to 628 at the
+# others), forward and backward 377 ms. 16 x 64 on 8 warps, the fastest pair of both kernels, is the fixed tile.
 BACKWARD_TILES = {False: [(32, 32, 8, 1), (64, 64, 8, 1), (128, 64, 8, 1)],
-                  True: [(16, 32, 4, 1), (32, 32, 4, 1), (16, 32, 8, 1), (16, 64, 8, 1)]}
+                  True: [(16, 64, 8, 1), (16, 32, 4, 1), (32, 32, 4, 1), (16, 32, 8, 1)]}
 AUTOTUNE = True
 
 
