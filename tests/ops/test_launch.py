@@ -109,3 +109,12 @@ def test_tuned_launch_takes_the_chosen_config(interpret, monkeypatch):
             assert kernel is _scaled_sum and grid == (triton.cdiv(n, 32),)
             assert kwargs["BLOCK"] == 32 and kwargs["num_warps"] == 1 and kwargs["SQUARE"] == (alpha > 1.0)
     assert BOXES == [32] * 5
+
+
+def test_launch_any_takes_the_autotuned_path_for_an_autotuned_kernel_only(monkeypatch):
+    calls = []
+    monkeypatch.setattr(launch_module, "launch_tuned", lambda kernel, grid, *args, **kw: calls.append(("tuned", kernel)))
+    monkeypatch.setattr(launch_module, "launch", lambda kernel, grid, *args, **kw: calls.append(("plain", kernel)))
+    launch_module.launch_any(_tuned_sum, (1,), 1, alpha=0.5)
+    launch_module.launch_any(_scaled_sum, (1,), 1, alpha=0.5)
+    assert calls == [("tuned", _tuned_sum), ("plain", _scaled_sum)]

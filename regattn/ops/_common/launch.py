@@ -14,7 +14,8 @@ instrumentation modes or a launch hook set, and for what is not a plain ``triton
 
 :func:`launch_tuned` does the same for an autotuned kernel once its autotuner has chosen a config for the call's
 key: an eager fp16 ELSA forward at B1 H16 T4096 D64 spent about 320 us of host time a call on the H200 (its kernel
-175 us), a third of it in the autotuner's and Triton's dispatch.
+175 us), a third of it in the autotuner's and Triton's dispatch. :func:`launch_any` takes whichever of the two a
+kernel is for (the ops whose kernels are autotuned on a GPU and plain in the interpreter or with fixed tiles).
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ import functools
 
 import torch
 from triton import knobs
-from triton.runtime.autotuner import Heuristics
+from triton.runtime.autotuner import Autotuner, Heuristics
 from triton.runtime.driver import driver
 from triton.runtime.jit import JITFunction
 
@@ -90,6 +91,11 @@ def _under_heuristics(tuned) -> tuple:
         rules.append(kernel.values)
         kernel = kernel.fn
     return kernel, tuple(rules)
+
+
+def launch_any(kernel, grid, *args, **kwargs) -> None:
+    """:func:`launch_tuned` for an autotuned kernel, else :func:`launch`."""
+    (launch_tuned if isinstance(kernel, Autotuner) else launch)(kernel, grid, *args, **kwargs)
 
 
 def tuned_key(tuned, args, kwargs) -> tuple:

@@ -34,6 +34,7 @@ from regattn.ops._common.attention_tiles import (
     LOG2E, dot_precision, head_block, interpreting, size_class, tile_configs,
 )
 from regattn.ops._common.ints import ceil_div
+from regattn.ops._common.launch import launch_any
 from regattn.ops.lla.forward import cross_precision, lam_tensor, moment_precision
 from regattn.ops.lla.tiles import (
     cg_solve, load_cols, load_rows, one_minus_a, pair_moments, pair_solve, query_head, query_key_tiles,
@@ -414,13 +415,15 @@ def lla_backward(do, q, k, v, lam, rho, delta, m2, argmax, omega, centre, *, sca
         q_kernel, kv_kernel, tiles = lla_bwd_q_kernel, lla_bwd_kv_kernel, backward_blocks(D, q.dtype, bd)
     common = dict(BLOCK_D=head_block(D), BLOCK_DV=head_block(DV), WINDOW=window or 0, BD=bd,
                   DPREC=dot_precision(q.dtype), **tiles)
-    q_kernel[lambda meta: (ceil_div(T, meta["BLOCK_M"]), B * HQ)](
+    launch_any(
+        q_kernel, lambda meta: (ceil_div(T, meta["BLOCK_M"]), B * HQ),
         q, k, v, lam4, do, rho, delta, m2, omega, centre, dq, u, beta, dm,
         *q.stride(), *k.stride(), *v.stride(), *lam4.stride(), *do.stride(),
         T, S, HQ, HQ // H, D, DV, scale, scale * LOG2E, adjoint_iterations(cg_iters, D), cg_tol ** 2,
         size_class(B * HQ * T),
         MPREC=moment_precision(q.dtype), XPREC=cross_precision(q.dtype), **common)
-    kv_kernel[lambda meta: (ceil_div(S, meta["BLOCK_N"]), B * H)](
+    launch_any(
+        kv_kernel, lambda meta: (ceil_div(S, meta["BLOCK_N"]), B * H),
         q, k, v, do, rho, u, delta, m2, omega, centre, beta, dk, dv,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(),
         T, S, HQ, H, HQ // H, D, DV, scale, scale * LOG2E, size_class(B * HQ * T),

@@ -21,6 +21,7 @@ from regattn.ops._common.attention_tiles import (
     LOG2E, dot_precision, head_block, interpreting, online_softmax_step, size_class, tile_configs, visible_mask,
 )
 from regattn.ops._common.ints import ceil_div, next_pow2
+from regattn.ops._common.launch import launch_any
 from regattn.ops.lla.tiles import (
     CURVATURE_FLOOR, block_columns, centred_probe, cg_active, cg_direction, cg_solve, cg_start, cg_step_size,
     guarded_denominator, halves_dot, key_scatter, load_cols, load_row_scalars, load_rows, load_state, pair_moments,
@@ -451,15 +452,16 @@ def cg_forward(q, k, v, lam4, pre, outputs, *, scale: float, window, cg_iters: i
     cg = dict(BLOCK_D=head_block(D), WINDOW=window or 0, DPREC=dot_precision(q.dtype), PRECOND=precond,
               PB=PRECONDITIONER_BLOCK)
     kernel, cfg = cg_launch("begin", T, fp32)
-    kernel[grid](q, k, lam4, pre, m2, argmax, omega, *st.values(), *common, cg_tol ** 2, *pre_blocks, **cg, **cfg)
+    launch_any(kernel, grid, q, k, lam4, pre, m2, argmax, omega, *st.values(), *common, cg_tol ** 2, *pre_blocks,
+               **cg, **cfg)
     kernel, cfg = cg_launch("step", T, fp32)
     for _ in range(cg_iters):
-        kernel[grid](q, k, lam4, pre, m2, omega, *st.values(), *common, *pre_blocks, **cg, **cfg)
+        launch_any(kernel, grid, q, k, lam4, pre, m2, omega, *st.values(), *common, *pre_blocks, **cg, **cfg)
     kernel, cfg = cg_launch("end", T, fp32)
-    kernel[grid](q, k, v, lam4, st["MT"], st["X"], o, rho, delta, m2, omega, centre,
-                 *q.stride(), *k.stride(), *v.stride(), *lam4.stride(), *o.stride(), T, S, HQ, HQ // H, D, DV,
-                 scale * LOG2E, size_class(B * HQ * T), BLOCK_D=cg["BLOCK_D"], BLOCK_DV=head_block(DV),
-                 WINDOW=cg["WINDOW"], DPREC=cg["DPREC"], **cfg)
+    launch_any(kernel, grid, q, k, v, lam4, st["MT"], st["X"], o, rho, delta, m2, omega, centre,
+               *q.stride(), *k.stride(), *v.stride(), *lam4.stride(), *o.stride(), T, S, HQ, HQ // H, D, DV,
+               scale * LOG2E, size_class(B * HQ * T), BLOCK_D=cg["BLOCK_D"], BLOCK_DV=head_block(DV),
+               WINDOW=cg["WINDOW"], DPREC=cg["DPREC"], **cfg)
     return outputs
 
 
@@ -492,8 +494,9 @@ def lla_forward(q, k, v, lam, *, scale: float, window, blocks, cg_iters: int, cg
         kernel, cfg = TUNED[tile_family(q.dtype, solver, G)], {}
     else:
         kernel, cfg = lla_fwd_kernel, forward_blocks(T, q.dtype, solver, G)
-    kernel[lambda meta: (ceil_div(T, meta["BLOCK_M"]), B * HQ)](
-        q, k, v, lam4, pre, o, rho, delta, m2, argmax, omega, centre,
+    grid = lambda meta: (ceil_div(T, meta["BLOCK_M"]), B * HQ)  # noqa: E731
+    launch_any(
+        kernel, grid, q, k, v, lam4, pre, o, rho, delta, m2, argmax, omega, centre,
         *q.stride(), *k.stride(), *v.stride(), *lam4.stride(), *o.stride(), pre.stride(0), pre.stride(1),
         T, S, HQ, HQ // H, D, DV, scale * LOG2E, cg_iters, cg_tol ** 2, (S - T) // PRECONDITIONER_BLOCK,
         pre.shape[2], size_class(B * HQ * T),
