@@ -113,8 +113,10 @@ def test_tuned_launch_takes_the_chosen_config(interpret, monkeypatch):
 
 def test_launch_any_takes_the_autotuned_path_for_an_autotuned_kernel_only(monkeypatch):
     calls = []
-    monkeypatch.setattr(launch_module, "launch_tuned", lambda kernel, grid, *args, **kw: calls.append(("tuned", kernel)))
-    monkeypatch.setattr(launch_module, "launch", lambda kernel, grid, *args, **kw: calls.append(("plain", kernel)))
+    def recorder(label):
+        return lambda kernel, grid, *args, **kwargs: calls.append((label, kernel))
+    monkeypatch.setattr(launch_module, "launch_tuned", recorder("tuned"))
+    monkeypatch.setattr(launch_module, "launch", recorder("plain"))
     launch_module.launch_any(_tuned_sum, (1,), 1, alpha=0.5)
     launch_module.launch_any(_scaled_sum, (1,), 1, alpha=0.5)
     assert calls == [("tuned", _tuned_sum), ("plain", _scaled_sum)]
