@@ -239,9 +239,9 @@ def lla_bwd_kv_kernel(Q, K, V, DO, RHO, U, DELTA, M2, OMEGA, CENTRE, BETA, DK, D
         i_hi = tl.minimum(start_n + BLOCK_N - 1 + WINDOW - 1 - (S - T) + 1, T)
     dk = tl.zeros((BLOCK_D, BLOCK_N), tl.float32)
     dv = tl.zeros((BLOCK_DV, BLOCK_N), tl.float32)
-    # the block-diagonal variants' cross terms, centred on the tile's mean key (``cross_quad``); the centred keys
-    # are formed again for each query tile from the keys' own tile: held across the loop beside dk and dv, they
-    # spilled
+    # the block-diagonal variants' cross terms, centred on the tile's mean key (``cross_quad``); each query tile adds
+    # the centred keys' share of dk itself, where sums of w h over the query tiles held one or two more [D, BN] fp32
+    # tiles beside dk and dv (more spills)
     col_ok = offs_n < S
     centre_k = feature_mean(kt.to(tl.float32), col_ok[None, :], 1)
     for g in range(GROUPS):
