@@ -63,6 +63,28 @@ def feature_mean(x, ok, AXIS: tl.constexpr):
 
 
 @triton.jit
+def sigma_grad(rho, u, beta, BD: tl.constexpr):
+    """``(h0, h1, hs)`` of the masked ``dL/dSigma`` (see the module text), ``[BM, BD]`` each: its diagonal
+    ``h0 = rho (u - beta rho)`` and, with 2 x 2 blocks, ``h1`` and the pair entries ``hs = (h1 + swap(h1)) / 2``
+    (``h0`` for both with 1 x 1 blocks)."""
+    hd = rho * (u - beta[:, None] * rho)
+    if BD == 2:
+        h1 = rho * (swap_pairs(u, 1) - beta[:, None] * swap_pairs(rho, 1))
+        return hd, h1, 0.5 * (h1 + swap_pairs(h1, 1))
+    return hd, hd, hd
+
+
+@triton.jit
+def centred_keys(kt, centre, BD: tl.constexpr):
+    """``(kc, ksc)`` of :func:`cross_quad`: the key tile ``kt [BD, BN]`` less ``centre [BD, 1]`` in fp32, and with
+    2 x 2 blocks its partner features (else ``kc`` again)."""
+    kc = kt.to(tl.float32) - centre
+    if BD == 2:
+        return kc, swap_pairs(kc, 0)
+    return kc, kc
+
+
+@triton.jit
 def cross_quad(hd, h1, lin, const, kc, ksc, BD: tl.constexpr, PREC: tl.constexpr):
     """``sum_d h0_d z_d^2 (+ sum_d h1_d z_d z_(d xor 1))`` on a ``[BM, BN]`` tile, ``z_ij = k_j - q_i``, from keys
     and queries less a shared centre ``c`` (``kc = k - c``, ``ksc`` its partner features, ``[BD, BN]``):
@@ -165,9 +187,7 @@ def lla_bwd_q_kernel(Q, K, V, LAM, DO, RHO, DELTA, M2, OMEGA, CENTRE, DQ, U, BET
                      Kb, sks, skd, lo, hi, S, D, offs_d,
                      qk_scale2, iters, tol2, Kb, 0, 1, BLOCK_N, WINDOW, 1, DPREC, False, False, 1) + beta[:, None] * rho
     dmu = 2.0 * beta[:, None] * rho - u
-    hd = rho * (u - beta[:, None] * rho)  # diagonal of the masked dL/dSigma
-    h1 = rho * (swap_pairs(u, 1) - beta[:, None] * swap_pairs(rho, 1))
-    hs = 0.5 * (h1 + swap_pairs(h1, 1))  # its pair entries (BD = 2)
+    hd, h1, hs = sigma_grad(rho, u, beta, BD)
 
     # pass B: dq through the w-path and the z-path, and dm for the row maximum; the cross terms centred on
     # the tile's mean query
@@ -190,10 +210,7 @@ def lla_bwd_q_kernel(Q, K, V, LAM, DO, RHO, DELTA, M2, OMEGA, CENTRE, DQ, U, BET
         bu = relmm_tile(u, q32, kt, DPREC)
         s, dw, f, g = pair_terms(w, gamma, a, om, bu, beta, delta_safe)
         if BD > 0:
-            kc = kt.to(tl.float32) - centre_q[:, None]
-            ksc = kc
-            if BD == 2:
-                ksc = swap_pairs(kc, 0)
+            kc, ksc = centred_keys(kt, centre_q[:, None], BD)
             quad = cross_quad(hd, h1, lin, const, kc, ksc, BD, XPREC)
             dw = gamma * s + w * (2.0 * beta[:, None] * a - bu - beta[:, None] + quad)
         dq += tl.dot(dw.to(kt.dtype), tl.trans(kt), input_precision=DPREC)
@@ -273,21 +290,12 @@ def lla_bwd_kv_kernel(Q, K, V, DO, RHO, U, DELTA, M2, OMEGA, CENTRE, BETA, DK, D
             s, dw, f, _ = pair_terms(w, gamma, a, om, bu, beta, delta_safe)
             dmu = 2.0 * beta[:, None] * rho - u
             if BD > 0:
-                kc = kt.to(tl.float32) - centre_k[:, None]
-                ksc = kc  # the partner features of the centred keys (BD = 2)
-                if BD == 2:
-                    ksc = swap_pairs(kc, 0)
-                hd = rho * (u - beta[:, None] * rho)
+                kc, ksc = centred_keys(kt, centre_k[:, None], BD)
+                hd, h1, hs = sigma_grad(rho, u, beta, BD)
                 qc = q32 - centre_k[None, :]
-                h1 = hd
-                hs = hd
                 qsc = qc
                 if BD == 2:
-                    rho_s = swap_pairs(rho, 1)
-                    u_s = swap_pairs(u, 1)
                     qsc = swap_pairs(qc, 1)
-                    h1 = rho * (u_s - beta[:, None] * rho_s)
-                    hs = 0.5 * (h1 + rho_s * (u - beta[:, None] * rho))
                     dk += 2.0 * ksc * tl.dot(tl.trans(hs), w, input_precision=XPREC)
                 lin, const = cross_rows(hd, h1, qc, qsc, BD)
                 quad = cross_quad(hd, h1, lin, const, kc, ksc, BD, XPREC)
