@@ -111,6 +111,28 @@ def test_tuned_launch_takes_the_chosen_config(interpret, monkeypatch):
     assert BOXES == [32] * 5
 
 
+def test_launch_takes_a_grid_function_through_the_binary(interpret, monkeypatch):
+    """A grid given as a function (as ``kernel[grid]`` takes it) reaches the binary's launch as its value on the
+    named arguments, for a plain and for an autotuned kernel."""
+    launched = []
+
+    def recorded(kernel, binder, device, grid, *args, **kwargs):
+        launched.append(grid)
+        kernel[grid](*args, **kwargs)
+
+    monkeypatch.setattr(launch_module, "_binder", lambda kernel: (object(), None))  # as on a GPU
+    monkeypatch.setattr(launch_module, "_launch_binary", recorded)
+    monkeypatch.setattr(launch_module, "_CHOSEN", {})
+    n = 100
+    x, y, o = torch.randn(n, device=DEVICE), torch.randn(n, device=DEVICE), torch.empty(n, device=DEVICE)
+    grid = lambda meta: (triton.cdiv(meta["n"], meta["BLOCK"]),)  # noqa: E731
+    launch(_scaled_sum, grid, x, y, o, n, 1, 0.5, BLOCK=16, SQUARE=False)
+    torch.testing.assert_close(o, _expected(x, y, 1, 0.5, False), rtol=1e-6, atol=1e-6)
+    for _ in range(2):  # the autotuner's run, then the chosen binary
+        launch_module.launch_tuned(_tuned_sum, grid, x, y, o, n, 1, alpha=0.5)
+    assert launched == [(7,), (4,)]
+
+
 def test_launch_any_takes_the_autotuned_path_for_an_autotuned_kernel_only(monkeypatch):
     calls = []
     def recorder(label):

@@ -31,13 +31,19 @@ _BINARIES: dict = {}  # kernel -> {(device, specialization, options): compiled k
 _CHOSEN: dict = {}  # (autotuner, key) -> the config it chose
 
 
-def launch(kernel, grid: tuple, *args, **kwargs) -> None:
-    """``kernel[grid](*args, **kwargs)``, through the compiled binary where it can (see the module's notes)."""
+def launch(kernel, grid, *args, **kwargs) -> None:
+    """``kernel[grid](*args, **kwargs)``, through the compiled binary where it can (see the module's notes);
+    ``grid`` a tuple or, as for ``kernel[grid]``, a function of the named arguments."""
     binder, device = _binder(kernel)
     if binder is None:
         kernel[grid](*args, **kwargs)
         return
-    _launch_binary(kernel, binder, device, grid, *args, **kwargs)
+    _launch_binary(kernel, binder, device, _grid_of(grid, kernel, args, kwargs), *args, **kwargs)
+
+
+def _grid_of(grid, kernel, args, kwargs) -> tuple:
+    """The launch grid: ``grid`` itself, or a function's value on the named arguments as ``kernel[grid]`` takes it."""
+    return grid({**dict(zip(kernel.arg_names, args)), **kwargs}) if callable(grid) else grid
 
 
 def _launch_binary(kernel, binder, device, grid: tuple, *args, **kwargs) -> None:
@@ -80,7 +86,7 @@ def launch_tuned(tuned, grid, *args, **kwargs) -> None:
     for values in rules:
         for name, rule in values.items():
             meta[name] = rule({**named, **meta})
-    _launch_binary(kernel, binder, device, grid({**named, **meta}) if callable(grid) else grid, *args, **meta)
+    _launch_binary(kernel, binder, device, _grid_of(grid, kernel, args, meta), *args, **meta)
 
 
 @functools.cache
