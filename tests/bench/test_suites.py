@@ -74,20 +74,21 @@ def test_parallax_tile_variants_tiny(interpret):
 @pytest.mark.parametrize("mode", ["fp16", "fp16 fwd+bwd"])
 def test_scan_variants_tiny(interpret, mode):
     """time_variants (the forward alone, and time_backward_variants): each form of ours with its error, then
-    SDPA flash and cuDNN (on the CPU refused), the kernels' switches back afterwards (in the interpreter this
-    checks the plumbing)."""
+    SDPA flash and cuDNN (on the CPU refused), the kernels' switches back afterwards, packed sequences too (in the
+    interpreter this checks the plumbing)."""
     from regattn.bench.suites.scan import BACKWARD_VARIANTS, time_variants
     from regattn.ops.scan import kernels
     variants = BACKWARD_VARIANTS if mode != "fp16" else (("pointers", dict(TENSOR_DESCRIPTORS=False)),)
     before = kernels.FUSED_DQ, kernels.TENSOR_DESCRIPTORS
-    shapes = [dict(B=1, H=2, T=40, D=16), dict(B=1, H=2, T=40, D=16, causal=True)]
+    shapes = [dict(B=1, H=2, T=40, D=16), dict(B=1, H=2, T=40, D=16, causal=True),
+              dict(B=1, H=2, T=40, D=16, causal=True, seqs=2)]  # packed: two sequences of 20
     rows = time_variants(mode, variants, shapes, device="cpu", rep_ms=1, rounds=2)
     assert (kernels.FUSED_DQ, kernels.TENSOR_DESCRIPTORS) == before
     ops = [f"regattn:triton ({label})" for label, _ in variants] + ["sdpa:flash", "sdpa:cudnn"]
     assert [(row["shape"], row["op"]) for row in rows] == [(shape, op) for shape in shapes for op in ops]
     json.dumps(rows)
     ours = [row for row in rows if row["op"].startswith("regattn")]
-    assert len(ours) == 2 * len(variants)
+    assert len(ours) == len(shapes) * len(variants)
     for row in ours:
         assert row["status"] == "ok" and len(row["rounds"][mode]) == 2 and row[f"{mode}_ms"] > 0
         names = {"o", "dq", "dk", "dv"} if mode != "fp16" else {"o"}

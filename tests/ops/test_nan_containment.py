@@ -22,6 +22,7 @@ CASES = {
     "future": (2, 16, (1, 15), None, None),
     "window": (2, 16, (0, 0), 4, None),
     "varlen": (1, 16, (0, 4), None, [0, 7, 16]),
+    "varlen_next": (1, 16, (0, 12), None, [0, 7, 16]),  # read by the first sequence's last tile
     "batch": (2, 16, (0, 9), None, None),
 }
 # (case, value put in k, value put in v)

@@ -103,8 +103,8 @@ def time_variants(mode: str, variants, shapes=None, *, dtype=torch.float16, prec
     ``variants`` (label, the switches of :mod:`regattn.ops.scan.kernels` it sets), beside SDPA flash and cuDNN
     (fp32 ``dtype``: SDPA efficient; ``precision``: ours for fp32 inputs), side by side in one process
     (:func:`regattn.bench.variants.time_in_rounds`); every form of ours checked against float64 on the last rows.
-    ``shapes``: dicts of B, H, T, D and optionally ``causal`` (default: the goal shape). Returns one dict per
-    (shape, contender): ``shape``, ``op`` and the timing's keys."""
+    ``shapes``: dicts of B, H, T, D and optionally ``causal`` and ``seqs`` (packed sequences, see :func:`packed`)
+    (default: the goal shape). Returns one dict per (shape, contender): ``shape``, ``op`` and the timing's keys."""
     from regattn.bench.runner import Setup, case_errors
     from regattn.bench.variants import Contender, time_in_rounds
     from regattn.ops.scan import kernels
@@ -115,11 +115,12 @@ def time_variants(mode: str, variants, shapes=None, *, dtype=torch.float16, prec
     rows, grad = [], backward(mode)
     for shape in shapes or GOAL:
         causal = bool(shape.get("causal"))
-        q, k, v = (randn(setup, shape["B"], shape["T"], shape["H"], shape["D"], grad=grad) for _ in range(3))
-        truth = check(mode, q, k, v, None, causal=causal, rows=CHECK_ROWS, batch=shape["B"] - 1)
+        B, T, cu = packed(shape["B"], shape["T"], shape.get("seqs"), setup.device)
+        q, k, v = (randn(setup, B, T, shape["H"], shape["D"], grad=grad) for _ in range(3))
+        truth = check(mode, q, k, v, None, causal=causal, rows=CHECK_ROWS, batch=B - 1)
         leaves = [q, k, v] if grad else []
-        case = ours(regattn.scan_attention, q, setup, lambda: regattn.scan_attention(
-            q, k, v, causal=causal, precision=precision, backend="triton"), leaves, check=truth)
+        case = ours(regattn.scan_attention, q, setup, lambda: scan_call(
+            q, k, v, cu, causal=causal, precision=precision, backend="triton"), leaves, check=truth)
         labels, contenders = [], []
         for label, switches in variants:
             labels.append(f"regattn:triton ({label})")

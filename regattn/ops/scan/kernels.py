@@ -137,13 +137,15 @@ def _load_rows(ptr, rows, stride_row, cols, n_rows, N_COLS: tl.constexpr, EVEN: 
 
 
 @triton.jit
-def _rows_at(desc, ptr, bat, head, n0, rows, stride_row, cols, n_rows, N_COLS: tl.constexpr, EVEN: tl.constexpr,
-             TMA: tl.constexpr):
+def _rows_at(desc, ptr, bat, head, row0, n0, rows, stride_row, cols, n_rows, N_COLS: tl.constexpr,
+             EVEN: tl.constexpr, TMA: tl.constexpr):
     """Tile ``[len(rows), len(cols)]`` of a ``[B, S, H, N_COLS]`` tensor (keys, values; the fused backward's queries
-    and output gradients), ``rows = n0 + arange``: through its tensor descriptor ``desc`` (a Hopper TMA copy; rows
-    past ``S`` read as 0) at ``(bat, n0, head)``, or as :func:`_load_rows` from ``ptr`` (the head's first row)."""
+    and output gradients), ``rows = n0 + arange`` of the sequence from row ``row0``: through its tensor descriptor
+    ``desc`` (a Hopper TMA copy) at ``(bat, row0 + n0, head)``, where rows past the sequence read the next packed
+    sequence's and rows past ``S`` read 0; or as :func:`_load_rows` from ``ptr`` (the head's first row of the
+    sequence), rows from ``n_rows`` on reading 0."""
     if TMA:
-        return desc.load([bat, n0, head, 0]).reshape(rows.shape[0], cols.shape[0])
+        return desc.load([bat, row0 + n0, head, 0]).reshape(rows.shape[0], cols.shape[0])
     return _load_rows(ptr, rows, stride_row, cols, n_rows, N_COLS, EVEN)
 
 
@@ -181,50 +183,52 @@ def _combine(m_a, l_a, w_a, m_b, l_b, w_b):
 
 
 @triton.jit
-def _fold_span(q, q_base, sqt, k_base, v_base, skt, svt, K_DESC, V_DESC, bat, hk, lo, hi, full_lo, full_hi, offs_m,
-               offs_n0, offs_d, offs_dv, Tb, Sb, qk_scale, D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr,
-               WINDOW: tl.constexpr, EVEN_N: tl.constexpr, PREC: tl.constexpr, ROUND_TF32: tl.constexpr,
-               DOT_K: tl.constexpr, POS_SCALE: tl.constexpr, TMA: tl.constexpr, q_lo, kl_base, vl_base, ks_base,
-               q_rs, SPLIT: tl.constexpr):
-    """Left fold of the key tiles ``[lo, hi)`` (``lo`` on a tile edge) from the identity, in three runs of
-    :func:`_fold_tiles`: the tiles before the full keys ``[full_lo, full_hi)`` of a causal or windowed fold,
-    masked; the tiles inside them, with no mask; the tiles after them, masked. The tiles and the order of
-    their additions are those of one loop. Returns ``(m, l, acc)``."""
+def _fold_span(q, q_base, sqt, k_base, v_base, skt, svt, K_DESC, V_DESC, bat, hk, row0, lo, hi, full_lo, full_hi,
+               offs_m, offs_n0, offs_d, offs_dv, Tb, Sb, qk_scale, D: tl.constexpr, DV: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+               CAUSAL: tl.constexpr, WINDOW: tl.constexpr, HIDDEN: tl.constexpr, EVEN_N: tl.constexpr,
+               PREC: tl.constexpr, ROUND_TF32: tl.constexpr, DOT_K: tl.constexpr, POS_SCALE: tl.constexpr,
+               TMA: tl.constexpr, q_lo, kl_base, vl_base, ks_base, q_rs, SPLIT: tl.constexpr):
+    """Left fold of the key tiles ``[lo, hi)`` (``lo`` on a tile edge) from the identity. ``HIDDEN``: a masked
+    tile can hold keys some of its rows cannot see (a causal or windowed fold, or packed sequences, whose last
+    tile reaches into the next sequence); the fold then takes three runs of :func:`_fold_tiles`: the tiles
+    before the full keys ``[full_lo, full_hi)``, masked; the tiles inside them, with no mask; the tiles after
+    them, masked. The tiles and the order of their additions are those of one loop. Returns ``(m, l, acc)``."""
     m_i, l_i, acc = _identity(BLOCK_M, BLOCK_DV)
-    if CAUSAL or WINDOW > 0:
+    if HIDDEN:
         _, a, b = tile_loop_bounds(lo, hi, full_lo, full_hi, BLOCK_N)  # lo is on a tile edge
         m_i, l_i, acc = _fold_tiles(m_i, l_i, acc, q, q_base, sqt, k_base, v_base, skt, svt, K_DESC, V_DESC, bat, hk,
-                                    lo, a, offs_m, offs_n0, offs_d, offs_dv, Tb, Sb, qk_scale, D, DV, BLOCK_M,
-                                    BLOCK_N, BLOCK_D, BLOCK_DV, CAUSAL, WINDOW, EVEN_N, True, PREC, ROUND_TF32,
-                                    DOT_K, POS_SCALE, TMA, q_lo, kl_base, vl_base, ks_base, q_rs, SPLIT)
+                                    row0, lo, a, offs_m, offs_n0, offs_d, offs_dv, Tb, Sb, qk_scale, D, DV, BLOCK_M,
+                                    BLOCK_N, BLOCK_D, BLOCK_DV, CAUSAL, WINDOW, HIDDEN, EVEN_N, True, PREC,
+                                    ROUND_TF32, DOT_K, POS_SCALE, TMA, q_lo, kl_base, vl_base, ks_base, q_rs, SPLIT)
         m_i, l_i, acc = _fold_tiles(m_i, l_i, acc, q, q_base, sqt, k_base, v_base, skt, svt, K_DESC, V_DESC, bat, hk,
-                                    a, b, offs_m, offs_n0, offs_d, offs_dv, Tb, Sb, qk_scale, D, DV, BLOCK_M,
-                                    BLOCK_N, BLOCK_D, BLOCK_DV, CAUSAL, WINDOW, EVEN_N, False, PREC, ROUND_TF32,
-                                    DOT_K, POS_SCALE, TMA, q_lo, kl_base, vl_base, ks_base, q_rs, SPLIT)
+                                    row0, a, b, offs_m, offs_n0, offs_d, offs_dv, Tb, Sb, qk_scale, D, DV, BLOCK_M,
+                                    BLOCK_N, BLOCK_D, BLOCK_DV, CAUSAL, WINDOW, HIDDEN, EVEN_N, False, PREC,
+                                    ROUND_TF32, DOT_K, POS_SCALE, TMA, q_lo, kl_base, vl_base, ks_base, q_rs, SPLIT)
         m_i, l_i, acc = _fold_tiles(m_i, l_i, acc, q, q_base, sqt, k_base, v_base, skt, svt, K_DESC, V_DESC, bat, hk,
-                                    b, hi, offs_m, offs_n0, offs_d, offs_dv, Tb, Sb, qk_scale, D, DV, BLOCK_M,
-                                    BLOCK_N, BLOCK_D, BLOCK_DV, CAUSAL, WINDOW, EVEN_N, True, PREC, ROUND_TF32,
-                                    DOT_K, POS_SCALE, TMA, q_lo, kl_base, vl_base, ks_base, q_rs, SPLIT)
+                                    row0, b, hi, offs_m, offs_n0, offs_d, offs_dv, Tb, Sb, qk_scale, D, DV, BLOCK_M,
+                                    BLOCK_N, BLOCK_D, BLOCK_DV, CAUSAL, WINDOW, HIDDEN, EVEN_N, True, PREC,
+                                    ROUND_TF32, DOT_K, POS_SCALE, TMA, q_lo, kl_base, vl_base, ks_base, q_rs, SPLIT)
     else:
         m_i, l_i, acc = _fold_tiles(m_i, l_i, acc, q, q_base, sqt, k_base, v_base, skt, svt, K_DESC, V_DESC, bat, hk,
-                                    lo, hi, offs_m, offs_n0, offs_d, offs_dv, Tb, Sb, qk_scale, D, DV, BLOCK_M,
-                                    BLOCK_N, BLOCK_D, BLOCK_DV, CAUSAL, WINDOW, EVEN_N, not EVEN_N, PREC, ROUND_TF32,
-                                    DOT_K, POS_SCALE, TMA, q_lo, kl_base, vl_base, ks_base, q_rs, SPLIT)
+                                    row0, lo, hi, offs_m, offs_n0, offs_d, offs_dv, Tb, Sb, qk_scale, D, DV, BLOCK_M,
+                                    BLOCK_N, BLOCK_D, BLOCK_DV, CAUSAL, WINDOW, HIDDEN, EVEN_N, not EVEN_N, PREC,
+                                    ROUND_TF32, DOT_K, POS_SCALE, TMA, q_lo, kl_base, vl_base, ks_base, q_rs, SPLIT)
     return m_i, l_i, acc
 
 
 @triton.jit
-def _fold_tiles(m_i, l_i, acc, q, q_base, sqt, k_base, v_base, skt, svt, K_DESC, V_DESC, bat, hk, lo, hi, offs_m,
-                offs_n0, offs_d, offs_dv, Tb, Sb, qk_scale, D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr,
-                WINDOW: tl.constexpr, EVEN_N: tl.constexpr, MASKED: tl.constexpr, PREC: tl.constexpr,
-                ROUND_TF32: tl.constexpr, DOT_K: tl.constexpr, POS_SCALE: tl.constexpr, TMA: tl.constexpr, q_lo,
-                kl_base, vl_base, ks_base, q_rs, SPLIT: tl.constexpr):
-    """Fold the key tiles ``[lo, hi)`` into the state ``(m_i, l_i, acc)``: each tile's state (its max, the
-    sum of ``p`` and ``p @ v``: tree reductions across the tile) merges into the running state by
-    un-sum-renorm (the online-softmax step). ``MASKED``: the scores of hidden pairs are set to -inf, and in
-    a causal or windowed fold (where every masked tile is partly hidden) ``p @ v`` multiplies through
+def _fold_tiles(m_i, l_i, acc, q, q_base, sqt, k_base, v_base, skt, svt, K_DESC, V_DESC, bat, hk, row0, lo, hi,
+                offs_m, offs_n0, offs_d, offs_dv, Tb, Sb, qk_scale, D: tl.constexpr, DV: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                CAUSAL: tl.constexpr, WINDOW: tl.constexpr, HIDDEN: tl.constexpr, EVEN_N: tl.constexpr,
+                MASKED: tl.constexpr, PREC: tl.constexpr, ROUND_TF32: tl.constexpr, DOT_K: tl.constexpr,
+                POS_SCALE: tl.constexpr, TMA: tl.constexpr, q_lo, kl_base, vl_base, ks_base, q_rs,
+                SPLIT: tl.constexpr):
+    """Fold the key tiles ``[lo, hi)`` (of the sequence from row ``row0``) into the state ``(m_i, l_i, acc)``: each
+    tile's state (its max, the sum of ``p`` and ``p @ v``: tree reductions across the tile) merges into the running
+    state by un-sum-renorm (the online-softmax step). ``MASKED``: the scores of hidden pairs are set to -inf, and
+    where the tiles are partly hidden (``HIDDEN``, see :func:`_fold_span`) ``p @ v`` multiplies through
     :func:`contained_dot`. ``DOT_K > 0``: ``q k^T`` is formed ``DOT_K`` columns of ``q`` and ``k`` at a
     time, read from memory (the FMA dot then holds a slice of its operands in registers, not all of ``D``;
     its additions run in the same order). ``SPLIT``: the operands are fp16 parts (``q, q_lo``, the tiles of
@@ -236,7 +240,7 @@ def _fold_tiles(m_i, l_i, acc, q, q_base, sqt, k_base, v_base, skt, svt, K_DESC,
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + offs_n0
         if SPLIT:
-            k = _rows_at(K_DESC, k_base, bat, hk, n0, offs_n, skt, offs_d, Sb, D, EVEN_N, TMA)
+            k = _rows_at(K_DESC, k_base, bat, hk, row0, n0, offs_n, skt, offs_d, Sb, D, EVEN_N, TMA)
             k_lo = _load_rows(kl_base, offs_n, skt, offs_d, Sb, D, EVEN_N)
             s = split_dot(q, q_lo, tl.trans(k), tl.trans(k_lo))
             if EVEN_N:
@@ -252,10 +256,11 @@ def _fold_tiles(m_i, l_i, acc, q, q_base, sqt, k_base, v_base, skt, svt, K_DESC,
                 k_c = _tf32(_load_rows(k_base, offs_n, skt, cols, Sb, D, EVEN_N), ROUND_TF32)
                 s = tl.dot(q_c, tl.trans(k_c), s, input_precision=PREC)
         elif PREC == "tf32x3":  # q's parts made once (``q, q_lo``: see _fwd_kernel), the key tile's here
-            k_hi, k_lo = tf32_parts(_rows_at(K_DESC, k_base, bat, hk, n0, offs_n, skt, offs_d, Sb, D, EVEN_N, TMA))
+            k_hi, k_lo = tf32_parts(_rows_at(K_DESC, k_base, bat, hk, row0, n0, offs_n, skt, offs_d, Sb, D, EVEN_N,
+                                             TMA))
             s = split_dot(q, q_lo, tl.trans(k_hi), tl.trans(k_lo))
         else:
-            k = _tf32(_rows_at(K_DESC, k_base, bat, hk, n0, offs_n, skt, offs_d, Sb, D, EVEN_N, TMA), ROUND_TF32)
+            k = _tf32(_rows_at(K_DESC, k_base, bat, hk, row0, n0, offs_n, skt, offs_d, Sb, D, EVEN_N, TMA), ROUND_TF32)
             s = tl.dot(q, tl.trans(k), input_precision=PREC)
         s_scale = qk_scale  # a positive scale rides in exp2's fused multiply-add (one multiply an entry less)
         if not POS_SCALE:
@@ -265,19 +270,19 @@ def _fold_tiles(m_i, l_i, acc, q, q_base, sqt, k_base, v_base, skt, svt, K_DESC,
             seen = _visible(offs_m, offs_n, Tb, Sb, CAUSAL, WINDOW)
             s = tl.where(seen, s, float("-inf"))
         m_i, l_i, p, alpha = online_softmax_step(m_i, l_i, s, s_scale)
-        v = _tf32(_rows_at(V_DESC, v_base, bat, hk, n0, offs_n, svt, offs_dv, Sb, DV, EVEN_N, TMA), ROUND_TF32)
+        v = _tf32(_rows_at(V_DESC, v_base, bat, hk, row0, n0, offs_n, svt, offs_dv, Sb, DV, EVEN_N, TMA), ROUND_TF32)
         if SPLIT:
             v_lo = _load_rows(vl_base, offs_n, svt, offs_dv, Sb, DV, EVEN_N)
             p = p * P_SCALE
             p_hi = p.to(tl.float16)
             p_lo = (p - p_hi.to(tl.float32)).to(tl.float16)
-            if MASKED and (CAUSAL or WINDOW > 0):
+            if MASKED and HIDDEN:
                 acc = contained_split_dot(acc * alpha[:, None], p_hi, p_lo, v, v_lo, seen)
             else:
                 acc = acc * alpha[:, None] + split_dot(p_hi, p_lo, v, v_lo)
         else:
             p = _tf32(p.to(v.dtype), ROUND_TF32)
-            if MASKED and (CAUSAL or WINDOW > 0):
+            if MASKED and HIDDEN:
                 acc = contained_dot(acc * alpha[:, None], p, v, seen, PREC)
             else:
                 acc = tl.dot(p, v, acc * alpha[:, None], input_precision=PREC)
@@ -361,16 +366,17 @@ def _fwd_kernel(Q, K, V, O, LSE, WS_M, WS_L, WS_ACC, CU, K_DESC, V_DESC, QL, KL,
 
     lo, hi = _key_tiles(m0, Tb, Sb, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
     full_lo, full_hi = _full_keys(m0, Tb, Sb, BLOCK_M, CAUSAL, WINDOW)
+    HIDDEN: tl.constexpr = CAUSAL or WINDOW > 0 or VARLEN  # masked tiles partly hidden (see _fold_span)
     if NSPLIT > 1:
         per = tl.cdiv(tl.cdiv(hi - lo, BLOCK_N), NSPLIT) * BLOCK_N
         lo = lo + split * per
         hi = tl.minimum(hi, lo + per)
 
     if CHUNK == 0:
-        m_i, l_i, acc = _fold_span(q, q_base, sqt, k_base, v_base, skt, svt, K_DESC, V_DESC, bat, hk, lo, hi, full_lo,
-                                   full_hi, offs_m, offs_n0, offs_d, offs_dv, Tb, Sb, qk_scale, D, DV, BLOCK_M,
-                                   BLOCK_N, BLOCK_D, BLOCK_DV, CAUSAL, WINDOW, EVEN_N, PREC, ROUND_TF32, DOT_K,
-                                   POS_SCALE, TMA, q_lo, kl_base, vl_base, ks_base, q_rs, SPLIT)
+        m_i, l_i, acc = _fold_span(q, q_base, sqt, k_base, v_base, skt, svt, K_DESC, V_DESC, bat, hk, row0, lo, hi,
+                                   full_lo, full_hi, offs_m, offs_n0, offs_d, offs_dv, Tb, Sb, qk_scale, D, DV,
+                                   BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, CAUSAL, WINDOW, HIDDEN, EVEN_N, PREC,
+                                   ROUND_TF32, DOT_K, POS_SCALE, TMA, q_lo, kl_base, vl_base, ks_base, q_rs, SPLIT)
         if SPLIT:
             vs = VS + ((pid_bh // HQ) * (HQ // GROUP) + hk).to(tl.int64) * DV + offs_dv
             acc = acc * tl.load(vs, mask=offs_dv < DV, other=0.0)[None, :]
@@ -384,11 +390,11 @@ def _fwd_kernel(Q, K, V, O, LSE, WS_M, WS_L, WS_ACC, CU, K_DESC, V_DESC, QL, KL,
         m_i, l_i, acc = _identity(BLOCK_M, BLOCK_DV)
         tl.store(w_ptrs, acc, mask=w_mask)
         for c0 in range(lo, hi, CHUNK * BLOCK_N):
-            m_c, l_c, acc_c = _fold_span(q, q_base, sqt, k_base, v_base, skt, svt, K_DESC, V_DESC, bat, hk, c0,
+            m_c, l_c, acc_c = _fold_span(q, q_base, sqt, k_base, v_base, skt, svt, K_DESC, V_DESC, bat, hk, row0, c0,
                                          tl.minimum(hi, c0 + CHUNK * BLOCK_N), full_lo, full_hi, offs_m, offs_n0,
                                          offs_d, offs_dv, Tb, Sb, qk_scale, D, DV, BLOCK_M, BLOCK_N, BLOCK_D,
-                                         BLOCK_DV, CAUSAL, WINDOW, EVEN_N, PREC, ROUND_TF32, DOT_K, POS_SCALE, TMA,
-                                         q_lo, kl_base, vl_base, ks_base, q_rs, SPLIT)
+                                         BLOCK_DV, CAUSAL, WINDOW, HIDDEN, EVEN_N, PREC, ROUND_TF32, DOT_K,
+                                         POS_SCALE, TMA, q_lo, kl_base, vl_base, ks_base, q_rs, SPLIT)
             tl.debug_barrier()
             m_i, l_i, w = _combine(m_i, l_i, tl.load(w_ptrs, mask=w_mask, other=0.0), m_c, l_c, acc_c)
             tl.store(w_ptrs, w, mask=w_mask)
@@ -455,6 +461,20 @@ def _row_stats(LSE, DELTA, stats, offs_m, Tb):
 
 
 @triton.jit
+def _row_stats_at(LSE_DESC, DELTA_DESC, LSE, DELTA, stats, head_row, m0, offs_m, Tb, TMA: tl.constexpr):
+    """:func:`_row_stats` of the query rows ``offs_m = m0 + arange``, or with ``TMA`` through the tensor descriptors
+    of ``lse`` and ``delta`` (``[B * HQ, T]``, at row ``head_row``: see :func:`stats_descriptors`), where rows past
+    ``T`` read 0 (a masked tile hides them: :func:`_probs_t`): one tensor-memory copy each, where the pointers'
+    loads take a few dozen instructions a thread. (Not for packed sequences: a copy's first column must sit on
+    16 bytes, and a sequence may start at any row.)"""
+    if TMA:
+        lse = LSE_DESC.load([head_row, m0]).reshape(offs_m.shape[0])
+        delta = DELTA_DESC.load([head_row, m0]).reshape(offs_m.shape[0])
+        return lse, delta
+    return _row_stats(LSE, DELTA, stats, offs_m, Tb)
+
+
+@triton.jit
 def _probs(q, k, lse, offs_m, offs_n, Tb, Sb, qk_scale, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
            PREC: tl.constexpr, MASKED: tl.constexpr):
     """``p = exp2(s - lse)`` of a ``[BLOCK_M, BLOCK_N]`` tile, with ``MASKED`` 0 where a key is hidden, and
@@ -478,7 +498,7 @@ def _probs_t(k, q, lse, offs_n, offs_m, Tb, Sb, qk_scale, CAUSAL: tl.constexpr, 
              PREC: tl.constexpr, MASKED: tl.constexpr):
     """The transposed tile ``p^T: [BLOCK_N, BLOCK_M]`` (keys on the rows) and its visibility."""
     p = tl.exp2(tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale - lse[None, :])
-    vis = visible_mask_t(offs_n, _positions(offs_m, Tb, Sb, CAUSAL), Sb, CAUSAL, WINDOW)
+    vis = visible_mask_t(offs_n, _positions(offs_m, Tb, Sb, CAUSAL), Sb, CAUSAL, WINDOW) & (offs_m < Tb)[None, :]
     if MASKED:
         p = tl.where(vis, p, 0.0)
     return p, vis
@@ -486,25 +506,29 @@ def _probs_t(k, q, lse, offs_n, offs_m, Tb, Sb, qk_scale, CAUSAL: tl.constexpr, 
 
 @triton.jit
 def _dkdv_tiles(dk, dv, k, v, q_base, do_base, sqt, sdot, LSE, DELTA, stats, lo, hi, offs_n, offs_m0, offs_d,
-                offs_dv, Tb, Sb, qk_scale, dq_base, sdqt, Q_DESC, DO_DESC, DQ_DESC, bat, h, row0, sm_scale,
-                D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr,
-                WINDOW: tl.constexpr, MASKED: tl.constexpr, PREC: tl.constexpr, ROUND_TF32: tl.constexpr,
-                FUSED: tl.constexpr, TMA: tl.constexpr, TMA_REDUCE: tl.constexpr):
+                offs_dv, Tb, Sb, qk_scale, dq_base, sdqt, Q_DESC, DO_DESC, DQ_DESC, LSE_DESC, DELTA_DESC, bat, h, row0,
+                sm_scale, HQ, D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr,
+                WINDOW: tl.constexpr, HIDDEN: tl.constexpr, MASKED: tl.constexpr, PREC: tl.constexpr,
+                ROUND_TF32: tl.constexpr, FUSED: tl.constexpr, TMA: tl.constexpr, TMA_REDUCE: tl.constexpr,
+                STATS_DESC: tl.constexpr):
     """Add the query tiles ``[lo, hi)`` to ``dk, dv`` of the key tile (keys on the rows). ``MASKED``: hidden
-    pairs count 0, and in a causal or windowed backward (where every masked tile is partly hidden) the
-    products over queries go through :func:`contained_dot`, so a non-finite query or dO row reaches only the
-    keys it sees. ``FUSED``: each query tile's share of ``dq`` is added to the fp32 rows at ``dq_base`` (atomics,
-    or with ``TMA_REDUCE`` the tensor-memory reduction through ``DQ_DESC``), a non-finite key reaching only the
-    queries that see it; with ``TMA`` the query and dO tiles come through ``Q_DESC`` and ``DO_DESC``. Returns
-    ``(dk, dv)``."""
+    pairs count 0, and where the masked tiles are partly hidden (``HIDDEN``: a causal or windowed backward, or
+    packed sequences, whose last query tile reaches into the next sequence) the products over queries go through
+    :func:`contained_dot`, so a non-finite query or dO row reaches only the keys it sees. ``FUSED``: each query
+    tile's share of ``dq`` is added to the fp32 rows at ``dq_base`` (atomics, or with ``TMA_REDUCE`` the
+    tensor-memory reduction through ``DQ_DESC``), a non-finite key reaching only the queries that see it; with
+    ``TMA`` the query and dO tiles come through ``Q_DESC`` and ``DO_DESC``, and with ``STATS_DESC`` too the rows'
+    ``lse`` and ``delta`` through ``LSE_DESC`` and ``DELTA_DESC``. Returns ``(dk, dv)``."""
     for m0 in range(lo, hi, BLOCK_M):
         offs_m = m0 + offs_m0
-        q = _tf32(_rows_at(Q_DESC, q_base, bat, h, m0, offs_m, sqt, offs_d, Tb, D, False, TMA), ROUND_TF32)
-        do = _tf32(_rows_at(DO_DESC, do_base, bat, h, m0, offs_m, sdot, offs_dv, Tb, DV, False, TMA), ROUND_TF32)
-        lse, delta = _row_stats(LSE, DELTA, stats, offs_m, Tb)
+        q = _tf32(_rows_at(Q_DESC, q_base, bat, h, row0, m0, offs_m, sqt, offs_d, Tb, D, False, TMA), ROUND_TF32)
+        do = _tf32(_rows_at(DO_DESC, do_base, bat, h, row0, m0, offs_m, sdot, offs_dv, Tb, DV, False, TMA),
+                   ROUND_TF32)
+        lse, delta = _row_stats_at(LSE_DESC, DELTA_DESC, LSE, DELTA, stats, bat * HQ + h, m0, offs_m, Tb,
+                                   TMA and STATS_DESC)
         pt, seen = _probs_t(k, q, lse, offs_n, offs_m, Tb, Sb, qk_scale, CAUSAL, WINDOW, PREC, MASKED)
         dst = pt * (tl.dot(v, tl.trans(do), input_precision=PREC) - delta[None, :])
-        if MASKED and (CAUSAL or WINDOW > 0):
+        if MASKED and HIDDEN:
             dv = contained_dot(dv, _tf32(pt, ROUND_TF32), do, seen, PREC)
             dk = contained_dot(dk, _tf32(tl.where(seen, dst, 0.0), ROUND_TF32), q, seen, PREC)
         else:
@@ -512,7 +536,7 @@ def _dkdv_tiles(dk, dv, k, v, q_base, do_base, sqt, sdot, LSE, DELTA, stats, lo,
             dk = tl.dot(_tf32(dst.to(q.dtype), ROUND_TF32), q, dk, input_precision=PREC)
         if FUSED:
             _add_dq(dq_base, sdqt, DQ_DESC, bat, h, row0, m0, offs_m, offs_d, Tb, tl.trans(dst), k, tl.trans(seen),
-                    sm_scale, D, MASKED and (CAUSAL or WINDOW > 0), PREC, TMA_REDUCE)
+                    sm_scale, D, MASKED and HIDDEN, PREC, TMA_REDUCE)
     return dk, dv
 
 
@@ -521,8 +545,8 @@ def _add_dq(dq_base, sdqt, DQ_DESC, bat, h, row0, m0, offs_m, offs_d, Tb, ds, k,
             CONTAINED: tl.constexpr, PREC: tl.constexpr, REDUCE: tl.constexpr):
     """Add ``sm_scale * ds @ k`` (``ds: [BLOCK_M, BLOCK_N]``) to the fp32 ``dq`` rows ``offs_m``, through
     :func:`contained_dot` where ``CONTAINED``; by atomics, or with ``REDUCE`` by the tensor-memory reduction
-    through ``DQ_DESC`` (not for packed sequences: a row past its sequence would reach the next one's; past ``T``
-    the reduction drops it)."""
+    through ``DQ_DESC``. The rows past a packed sequence reach the next sequence's rows there (past ``T`` the
+    reduction drops them): :func:`_probs_t` hides them, so a masked tile adds exact zeros to them."""
     if CONTAINED:
         part = contained_dot(tl.zeros([ds.shape[0], k.shape[1]], tl.float32), ds, k, seen, PREC)
     else:
@@ -556,7 +580,7 @@ def _dq_tiles(dq, q, do, lse, delta, k_base, v_base, skt, svt, lo, hi, offs_m, o
 
 @triton.heuristics({"TMA_REDUCE": lambda a: a.get("TMA", False) and not interpreting()})  # (none there: atomics)
 @triton.jit
-def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DVV, CU, DQ, Q_DESC, DO_DESC, DQ_DESC,
+def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DVV, CU, DQ, Q_DESC, DO_DESC, DQ_DESC, LSE_DESC, DELTA_DESC,
                      sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sdob, sdot, sdoh,
                      sdkb, sdkt, sdkh, sdvb, sdvt, sdvh, sdqb, sdqt, sdqh,
                      T, S, HQ, GROUP, qk_scale, sm_scale, SIZE_CLASS,
@@ -564,7 +588,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DVV, CU, DQ, Q_DESC, DO_DESC, 
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
                      WINDOW: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr,
                      ROUND_TF32: tl.constexpr, FUSED: tl.constexpr = False, HAS_DESC: tl.constexpr = False,
-                     TMA: tl.constexpr = False, TMA_REDUCE: tl.constexpr = False):
+                     TMA: tl.constexpr = False, TMA_REDUCE: tl.constexpr = False, STATS_DESC: tl.constexpr = False):
     """``dk, dv`` of ``BLOCK_N`` keys for one query head (summed over the group outside); with ``FUSED`` also
     each query tile's share of ``dq``, added to the zeroed fp32 ``DQ`` (see :func:`_dkdv_tiles`). ``HAS_DESC``:
     ``Q_DESC, DO_DESC, DQ_DESC`` are tensor descriptors of q, dO and DQ (else any tensors), taken where the tile
@@ -595,15 +619,19 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DVV, CU, DQ, Q_DESC, DO_DESC, 
     lo, hi = _query_tiles(n0, Tb, Sb, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
     _, _, full_lo, full_hi = query_span(n0, tl.minimum(n0 + BLOCK_N, Sb) - 1, Tb, Sb - Tb, CAUSAL, WINDOW)
     _, a, b = tile_loop_bounds(lo, hi, full_lo, full_hi, BLOCK_M)  # lo is on a tile edge
+    HIDDEN: tl.constexpr = CAUSAL or WINDOW > 0 or VARLEN  # masked tiles partly hidden (see _dkdv_tiles)
     dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, sqt, sdot, LSE, DELTA, stats, lo, a, offs_n, offs_m0, offs_d,
-                         offs_dv, Tb, Sb, qk_scale, dq_base, sdqt, Q_DESC, DO_DESC, DQ_DESC, bat, h, row0, sm_scale,
-                         D, DV, BLOCK_M, CAUSAL, WINDOW, True, PREC, ROUND_TF32, FUSED, TMA, TMA_REDUCE)
+                         offs_dv, Tb, Sb, qk_scale, dq_base, sdqt, Q_DESC, DO_DESC, DQ_DESC, LSE_DESC, DELTA_DESC,
+                         bat, h, row0, sm_scale, HQ, D, DV, BLOCK_M, CAUSAL, WINDOW, HIDDEN, True, PREC, ROUND_TF32,
+                         FUSED, TMA, TMA_REDUCE, STATS_DESC)
     dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, sqt, sdot, LSE, DELTA, stats, a, b, offs_n, offs_m0, offs_d,
-                         offs_dv, Tb, Sb, qk_scale, dq_base, sdqt, Q_DESC, DO_DESC, DQ_DESC, bat, h, row0, sm_scale,
-                         D, DV, BLOCK_M, CAUSAL, WINDOW, False, PREC, ROUND_TF32, FUSED, TMA, TMA_REDUCE)
+                         offs_dv, Tb, Sb, qk_scale, dq_base, sdqt, Q_DESC, DO_DESC, DQ_DESC, LSE_DESC, DELTA_DESC,
+                         bat, h, row0, sm_scale, HQ, D, DV, BLOCK_M, CAUSAL, WINDOW, HIDDEN, False, PREC, ROUND_TF32,
+                         FUSED, TMA, TMA_REDUCE, STATS_DESC)
     dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, sqt, sdot, LSE, DELTA, stats, b, hi, offs_n, offs_m0, offs_d,
-                         offs_dv, Tb, Sb, qk_scale, dq_base, sdqt, Q_DESC, DO_DESC, DQ_DESC, bat, h, row0, sm_scale,
-                         D, DV, BLOCK_M, CAUSAL, WINDOW, True, PREC, ROUND_TF32, FUSED, TMA, TMA_REDUCE)
+                         offs_dv, Tb, Sb, qk_scale, dq_base, sdqt, Q_DESC, DO_DESC, DQ_DESC, LSE_DESC, DELTA_DESC,
+                         bat, h, row0, sm_scale, HQ, D, DV, BLOCK_M, CAUSAL, WINDOW, HIDDEN, True, PREC, ROUND_TF32,
+                         FUSED, TMA, TMA_REDUCE, STATS_DESC)
     dk = dk * sm_scale
     _store_rows(_head_rows(DK, bat, h, row0, sdkb, sdkh, sdkt), dk, offs_n, sdkt, offs_d, Sb, D)
     _store_rows(_head_rows(DVV, bat, h, row0, sdvb, sdvh, sdvt), dv, offs_n, sdvt, offs_dv, Sb, DV)
@@ -666,7 +694,7 @@ def _set_boxes(args, rows: int) -> None:
     """Give the tensor descriptors among ``args`` a box of ``rows`` rows of one head (all its columns)."""
     for a in args:
         if isinstance(a, TensorDescriptor):
-            a.block_shape = [1, rows, 1, a.block_shape[3]]
+            a.block_shape = [1, rows, 1, a.block_shape[3]] if len(a.block_shape) == 4 else [1, rows]
 
 
 def _descriptor_boxes(nargs: dict) -> None:
@@ -717,6 +745,10 @@ BWD_CONFIGS = {
 # dO tiles then load through descriptors too). On the H200, forward+backward in fp16 (benchmarks/results/h200/
 # tiles/scan-backward-fused.json, README there): B1 H16 T16384 D64 12.61 ms in two passes, 11.30 fused through
 # atomics, 10.52 through TMA (cuDNN 8.71); causal 6.73, 6.19, 5.65 (4.56); D128 causal at T8192 3.09, 3.19, 3.06.
+# The TMA tiles take each query tile's lse and delta through descriptors too (stats_descriptors): 9.82 ms against
+# 10.05 (cuDNN 8.63), causal 5.32 against 5.40 (tiles README: "the rows' lse and delta through tensor descriptors").
+# Packed sequences take the descriptors of q, dO and dq (their masked tiles hold the next sequence's rows and add
+# zeros to its dq): B1 H16 D64 causal, 8 sequences, T65536 12.68 ms against 13.92 through pointers and atomics.
 # The fp32 buffer costs 4 bytes a query-row column while a call runs.
 FUSED_DQ = True
 # The tiles without spills on sm_90 at D 64 (python -m regattn.bench.registers scan_bwd); 128 x 64 and 128 x 128 on
@@ -774,7 +806,7 @@ _DKDV_TUNED = {family: triton.autotune(cfgs, key=_KEY, prune_configs_by=_pruner(
                for family, cfgs in BWD_CONFIGS.items()}
 _DQ_TUNED = {family: triton.autotune(cfgs, key=_KEY, prune_configs_by=_pruner("N"))(_bwd_dq_kernel)
              for family, cfgs in BWD_CONFIGS.items()}
-_FUSED_TUNED = triton.autotune(FUSED_CONFIGS, key=_KEY + ["HAS_DESC"], prune_configs_by=_pruner("fused"),
+_FUSED_TUNED = triton.autotune(FUSED_CONFIGS, key=_KEY + ["HAS_DESC", "STATS_DESC"], prune_configs_by=_pruner("fused"),
                                reset_to_zero=["DQ"])(_bwd_dkdv_kernel)  # each timed run adds into DQ
 INTERPRET_BLOCK = 16
 AUTOTUNE = True  # False: every launch takes the first config of its list (no tuning runs)
@@ -875,6 +907,13 @@ def query_descriptors(q, do, dq32, block_d: int, block_dv: int, work: int):
                                (dq32, [1, 16, 1, block_d]))
 
 
+def stats_descriptors(lse, delta, heads: int, T: int):
+    """Tensor descriptors of the backward's per-row ``lse`` and ``delta`` (``[heads, T]`` each, one sequence a batch
+    row), or None where TMA cannot read them (``T`` not a multiple of 4: a head's row of fp32 off 16 bytes); the
+    fused backward's TMA tiles then load them through pointers."""
+    return tma_descriptors((lse.view(heads, T), [1, 16]), (delta.view(heads, T), [1, 16]))
+
+
 def forward(q, k, v, *, causal, window, scale, precision, cu_seqlens, num_splits, need_lse, max_seqlen=None):
     """``o [B, T, HQ, Dv]`` (q's dtype) and ``lse [B * HQ * T]`` (fp32, base 2) or None.
 
@@ -902,8 +941,8 @@ def forward(q, k, v, *, causal, window, scale, precision, cu_seqlens, num_splits
     prec = dot_precision(q.dtype, precision)
     fam = _family(q.dtype, precision)
     descriptors = None
-    if fam == "half" and not varlen:
-        descriptors = kv_descriptors(k, v, BLOCK_D, BLOCK_DV, work=B * HQ * T * S * D)
+    if fam == "half":  # (a packed sequence's query row sees at most max_rows keys)
+        descriptors = kv_descriptors(k, v, BLOCK_D, BLOCK_DV, work=B * HQ * T * (max_rows if varlen else S) * D)
     (qk, kk, vk), parts = (q, k, v), (q, k, v, q, k, v)  # the kernel's operands; parts unused but by SPLIT
     if fam == "split":
         (qk, q_lo, q_scale), (kk, k_lo, k_scale) = row_parts(q), row_parts(k)
@@ -951,16 +990,17 @@ def backward(do, q, k, v, o, lse, *, causal, window, scale, precision, cu_seqlen
     common = (T, S, HQ, HQ // H, scale * LOG2E, scale, size_class(B * HQ * T))
     key_grid = lambda m: (ceil_div(max_s or S, m["BLOCK_N"]), nseq * HQ)  # noqa: E731
     if fused:  # dq added by atomics, in any order
-        desc = None if varlen else query_descriptors(q, do, dq32, BLOCK_D, BLOCK_DV, work=B * HQ * T * S * D)
+        desc = query_descriptors(q, do, dq32, BLOCK_D, BLOCK_DV, work=B * HQ * T * (max_s or S) * D)
+        stats = None if varlen or desc is None else stats_descriptors(lse, delta, B * HQ, T)
         _launch(FUSED_CONFIGS, _FUSED_TUNED, _bwd_dkdv_kernel, key_grid, q, k, v, do, lse, delta, dk, dv, cu, dq32,
-                *(desc or (q, do, dq32)), *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk),
-                *_strides(dv), *_strides(dq32), *common, streamed="fused", FUSED=True, HAS_DESC=desc is not None,
-                **meta)
+                *(desc or (q, do, dq32)), *(stats or (lse, delta)), *_strides(q), *_strides(k), *_strides(v),
+                *_strides(do), *_strides(dk), *_strides(dv), *_strides(dq32), *common, streamed="fused", FUSED=True,
+                HAS_DESC=desc is not None, STATS_DESC=stats is not None, **meta)
         dq = dq32.to(q.dtype)
     else:
         dq = torch.empty_like(q)
         _launch(BWD_CONFIGS[bfam], _DKDV_TUNED[bfam], _bwd_dkdv_kernel, key_grid, q, k, v, do, lse, delta, dk, dv,
-                cu, dq, q, do, dq, *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk),
+                cu, dq, q, do, dq, lse, delta, *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk),
                 *_strides(dv), *_strides(dq), *common, streamed="M", **meta)
         _launch(BWD_CONFIGS[bfam], _DQ_TUNED[bfam], _bwd_dq_kernel,
                 lambda m: (ceil_div(max_t or T, m["BLOCK_M"]), nseq * HQ),
