@@ -592,7 +592,9 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DVV, CU, DQ, Q_DESC, DO_DESC, 
     """``dk, dv`` of ``BLOCK_N`` keys for one query head (summed over the group outside); with ``FUSED`` also
     each query tile's share of ``dq``, added to the zeroed fp32 ``DQ`` (see :func:`_dkdv_tiles`). ``HAS_DESC``:
     ``Q_DESC, DO_DESC, DQ_DESC`` are tensor descriptors of q, dO and DQ (else any tensors), taken where the tile
-    says ``TMA`` (the interpreter, without Triton's TMA reduction, adds dq through atomics: ``TMA_REDUCE``).
+    says ``TMA`` (the interpreter, without Triton's TMA reduction, adds dq through atomics: ``TMA_REDUCE``);
+    ``STATS_DESC``: ``LSE_DESC, DELTA_DESC`` are descriptors of ``LSE`` and ``DELTA`` (:func:`stats_descriptors`),
+    taken likewise (else any tensors).
 
     The tiles are formed with the keys on the rows (``p^T = exp2(k q^T - lse)``): no product result is
     transposed on its way into the next product but ``dq``'s.
