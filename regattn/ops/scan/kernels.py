@@ -536,22 +536,21 @@ def _dkdv_tiles(dk, dv, k, v, q_base, do_base, sqt, sdot, LSE, DELTA, stats, lo,
             dk = tl.dot(_tf32(dst.to(q.dtype), ROUND_TF32), q, dk, input_precision=PREC)
         if FUSED:
             _add_dq(dq_base, sdqt, DQ_DESC, bat, h, row0, m0, offs_m, offs_d, Tb, tl.trans(dst), k, tl.trans(seen),
-                    sm_scale, D, MASKED and HIDDEN, PREC, TMA_REDUCE)
+                    D, MASKED and HIDDEN, PREC, TMA_REDUCE)
     return dk, dv
 
 
 @triton.jit
-def _add_dq(dq_base, sdqt, DQ_DESC, bat, h, row0, m0, offs_m, offs_d, Tb, ds, k, seen, sm_scale, D: tl.constexpr,
+def _add_dq(dq_base, sdqt, DQ_DESC, bat, h, row0, m0, offs_m, offs_d, Tb, ds, k, seen, D: tl.constexpr,
             CONTAINED: tl.constexpr, PREC: tl.constexpr, REDUCE: tl.constexpr):
-    """Add ``sm_scale * ds @ k`` (``ds: [BLOCK_M, BLOCK_N]``) to the fp32 ``dq`` rows ``offs_m``, through
-    :func:`contained_dot` where ``CONTAINED``; by atomics, or with ``REDUCE`` by the tensor-memory reduction
-    through ``DQ_DESC``. The rows past a packed sequence reach the next sequence's rows there (past ``T`` the
-    reduction drops them): :func:`_probs_t` hides them, so a masked tile adds exact zeros to them."""
+    """Add ``ds @ k`` (``ds: [BLOCK_M, BLOCK_N]``) to the fp32 ``dq`` rows ``offs_m`` (unscaled: the caller scales
+    the whole buffer once), through :func:`contained_dot` where ``CONTAINED``; by atomics, or with ``REDUCE`` by the
+    tensor-memory reduction through ``DQ_DESC``. The rows past a packed sequence reach the next sequence's rows there
+    (past ``T`` the reduction drops them): :func:`_probs_t` hides them, so a masked tile adds exact zeros to them."""
     if CONTAINED:
         part = contained_dot(tl.zeros([ds.shape[0], k.shape[1]], tl.float32), ds, k, seen, PREC)
     else:
         part = tl.dot(ds.to(k.dtype), k, input_precision=PREC)
-    part = part * sm_scale
     if REDUCE:
         DQ_DESC.atomic_add([bat, row0 + m0, h, 0], part.reshape(1, ds.shape[0], 1, k.shape[1]))
     else:
@@ -590,9 +589,9 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DVV, CU, DQ, Q_DESC, DO_DESC, 
                      ROUND_TF32: tl.constexpr, FUSED: tl.constexpr = False, HAS_DESC: tl.constexpr = False,
                      TMA: tl.constexpr = False, TMA_REDUCE: tl.constexpr = False, STATS_DESC: tl.constexpr = False):
     """``dk, dv`` of ``BLOCK_N`` keys for one query head (summed over the group outside); with ``FUSED`` also
-    each query tile's share of ``dq``, added to the zeroed fp32 ``DQ`` (see :func:`_dkdv_tiles`). ``HAS_DESC``:
-    ``Q_DESC, DO_DESC, DQ_DESC`` are tensor descriptors of q, dO and DQ (else any tensors), taken where the tile
-    says ``TMA`` (the interpreter, without Triton's TMA reduction, adds dq through atomics: ``TMA_REDUCE``);
+    each query tile's share of ``dq`` (unscaled), added to the zeroed fp32 ``DQ`` (see :func:`_dkdv_tiles`).
+    ``HAS_DESC``: ``Q_DESC, DO_DESC, DQ_DESC`` are tensor descriptors of q, dO and DQ (else any tensors), taken where
+    the tile says ``TMA`` (the interpreter, without Triton's TMA reduction, adds dq through atomics: ``TMA_REDUCE``);
     ``STATS_DESC``: ``LSE_DESC, DELTA_DESC`` are descriptors of ``LSE`` and ``DELTA`` (:func:`stats_descriptors`),
     taken likewise (else any tensors).
 
@@ -751,6 +750,8 @@ BWD_CONFIGS = {
 # 10.05 (cuDNN 8.63), causal 5.32 against 5.40 (tiles README: "the rows' lse and delta through tensor descriptors").
 # Packed sequences take the descriptors of q, dO and dq (their masked tiles hold the next sequence's rows and add
 # zeros to its dq): B1 H16 D64 causal, 8 sequences, T65536 12.68 ms against 13.92 through pointers and atomics.
+# The tiles add ds @ k unscaled and the call scales the buffer once as it casts it (the query loop 443 -> 411
+# instructions on sm_90): T16384 10.00 ms against 10.06, causal 5.39 against 5.46 (tiles README: "dq scaled once").
 # The fp32 buffer costs 4 bytes a query-row column while a call runs.
 FUSED_DQ = True
 # The tiles without spills on sm_90 at D 64 (python -m regattn.bench.registers scan_bwd); 128 x 64 and 128 x 128 on
@@ -998,7 +999,7 @@ def backward(do, q, k, v, o, lse, *, causal, window, scale, precision, cu_seqlen
                 *(desc or (q, do, dq32)), *(stats or (lse, delta)), *_strides(q), *_strides(k), *_strides(v),
                 *_strides(do), *_strides(dk), *_strides(dv), *_strides(dq32), *common, streamed="fused", FUSED=True,
                 HAS_DESC=desc is not None, STATS_DESC=stats is not None, **meta)
-        dq = dq32.to(q.dtype)
+        dq = torch.mul(dq32, scale, out=torch.empty_like(dq32, dtype=q.dtype))  # its tiles add ds @ k unscaled
     else:
         dq = torch.empty_like(q)
         _launch(BWD_CONFIGS[bfam], _DKDV_TUNED[bfam], _bwd_dkdv_kernel, key_grid, q, k, v, do, lse, delta, dk, dv,
