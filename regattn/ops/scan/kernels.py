@@ -507,7 +507,7 @@ def _probs_t(k, q, lse, offs_n, offs_m, Tb, Sb, qk_scale, CAUSAL: tl.constexpr, 
 @triton.jit
 def _dkdv_tiles(dk, dv, k, v, q_base, do_base, sqt, sdot, LSE, DELTA, stats, lo, hi, offs_n, offs_m0, offs_d,
                 offs_dv, Tb, Sb, qk_scale, dq_base, sdqt, Q_DESC, DO_DESC, DQ_DESC, LSE_DESC, DELTA_DESC, bat, h, row0,
-                sm_scale, HQ, D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr,
+                HQ, D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr,
                 WINDOW: tl.constexpr, HIDDEN: tl.constexpr, MASKED: tl.constexpr, PREC: tl.constexpr,
                 ROUND_TF32: tl.constexpr, FUSED: tl.constexpr, TMA: tl.constexpr, TMA_REDUCE: tl.constexpr,
                 STATS_DESC: tl.constexpr):
@@ -623,15 +623,15 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DVV, CU, DQ, Q_DESC, DO_DESC, 
     HIDDEN: tl.constexpr = CAUSAL or WINDOW > 0 or VARLEN  # masked tiles partly hidden (see _dkdv_tiles)
     dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, sqt, sdot, LSE, DELTA, stats, lo, a, offs_n, offs_m0, offs_d,
                          offs_dv, Tb, Sb, qk_scale, dq_base, sdqt, Q_DESC, DO_DESC, DQ_DESC, LSE_DESC, DELTA_DESC,
-                         bat, h, row0, sm_scale, HQ, D, DV, BLOCK_M, CAUSAL, WINDOW, HIDDEN, True, PREC, ROUND_TF32,
+                         bat, h, row0, HQ, D, DV, BLOCK_M, CAUSAL, WINDOW, HIDDEN, True, PREC, ROUND_TF32,
                          FUSED, TMA, TMA_REDUCE, STATS_DESC)
     dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, sqt, sdot, LSE, DELTA, stats, a, b, offs_n, offs_m0, offs_d,
                          offs_dv, Tb, Sb, qk_scale, dq_base, sdqt, Q_DESC, DO_DESC, DQ_DESC, LSE_DESC, DELTA_DESC,
-                         bat, h, row0, sm_scale, HQ, D, DV, BLOCK_M, CAUSAL, WINDOW, HIDDEN, False, PREC, ROUND_TF32,
+                         bat, h, row0, HQ, D, DV, BLOCK_M, CAUSAL, WINDOW, HIDDEN, False, PREC, ROUND_TF32,
                          FUSED, TMA, TMA_REDUCE, STATS_DESC)
     dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, sqt, sdot, LSE, DELTA, stats, b, hi, offs_n, offs_m0, offs_d,
                          offs_dv, Tb, Sb, qk_scale, dq_base, sdqt, Q_DESC, DO_DESC, DQ_DESC, LSE_DESC, DELTA_DESC,
-                         bat, h, row0, sm_scale, HQ, D, DV, BLOCK_M, CAUSAL, WINDOW, HIDDEN, True, PREC, ROUND_TF32,
+                         bat, h, row0, HQ, D, DV, BLOCK_M, CAUSAL, WINDOW, HIDDEN, True, PREC, ROUND_TF32,
                          FUSED, TMA, TMA_REDUCE, STATS_DESC)
     dk = dk * sm_scale
     _store_rows(_head_rows(DK, bat, h, row0, sdkb, sdkh, sdkt), dk, offs_n, sdkt, offs_d, Sb, D)
