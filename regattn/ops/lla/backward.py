@@ -33,6 +33,7 @@ import triton.language as tl
 from regattn.ops._common.attention_tiles import (
     LOG2E, dot_precision, head_block, interpreting, size_class, tile_configs,
 )
+from regattn.ops._common.hidden import finite_copy, hidden_flags, keys_reached, per_query_head, poison_rows, rows_seeing
 from regattn.ops._common.ints import ceil_div
 from regattn.ops._common.launch import launch_any
 from regattn.ops.lla.forward import cross_precision, lam_tensor, moment_precision
@@ -403,10 +404,24 @@ def row_max_path(dq, dk, q, k, dm, argmax, scale):
     dk.view(-1, D).index_add_(0, flat.reshape(-1), (scale * dm_t[..., None] * q.float()).reshape(-1, D))
 
 
+def poison_hidden(dq, dk, dv, flags, window):
+    """NaN (in place) in ``dq`` at the rows that see a position ``flags`` marks (``ops._common.hidden``), and in
+    ``dk`` and ``dv`` at the keys those rows see: the kernels read such a position as zeros, so the gradients of
+    every other row and key never depend on it."""
+    rows = rows_seeing(flags, dq.shape[1], window)
+    poison_rows(dq, per_query_head(rows, dq.shape[2] // dk.shape[2]))
+    keys = keys_reached(rows, dk.shape[1], window)
+    poison_rows(dk, keys)
+    poison_rows(dv, keys)
+
+
 def lla_backward(do, q, k, v, lam, rho, delta, m2, argmax, omega, centre, *, scale, window, cg_iters, cg_tol,
                  lam_grad: bool, bd: int = 0):
     """Gradients ``(dq, dk, dv, dlam)`` for full LLA (``bd = 0``) or BD-LLA with 1 x 1 (``bd = 1``) or
-    2 x 2 blocks (``bd = 2``); ``dlam`` shaped like ``lam`` or None."""
+    2 x 2 blocks (``bd = 2``); ``dlam`` shaped like ``lam`` or None. A non-finite key or value makes NaN the dq of
+    the rows that see it and the dk, dv of the keys those rows see (``poison_hidden``), and nothing else."""
+    flags = hidden_flags(k, v)
+    k, v = finite_copy(k), finite_copy(v)
     B, T, HQ, D = q.shape
     S, H, DV = k.shape[1], k.shape[2], v.shape[3]
     do = do.contiguous()
@@ -437,6 +452,7 @@ def lla_backward(do, q, k, v, lam, rho, delta, m2, argmax, omega, centre, *, sca
         T, S, HQ, H, HQ // H, D, DV, scale, scale * LOG2E, size_class(B * HQ * T),
         XPREC=cross_precision(q.dtype), **common)
     row_max_path(dq, dk, q, k, dm, argmax, scale)
+    poison_hidden(dq, dk, dv, flags, window)
     dlam = None
     if lam_grad:
         per_dim = rho * (u - beta.transpose(1, 2)[..., None] * rho)

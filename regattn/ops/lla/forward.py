@@ -20,6 +20,7 @@ import triton.language as tl
 from regattn.ops._common.attention_tiles import (
     LOG2E, dot_precision, head_block, interpreting, online_softmax_step, size_class, tile_configs, visible_mask,
 )
+from regattn.ops._common.hidden import finite_copy, hidden_flags, hides_keys, per_query_head, poison_rows, rows_seeing
 from regattn.ops._common.ints import ceil_div, next_pow2
 from regattn.ops._common.launch import launch_any
 from regattn.ops.lla.tiles import (
@@ -471,8 +472,23 @@ def lla_forward(q, k, v, lam, *, scale: float, window, blocks, cg_iters: int, cg
     full LLA's CG is preconditioned (``reference.lla.key_preconditioner``).
 
     Returns ``o [B, T, HQ, Dv]`` (q's dtype) and the saved ``rho [B, T, HQ, D]``, ``delta, m2 [B, HQ, T]``
-    (fp32), ``argmax [B, HQ, T]`` (int32), ``omega`` and ``centre = kbar.rho [B, HQ, T]`` (fp32).
+    (fp32), ``argmax [B, HQ, T]`` (int32), ``omega`` and ``centre = kbar.rho [B, HQ, T]`` (fp32). A row that sees
+    a non-finite key or value gets ``o = NaN``; the kernels read copies with such entries zero
+    (``ops._common.hidden``), so no other row depends on them.
     """
+    solve = dict(scale=scale, window=window, blocks=blocks, cg_iters=cg_iters, cg_tol=cg_tol,
+                 cg_precondition=cg_precondition)
+    if not hides_keys(q.shape[1], k.shape[1], window):
+        return launch_forward(q, k, v, lam, **solve)
+    flags = hidden_flags(k, v)
+    outputs = launch_forward(q, finite_copy(k), finite_copy(v), lam, **solve)
+    poison_rows(outputs[0], per_query_head(rows_seeing(flags, q.shape[1], window), q.shape[2] // k.shape[2]))
+    return outputs
+
+
+def launch_forward(q, k, v, lam, *, scale: float, window, blocks, cg_iters: int, cg_tol: float,
+                   cg_precondition: bool):
+    """The kernels of :func:`lla_forward` on keys and values that are finite."""
     B, T, HQ, D = q.shape
     S, H, DV = k.shape[1], k.shape[2], v.shape[3]
     solver, G = solver_for(blocks, D)
