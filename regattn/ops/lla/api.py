@@ -211,6 +211,8 @@ def lla(q, k, v, *, lam, scale=None, window=None, blocks=None, cg_iters=None, cg
     ``0.1 lam_min |p|^2`` keeps its iterate. For accuracy keep ``lam`` well above ``eps |z|^2``
     (:class:`regattn.layers.LLA` floors it at ``lam_min``) or pass float64. Truncated CG in fp32 also
     needs more than ``D`` iterations as ``lam`` shrinks (rounding breaks its finite termination).
+    A NaN or inf key or value reaches only the rows that see it, whose outputs and ``dq`` (and the ``dk``,
+    ``dv`` of the keys they see) turn non-finite; the kernels set them NaN (:mod:`regattn.ops._common.hidden`).
 
     Args:
         q: ``[B, T, HQ, D]``; k: ``[B, S, H, D]``; v: ``[B, S, H, Dv]`` (GQA when ``HQ % H == 0``);
