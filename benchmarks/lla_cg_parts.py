@@ -4,13 +4,15 @@ The CG step's key pass (``ops/lla/tiles.key_scatter``) takes five bf16 products 
 and ``(w (k.p)) k`` each with a high and a low bf16 part of its fp32 operand. With one part each it would take three.
 This runs Algorithm 2 on the centred system (as the kernels: Sherman-Morrison after CG) for the last 256 rows of a
 causal sequence, bf16 inputs, D 128, lam 1, with the products exact or with ``p`` and ``w (k.p)`` rounded to bf16,
-and prints the relative error of ``o`` against the exact solve.
+and prints the relative error of ``o`` against the exact solve (``regattn.reference.lla.lla_blocks_uncentred``).
 
     python benchmarks/lla_cg_parts.py 512 2048 8192
 """
 import sys
 
 import torch
+
+from regattn.reference.lla import lla_blocks_uncentred
 
 D, ROWS, LAM = 128, 256, 1.0
 
@@ -37,13 +39,6 @@ def output(rho, q, k, v, w, omega, mu):
     return (w * (1 - a)) @ v / (omega - (mu * rho).sum(1))[:, None]
 
 
-def exact_solve(q, k, w, omega, mt, mu):
-    kk = torch.cat([(w[c:c + 16, :, None] * k[None]).transpose(1, 2) @ k for c in range(0, ROWS, 16)])
-    sigma = (kk - q[:, :, None] * mt[:, None, :] - mt[:, :, None] * q[:, None, :]
-             + omega[:, None, None] * q[:, :, None] * q[:, None, :] + LAM * torch.eye(D, dtype=torch.float64))
-    return torch.linalg.solve(sigma, mu)
-
-
 def cg_probe(iters, one_part, k, w, omega, mt, mu):
     """``rho`` from CG on the centred scatter ``A y = mu`` from 0, then Sherman-Morrison."""
     def matvec(p):
@@ -64,7 +59,8 @@ def cg_probe(iters, one_part, k, w, omega, mt, mu):
 def main(lengths):
     for T in lengths:
         q, k, v, w, omega, mt, mu = problem(T)
-        exact = output(exact_solve(q, k, w, omega, mt, mu), q, k, v, w, omega, mu)
+        one_head = [x[None, :, None] for x in (q, k, v)]  # [1, T, 1, D]: the reference's layout
+        exact = lla_blocks_uncentred(*one_head, lam=LAM, scale=D ** -0.5, blocks=1)[0, :, 0]
         for iters in (4, 8, 16, 32):
             errors = [output(cg_probe(iters, one, k, w, omega, mt, mu), q, k, v, w, omega, mu) for one in (False, True)]
             two, one = (((o - exact).norm() / exact.norm()).item() for o in errors)

@@ -4,16 +4,7 @@ import pytest
 import torch
 
 from regattn.ops._common.hidden import finite_copy, hidden_flags, keys_reached, rows_seeing
-
-
-def _visible(T, S, window):
-    """``[T, S]``: the row at position ``i + S - T`` sees key ``j``."""
-    pos = torch.arange(T)[:, None] + S - T
-    j = torch.arange(S)[None, :]
-    keep = j <= pos
-    if window is not None:
-        keep &= j > pos - window
-    return keep
+from regattn.reference.common import visible
 
 
 # (T, S, window): as many rows as keys, fewer (a cache), more (rows before the first key); windows shorter and longer
@@ -26,7 +17,7 @@ def test_rows_and_keys_match_visibility(T, S, window):
     gen = torch.Generator().manual_seed(T * S)
     flags = torch.rand(2, 3, S, generator=gen) < 0.1
     flags[0, 0] = False  # a head with no flagged position
-    sees = _visible(T, S, window)
+    sees = visible(T, S, causal=True, window=window)
     want_rows = (sees[None, None] & flags[..., None, :]).any(-1)
     rows = rows_seeing(flags, T, window)
     assert torch.equal(rows, want_rows)
