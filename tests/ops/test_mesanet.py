@@ -45,6 +45,25 @@ def test_matches_reference_forward_backward(case):
         assert rel_err(a, b) < 1e-11, name
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_rows_do_not_depend_on_later_keys_bit_for_bit(dtype):
+    """Other keys and values from position 13 on (inside the second chunk of 8) leave the rows before it, and their
+    gradients, the same bits: the chunk sums before a chunk do not take that chunk's own products in and out."""
+    q, k, v = (x.detach().to(dtype) for x in _inputs(2, 20, 20, 2, 1, 8, 8))
+    k2, v2 = k.clone(), v.clone()
+    k2[:, 13:], v2[:, 13:] = _inputs(2, 7, 7, 2, 1, 8, 8, dtype=dtype)[1:]
+    do = randn(2, 20, 2, 8, dtype=dtype)
+
+    def o_dq(*inputs):
+        leaves = [x.clone().requires_grad_(True) for x in inputs]
+        return _outputs(lambda *a: regattn.mesanet(*a, chunk=8, backend="torch"), leaves, do)[:2]
+
+    got, want = o_dq(q, k2, v2), o_dq(q, k, v)
+    for name, a, b in zip(["o", "dq"], got, want):
+        assert torch.equal(a[:, :13], b[:, :13]), name
+        assert not torch.equal(a[:, 13:], b[:, 13:]), name
+
+
 # Not the one token: its one output entry is (q.k / 2) v, and where q.k nearly cancels, the error of three TF32
 # products (about 1e-6 |q| |k|) is 1e-4 of it at some seeds.
 TRITON_CASES = [case for case in CASES if case[1] > 1] + [(1, 70, 70, 2, 1, 64, 48, 64, 1.0)]

@@ -102,8 +102,9 @@ def _sees_nonfinite(k_ok, v_ok, HQ):
 
 
 def _exclusive_sum(x):
-    """Sums over the chunks before each chunk (dim 2)."""
-    return x.cumsum(2) - x
+    """Sums over the chunks before each chunk (dim 2), the first zero. A running sum shifted by one chunk, not the
+    inclusive sum less each chunk's own: that difference rounds with the chunk's keys, later positions included."""
+    return torch.cat([torch.zeros_like(x[:, :, :1]), x[:, :, :-1].cumsum(2)], 2)
 
 
 class _InverseFactor(torch.autograd.Function):
