@@ -385,18 +385,19 @@ def test_half_precision_backward_keeps_the_error_of_rounded_inputs():
 @pytest.mark.parametrize("size", [1, 2])
 def test_direct_solves_half_precision_backward_keeps_the_error_of_rounded_inputs(size):
     """fp16 inputs (the half-precision kernels, the interpreter's stand-in for bf16), BD-LLA's direct solves: the
-    output and the gradients of q, k, v within 4x the error (to float64) of the exact solve on the same rounded
-    inputs (the backward takes the centre ``kbar.rho`` the forward saved). A ridge per query adds its gradient,
-    which on rows that see one key cancels to about 1e-3 where it is 0, up to 7x the rounded inputs' error."""
+    output and the gradients of q, k, v and the ridge within 4x the error (to float64) of the exact solve on the
+    same rounded inputs (the backward takes the centre ``kbar.rho`` the forward saved). On a row that sees one key
+    the ridge's gradient is 0, the difference of the adjoint's right-hand side ``sum_j c_j z_j`` and ``beta mu``:
+    with ``c`` in one half-precision part it came out about 1e-3, up to 7x the rounded inputs' error."""
     B, T, HQ, H, D = 1, 96, 2, 1, 32
-    q, k, v, lam = make(B, T, T, HQ, H, D, D, "float", lam_scale=4.0)
+    q, k, v, lam = make(B, T, T, HQ, H, D, D, "query", lam_scale=4.0)
     do = randn(B, T, HQ, D)
     exact = grads_of(lambda *a: reference.lla(*a[:3], lam=a[3], blocks=D // size), q, k, v, lam, do)
     rounded = grads_of(lambda *a: reference.lla(*a[:3], lam=a[3], blocks=D // size),
                        *(x.half().double() for x in (q, k, v)), lam, do)
     got = grads_of(lambda *a: regattn.lla(*a[:3], lam=a[3], blocks=D // size, backend="triton"),
-                   q.half(), k.half(), v.half(), lam, do)
-    for name, g, r, low in zip(("o", "dq", "dk", "dv"), [got[0], *got[1]], [exact[0], *exact[1]],
+                   q.half(), k.half(), v.half(), lam.float(), do)
+    for name, g, r, low in zip(("o", "dq", "dk", "dv", "dlam"), [got[0], *got[1]], [exact[0], *exact[1]],
                                [rounded[0], *rounded[1]], strict=True):
         assert rel_err(g, r) <= 4 * rel_err(low, r), name
 

@@ -164,7 +164,7 @@ def lla_bwd_q_kernel(Q, K, V, LAM, DO, RHO, DELTA, M2, OMEGA, CENTRE, DQ, U, BET
         s = w * one_minus_a(rho, kt, centre, inv_omega, delta_safe, DPREC) / delta_safe[:, None]
         k = tl.trans(kt)
         mt += split_dot(w, k, DPREC)  # as in the forward: mu~ enters cancelling differences
-        ck += tl.dot(c.to(k.dtype), k, input_precision=DPREC)
+        ck += split_dot(c, k, DPREC)  # in two parts as mu~: y - beta mu cancels (to 0 on a row seeing one key)
         csum += tl.sum(c, 1)
         gs += tl.sum(gamma * s, 1)
         if BD > 0:
