@@ -178,7 +178,9 @@ def test_hidden_entries_do_not_leak(backend, op, case, k_value, v_value, request
     for name, g, w, where in zip(("o", "dq", "dk", "dv"), got, want, (rows, rows, keys, keys)):
         assert torch.isfinite(g[where]).all(), f"{name}: a hidden non-finite key or value leaked"
         torch.testing.assert_close(g[where], w[where], rtol=1e-5, atol=1e-6, msg=f"{name} differs")
-        if op.startswith("lla"):  # its kernels read the entry as zero: the rows that see it must still show it
+        # they read the entry as zero: the rows that see it must still show it (mesanet in o; its NaN rows pass
+        # no gradient back)
+        if op.startswith("lla") or (op == "mesanet" and name == "o"):
             assert not torch.isfinite(g[~where]).flatten(1).all(1).any(), f"{name}: a seen non-finite entry was dropped"
 
 

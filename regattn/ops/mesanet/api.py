@@ -22,10 +22,11 @@ from __future__ import annotations
 import torch
 
 from regattn.ops._common.checks import check_attention_inputs, check_int, check_positive, resolve_kernel_backend
+from regattn.ops._common.hidden import finite_copy, hidden_flags, per_query_head, rows_seeing
 from regattn.ops._common.vmap import fold_rule
 from regattn.ops.mesanet.kernels import ChunkOutput, ChunkSums, Precondition, inverse_factor_backward, lower_inverse
 from regattn.ops.mesanet.layout import FromChunks, ToChunks
-from regattn.reference.common import accumulation_dtype, repeat_kv
+from regattn.reference.common import accumulation_dtype
 
 HAS_TRITON = True
 KERNEL_MAX = 64  # the largest head dims and chunk of the Triton path (larger tiles spill and overflow shared memory)
@@ -70,9 +71,10 @@ def mesanet(q, k, v, *, lam: float = 1.0, chunk: int = 64, backend="auto"):
         out[:, :, :, front:front + x.shape[1]] = x.transpose(1, 2).unsqueeze(2)   # each kv head to its group
         return out.view(B, HQ, n, C, E)
 
-    k_ok, v_ok = torch.isfinite(k), torch.isfinite(v)
-    seen = _sees_nonfinite(k_ok, v_ok, HQ)[:, S - T:]
-    k, v = torch.where(k_ok, k, 0.0), torch.where(v_ok, v, 0.0)
+    # within a chunk every row's products touch every key: non-finite entries become zeros, and the rows that see
+    # one are set to NaN after the chunked algebra (the rows that cannot see them are exact)
+    seen = per_query_head(rows_seeing(hidden_flags(k, v), T, None), HQ // H).transpose(1, 2)   # [B, T, HQ]
+    k, v = finite_copy(k), finite_copy(v)
     with torch.autocast(q.device.type, enabled=False):
         o = _chunked(chunks(q, front=S - T), chunks(k), chunks(v), lam)
     o = o.reshape(B, HQ, n * C, Dv)[:, :, S - T:S].transpose(1, 2)
@@ -88,17 +90,6 @@ def _kernels_take(resolved: str, asked: str, **sizes) -> str:
         return "torch"
     raise ValueError(f"backend: the Triton path of mesanet takes head dims and a chunk up to {KERNEL_MAX}, got "
                      + ", ".join(f"{key}={value}" for key, value in sizes.items()) + "; use backend='auto' or 'torch'")
-
-
-def _sees_nonfinite(k_ok, v_ok, HQ):
-    """``[B, S, HQ]``: the query at each position sees a non-finite key or value entry (``k_ok``, ``v_ok``:
-    which entries are finite).
-
-    Within a chunk every row's products touch every key, so such entries are zeroed before the chunked
-    algebra and the rows that see them are set to NaN after it (the rows that cannot see them are exact).
-    """
-    bad = ~(k_ok.all(-1) & v_ok.all(-1))
-    return repeat_kv(bad.cumsum(1).gt(0)[..., None], HQ)[..., 0]
 
 
 def _exclusive_sum(x):
