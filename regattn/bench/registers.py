@@ -127,13 +127,68 @@ def wgmma_serialized(compiled) -> int:
     return int("C7512" in done.stdout + done.stderr)
 
 
+SSA = r"%[\w.]+"
+BUFFER = re.compile(rf"({SSA}) = ttg\.local_alloc : \(\) -> !ttg\.memdesc<(\d+)x\d+x")  # a pipelined tile's slots
+VIEW = re.compile(rf"({SSA}) = ttg\.memdesc_\w+ ({SSA})")
+ASYNC_PRODUCT = re.compile(rf"({SSA}) = ttng\.warp_group_dot (.*?) \{{.*isAsync = true")
+PRODUCT_WAIT = re.compile(r"ttng\.warp_group_dot_wait .*\{pendings = (\d+)")
+
+
+def loop_bodies(lines: list[str]) -> list[range]:
+    """The line ranges of the bodies of the ``scf.for`` loops of a TTGIR listing (a nested loop's lie inside)."""
+    bodies = []
+    for start, line in enumerate(lines):
+        if "scf.for" not in line or not line.rstrip().endswith("{"):
+            continue
+        depth, end = 1, start
+        while depth > 0 and end + 1 < len(lines):
+            end += 1
+            depth += lines[end].count("{") - lines[end].count("}")
+        bodies.append(range(start + 1, end))
+    return bodies
+
+
+def async_product_hazards(ttgir: str) -> int:
+    """How many copies into a shared buffer a kernel's loops issue while an asynchronous warpgroup product that
+    reads that buffer may still run: a race. ``warp_group_dot`` with ``isAsync`` stays in flight until a
+    ``warp_group_dot_wait`` leaves fewer products pending; a loop's body is followed twice, for the products still
+    in flight at its end. (Triton 3.6 leaves a product that accumulates across a loop's iterations in flight past
+    the copy of the next tile into the single buffer it reads, when it is the loop's last product.) A buffer of
+    ``n`` slots (a pipelined tile) takes ``n`` copies to come back to the slot a product reads."""
+    lines = ttgir.splitlines()
+    root, slots = {}, {}
+    for line in lines:
+        if match := BUFFER.search(line):
+            root[match[1]], slots[match[1]] = match[1], int(match[2])
+        elif match := VIEW.search(line):
+            root[match[1]] = root.get(match[2])
+    racy = set()
+    for body in loop_bodies(lines):
+        running = []  # per product in flight, in issue order: {buffer read: copies into it since}
+        for index in list(body) * 2:
+            line = lines[index]
+            if match := ASYNC_PRODUCT.search(line):
+                running.append({root[name]: 0 for name in re.findall(SSA, match[2]) if root.get(name)})
+            elif match := PRODUCT_WAIT.search(line):
+                running = running[len(running) - int(match[1]):] if int(match[1]) else []
+            elif "copy_global_to_local" in line:
+                for buffer in {root[name] for name in re.findall(SSA, line) if root.get(name)}:
+                    for read in running:
+                        if buffer in read:
+                            read[buffer] += 1
+                            if read[buffer] >= slots[buffer]:  # the copy reaches the slot being read
+                                racy.add(index)
+    return len(racy)
+
+
 def resource_usage(compiled) -> dict:
-    """``REG``, ``STACK``, ``LOCAL`` (from cuobjdump), ``SHARED`` (bytes) and ``SERIAL``
-    (:func:`wgmma_serialized`) of a compiled kernel."""
+    """``REG``, ``STACK``, ``LOCAL`` (from cuobjdump), ``SHARED`` (bytes), ``SERIAL`` (:func:`wgmma_serialized`)
+    and ``HAZARD`` (:func:`async_product_hazards`) of a compiled kernel."""
     text = cuobjdump(compiled, "--dump-resource-usage")
     usage = {key: int(re.search(rf"\b{key}:(\d+)", text).group(1)) for key in ("REG", "STACK", "LOCAL")}
     usage["SHARED"] = compiled.metadata.shared
     usage["SERIAL"] = wgmma_serialized(compiled)
+    usage["HAZARD"] = async_product_hazards(compiled.asm["ttgir"])
     return usage
 
 
@@ -387,7 +442,7 @@ def lla_backward_rows(head_dims=(128,), kinds=LLA_BACKWARD_KINDS, candidates=Fal
 
 
 COLUMNS = ("head_dim", "kind", "BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "REG", "STACK", "LOCAL", "SHARED",
-           "SERIAL")
+           "SERIAL", "HAZARD")
 
 
 # The tile kinds of the softmax kernels (see attention_blocks), and the Parallax kernel laid out alike: the

@@ -148,28 +148,31 @@ def test_preconditioner_product_keeps_fp32_accuracy(D, dtype):
 
 
 @triton.jit
-def _moments_kernel(W, K, Z2, ZX, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr):
-    w = tl.load(W + tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :])
+def _moments_kernel(W, K, OMEGA, MT, Z2, ZX, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr):
+    rows = tl.arange(0, BM)[:, None]
+    w = tl.load(W + rows * BN + tl.arange(0, BN)[None, :])
     k = tl.load(K + tl.arange(0, BN)[:, None] * BD + tl.arange(0, BD)[None, :])
-    tl.store(Z2 + tl.arange(0, BM)[:, None] * BD + tl.arange(0, BD)[None, :], tiles.square_moments(w, k, "parts"))
-    half = tl.arange(0, BM)[:, None] * (BD // 2) + tl.arange(0, BD // 2)[None, :]
-    tl.store(ZX + half, tiles.pair_moments(w, k, "parts"))
+    omega, mt, kk, kx = tiles.direct_moments(w, k, tl.zeros((BM, BD), tl.float32), 2, "parts", "ieee")
+    tl.store(OMEGA + tl.arange(0, BM), omega)
+    tl.store(MT + rows * BD + tl.arange(0, BD)[None, :], mt)
+    tl.store(Z2 + rows * BD + tl.arange(0, BD)[None, :], kk)
+    tl.store(ZX + rows * (BD // 2) + tl.arange(0, BD // 2)[None, :], kx)
 
 
-def test_moments_in_parts_are_those_of_the_split_weights(BM=16, BN=32, BD=16):
-    """The direct solves' second moments for bf16 inputs (``moment_precision``: "parts"; fp16 here, standing in
-    for bf16, with keys whose squares split into two fp16 parts): ``sum_j w_ij k_jd^2`` and the pair moments
-    with the weights as ``split_dot`` splits them for ``mu~``, to fp32 accumulation, so that the differences
-    ``Sigma_dd`` takes of them cancel alike (fp16 weights alone leave about 1e-4)."""
+def test_direct_moments_in_parts_share_the_rounded_weights(BM=16, BN=32, BD=16):
+    """The direct solves' moments for bf16 inputs (``moment_precision``: "parts"; fp16 here, standing in for bf16,
+    with keys whose squares split into two fp16 parts): ``omega``, ``mu~``, ``sum_j w_ij k_jd^2`` and the pair
+    moments all of the weights rounded to the input dtype, to fp32 accumulation, so that the differences
+    ``mu`` and ``Sigma`` take of them cancel alike (``omega`` of the fp32 weights is off by about 1e-4)."""
     w = torch.rand(BM, BN)
     k = ((torch.rand(BN, BD) * 4 + 0.5) * torch.randint(0, 2, (BN, BD)).mul(2).sub(1)).half()
-    z2, zx = torch.empty(BM, BD), torch.empty(BM, BD // 2)
-    _moments_kernel[(1,)](w, k, z2, zx, BM=BM, BN=BN, BD=BD)
-    hi = w.half().float()
-    split = (hi + (w - hi).half().float()).double()
-    k64 = k.double()
-    assert rel_err(z2, split @ k64 ** 2) < 1e-6
-    assert rel_err(zx, split @ (k64[:, 0::2] * k64[:, 1::2])) < 1e-6
+    omega, mt, z2, zx = torch.empty(BM), torch.empty(BM, BD), torch.empty(BM, BD), torch.empty(BM, BD // 2)
+    _moments_kernel[(1,)](w, k, omega, mt, z2, zx, BM=BM, BN=BN, BD=BD)
+    rounded, k64 = w.half().double(), k.double()
+    assert rel_err(omega, rounded.sum(1)) < 1e-6
+    assert rel_err(mt, rounded @ k64) < 1e-6
+    assert rel_err(z2, rounded @ k64 ** 2) < 1e-6
+    assert rel_err(zx, rounded @ (k64[:, 0::2] * k64[:, 1::2])) < 1e-6
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
@@ -386,9 +389,10 @@ def test_half_precision_backward_keeps_the_error_of_rounded_inputs():
 def test_direct_solves_half_precision_backward_keeps_the_error_of_rounded_inputs(size):
     """fp16 inputs (the half-precision kernels, the interpreter's stand-in for bf16), BD-LLA's direct solves: the
     output and the gradients of q, k, v and the ridge within 4x the error (to float64) of the exact solve on the
-    same rounded inputs (the backward takes the centre ``kbar.rho`` the forward saved). On a row that sees one key
-    the ridge's gradient is 0, the difference of the adjoint's right-hand side ``sum_j c_j z_j`` and ``beta mu``:
-    with ``c`` in one half-precision part it came out about 1e-3, up to 7x the rounded inputs' error."""
+    same rounded inputs (the backward takes the centre ``kbar.rho`` the forward saved: with one half-precision part
+    of rho and w (k.rho - c) in the output pass, c plus their weighted mean). On a row that sees one key the ridge's
+    gradient is 0, the difference of the adjoint's right-hand side ``sum_j c_j z_j`` and ``beta mu``: with ``c`` in
+    one half-precision part it came out about 1e-3, up to 7x the rounded inputs' error."""
     B, T, HQ, H, D = 1, 96, 2, 1, 32
     q, k, v, lam = make(B, T, T, HQ, H, D, D, "query", lam_scale=4.0)
     do = randn(B, T, HQ, D)

@@ -38,8 +38,8 @@ from regattn.ops._common.ints import ceil_div
 from regattn.ops._common.launch import launch_any
 from regattn.ops.lla.forward import cross_precision, lam_tensor, moment_precision
 from regattn.ops.lla.tiles import (
-    cg_solve, load_cols, load_rows, one_minus_a, pair_moments, pair_solve, query_head, query_key_tiles,
-    relmm_tile, smallest_ridge, split_dot, square_moments, swap_pairs, tile_weights,
+    cg_solve, direct_moments, load_cols, load_rows, one_minus_a, pair_solve, query_head, query_key_tiles,
+    relmm_tile, smallest_ridge, split_dot, swap_pairs, tile_weights,
 )
 
 
@@ -158,19 +158,21 @@ def lla_bwd_q_kernel(Q, K, V, LAM, DO, RHO, DELTA, M2, OMEGA, CENTRE, DQ, U, BET
         kt = load_cols(Kb, offs_n, offs_d, sks, skd, S, D)
         vt = load_cols(Vb, offs_n, offs_dv, svs, svd, S, DV)
         w = tile_weights(q, kt, m2, pos0, start_n, S, qk_scale2, WINDOW, DPREC)
-        omega += tl.sum(w, 1)
         gamma = tl.dot(do, vt, input_precision=DPREC)
         c = gamma * w / delta_safe[:, None]
         s = w * one_minus_a(rho, kt, centre, inv_omega, delta_safe, DPREC) / delta_safe[:, None]
         k = tl.trans(kt)
-        mt += split_dot(w, k, DPREC)  # as in the forward: mu~ enters cancelling differences
         ck += split_dot(c, k, DPREC)  # in two parts as mu~: y - beta mu cancels (to 0 on a row seeing one key)
         csum += tl.sum(c, 1)
         gs += tl.sum(gamma * s, 1)
-        if BD > 0:
-            kk += square_moments(w, k, MPREC)
-        if BD == 2:
-            kx += pair_moments(w, k, MPREC)
+        if BD == 0:  # as in the forward: mu~ enters cancelling differences
+            omega += tl.sum(w, 1)
+            mt += split_dot(w, k, DPREC)
+        else:
+            tile_omega, mt, tile_kk, tile_kx = direct_moments(w, k, mt, BD, MPREC, DPREC)
+            omega += tile_omega
+            kk += tile_kk
+            kx += tile_kx
     beta = gs / delta_safe
 
     # the second solve (eq. 37) and dmu (eq. 38)

@@ -25,8 +25,8 @@ from regattn.ops._common.ints import ceil_div, next_pow2
 from regattn.ops._common.launch import launch_any
 from regattn.ops.lla.tiles import (
     CURVATURE_FLOOR, block_columns, centred_probe, cg_active, cg_direction, cg_solve, cg_start, cg_step_size,
-    guarded_denominator, halves_dot, key_scatter, load_cols, load_row_scalars, load_rows, load_state, pair_moments,
-    pair_solve, partial_tile, query_head, query_key_tiles, smallest_ridge, split_dot, split_halves, square_moments,
+    direct_moments, guarded_denominator, halves_dot, key_scatter, load_cols, load_row_scalars, load_rows, load_state,
+    pair_solve, partial_tile, query_head, query_key_tiles, smallest_ridge, split_dot, split_halves,
     store_row_scalars, store_state, system_rest, tile_weights,
 )
 from regattn.reference.lla import PRECONDITIONER_BLOCK, key_preconditioner
@@ -57,15 +57,16 @@ def moments_pass(q, Kb, sks, skd, feat, pos0, lo, hi, S, D, qk_scale2, BLOCK_N: 
             s2 = tl.where(visible_mask(pos, offs_n, S, True, WINDOW), s2, float("-inf"))
         tile_max = tl.max(s2, 1)
         arg = tl.where(tile_max > m2, tl.argmax(s2, 1).to(tl.int32) + start_n, arg)
-        m2, omega, w, alpha = online_softmax_step(m2, omega, s2, 1.0)
+        m2, omega_fp32, w, alpha = online_softmax_step(m2, omega, s2, 1.0)
         k = tl.trans(kt)
-        # mu~ from weights split in two half-precision parts: mu = mu~ - omega q cancels, and the direct
-        # solves' Sigma_dd cancels 2 q mu~ against the second moments (bf16 weights alone leave ~1e-4 to 1e-2)
-        mt = mt * alpha[:, None] + split_dot(w, k, DPREC)
-        if SOLVER != 0:  # direct solves need the second moments
-            kk = kk * alpha[:, None] + square_moments(w, k, MPREC)
-        if SOLVER == 2:  # 2 x 2 blocks: the cross moments of feature pairs
-            kx = kx * alpha[:, None] + pair_moments(w, k, MPREC)
+        if SOLVER == 0:  # mu~ from weights split in two half-precision parts: mu = mu~ - omega q cancels
+            omega = omega_fp32
+            mt = mt * alpha[:, None] + split_dot(w, k, DPREC)
+        else:  # the direct solves: the second moments too, every term from the same weights
+            tile_omega, mt, tile_kk, tile_kx = direct_moments(w, k, mt * alpha[:, None], SOLVER, MPREC, DPREC)
+            omega = omega * alpha + tile_omega
+            kk = kk * alpha[:, None] + tile_kk
+            kx = kx * alpha[:, None] + tile_kx
     m2 = tl.where(m2 == float("-inf"), 0.0, m2)
     return m2, arg, omega, mt, kk, kx
 
@@ -80,24 +81,31 @@ def row_ridge(LAM, offs_m, feat, slt, sld, T, D):
 
 
 @triton.jit
-def output_pass(q, rho, delta, m2, Kb, Vb, sks, skd, svs, svd, feat, offs_m, pos0, lo, hi, S, D, DV, T, qk_scale2,
-                O, sot, sod, RHO, DELTA, OMEGA, CENTRE, b, h, HQ,
-                BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr, WINDOW: tl.constexpr, DPREC: tl.constexpr):
+def output_pass(q, rho, delta, m2, mt, omega, Kb, Vb, sks, skd, svs, svd, feat, offs_m, pos0, lo, hi, S, D, DV, T,
+                qk_scale2, O, sot, sod, RHO, DELTA, OMEGA, CENTRE, b, h, HQ,
+                BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr, WINDOW: tl.constexpr, DPREC: tl.constexpr,
+                ONE_PART: tl.constexpr):
     """Pass 3 and the stores of a query tile (batch ``b``, query head ``h``): ``o`` (``O`` at the tile's batch and
     head) and the saved ``rho``, ``delta``, ``omega`` (as pass 3 sums it) and ``centre``.
 
     ``o_i = sum_j w_ij (1 - z_ij.rho_i) v_j / delta_i
-          = sum_j w_ij v_j / omega_i - (sum_j w_ij (k_j.rho_i) v_j - (kbar_i.rho_i) sum_j w_ij v_j) / delta_i``
+          = sum_j w_ij v_j / omega_i
+            - (sum_j w_ij (k_j.rho_i - c_i) v_j - (kbar_i.rho_i - c_i) sum_j w_ij v_j) / delta_i``
     with ``kbar_i.rho_i = sum_j w_ij (k_j.rho_i) / omega_i`` from the same products and weights (as rounded for
     the product with V): the weighted mean of the values never passes through ``delta``, which cancels when lam
     is small against ``|z|^2``, and a row with one-hot weights gets exactly its top value (see
     ``tiles.one_minus_a``). ``rho`` leaves the registers before the pass: its half-precision parts are all the
-    products need."""
+    products need: two, with ``c = 0``; with ``ONE_PART`` (the direct solves' half-precision inputs) one, and ``w (k.rho
+    - c)`` in one part too, centred on ``c = mu~.rho / omega`` of pass 1 (``mt``, ``omega``; the same one-part
+    ``rho``): rounded after centring it stays below the output's rounding (``benchmarks/lla_parts.py direct``)."""
     BM: tl.constexpr = q.shape[0]
     row_ok = offs_m < T
     rho_ptrs = RHO + ((b * T + offs_m[:, None]) * HQ + h) * D + feat[None, :]
     tl.store(rho_ptrs, rho, mask=row_ok[:, None] & (feat < D)[None, :])
     rho_hi, rho_lo = split_halves(rho, q.dtype)
+    c = tl.zeros((BM,), tl.float32)
+    if ONE_PART:
+        c = tl.sum(mt * rho_hi.to(tl.float32), 1) / tl.where(omega > 0.0, omega, 1.0)
     offs_dv = tl.arange(0, BLOCK_DV)
     wv = tl.zeros((BM, BLOCK_DV), tl.float32)
     wkv = tl.zeros((BM, BLOCK_DV), tl.float32)
@@ -108,14 +116,19 @@ def output_pass(q, rho, delta, m2, Kb, Vb, sks, skd, svs, svd, feat, offs_m, pos
         kt = load_cols(Kb, offs_n, feat, sks, skd, S, D)
         v = load_rows(Vb, offs_n, offs_dv, svs, svd, S, DV)
         w = tile_weights(q, kt, m2, pos0, start_n, S, qk_scale2, WINDOW, DPREC).to(v.dtype)
-        wkr = w.to(tl.float32) * halves_dot(rho_hi, rho_lo, kt, DPREC)  # w_ij k_j.rho_i
+        if ONE_PART:  # w_ij (k_j.rho_i - c_i)
+            wkr = w.to(tl.float32) * (tl.dot(rho_hi, kt, input_precision=DPREC) - c[:, None])
+            wkv += tl.dot(wkr.to(v.dtype), v, input_precision=DPREC)
+        else:  # w_ij k_j.rho_i
+            wkr = w.to(tl.float32) * halves_dot(rho_hi, rho_lo, kt, DPREC)
+            wkv += split_dot(wkr, v, DPREC)
         wsum += tl.sum(w.to(tl.float32), 1)
         wk += tl.sum(wkr, 1)
         wv += tl.dot(w, v, input_precision=DPREC)
-        wkv += split_dot(wkr, v, DPREC)
     inv_omega = 1.0 / tl.where(wsum > 0.0, wsum, 1.0)
-    centre = wk * inv_omega
-    acc = wv * inv_omega[:, None] - (wkv - centre[:, None] * wv) / delta[:, None]
+    spread = wk * inv_omega  # kbar.rho - c
+    centre = c + spread
+    acc = wv * inv_omega[:, None] - (wkv - spread[:, None] * wv) / delta[:, None]
     o_ptrs = O + offs_m[:, None] * sot + offs_dv[None, :] * sod
     tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=row_ok[:, None] & (offs_dv < DV)[None, :])
     stat = (b * HQ + h) * T + offs_m
@@ -165,9 +178,9 @@ def lla_fwd_kernel(Q, K, V, LAM, PRE, O, RHO, DELTA, M2, ARGMAX, OMEGA, CENTRE,
     stat = (b * HQ + h) * T + offs_m
     tl.store(M2 + stat, m2, mask=offs_m < T)
     tl.store(ARGMAX + stat, arg, mask=offs_m < T)
-    output_pass(q, rho, delta, m2, Kb, V + b * svb + hk * svh, sks, skd, svs, svd, feat, offs_m, pos0, lo, hi,
-                S, D, DV, T, qk_scale2, O + b * sob + h * soh, sot, sod, RHO, DELTA, OMEGA, CENTRE, b, h, HQ,
-                BLOCK_N, BLOCK_DV, WINDOW, DPREC)
+    output_pass(q, rho, delta, m2, mt, omega, Kb, V + b * svb + hk * svh, sks, skd, svs, svd, feat, offs_m, pos0,
+                lo, hi, S, D, DV, T, qk_scale2, O + b * sob + h * soh, sot, sod, RHO, DELTA, OMEGA, CENTRE, b, h, HQ,
+                BLOCK_N, BLOCK_DV, WINDOW, DPREC, SOLVER != 0 and q.dtype != tl.float32)
 
 
 # Full LLA's CG in iters + 2 launches (see CG_LAUNCH_ROWS): the CG state of every row lives in memory between
@@ -274,13 +287,15 @@ def lla_cg_end_kernel(Q, K, V, LAM, MT, X, O, RHO, DELTA, M2, OMEGA, CENTRE,
     q = load_rows(Q + b * sqb + h * sqh, offs_m, feat, sqt, sqd, T, D)
     lo, hi = query_key_tiles(start_m, T, S, BLOCK_M, BLOCK_N, WINDOW)
     omega = tl.load(OMEGA + row, mask=row_ok, other=0.0)
-    mu = load_state(MT, row0, row_ok, BLOCK_D) - omega[:, None] * q.to(tl.float32)
+    mt = load_state(MT, row0, row_ok, BLOCK_D)
+    mu = mt - omega[:, None] * q.to(tl.float32)
     _, lam_min = row_ridge(LAM + b * slb + h * slh, offs_m, feat, slt, sld, T, D)
     rho, delta = centred_probe(load_state(X, row0, row_ok, BLOCK_D), mu, omega, 1)
     delta = guarded_denominator(delta, omega, mu, lam_min, True)
-    output_pass(q, rho, delta, tl.load(M2 + row, mask=row_ok, other=0.0), K + b * skb + hk * skh,
+    output_pass(q, rho, delta, tl.load(M2 + row, mask=row_ok, other=0.0), mt, omega, K + b * skb + hk * skh,
                 V + b * svb + hk * svh, sks, skd, svs, svd, feat, offs_m, pos0, lo, hi, S, D, DV, T, qk_scale2,
-                O + b * sob + h * soh, sot, sod, RHO, DELTA, OMEGA, CENTRE, b, h, HQ, BLOCK_N, BLOCK_DV, WINDOW, DPREC)
+                O + b * sob + h * soh, sot, sod, RHO, DELTA, OMEGA, CENTRE, b, h, HQ, BLOCK_N, BLOCK_DV, WINDOW, DPREC,
+                False)
 
 
 def lam_tensor(lam, q: torch.Tensor) -> torch.Tensor:
@@ -318,10 +333,10 @@ def column_blocks(D: int, G: int) -> tuple[int, int]:
 
 
 def moment_precision(dtype: torch.dtype) -> str:
-    """Products of the direct solves' second moments (``tiles.moment_products``): exact for fp32 inputs; for
-    bf16 four bf16 products of split parts, whose weights are ``mu~``'s to the bit (``Sigma_dd`` is formed by
-    cancellation from them); for fp16 three tf32 products (an fp16 square does not split into two fp16 parts
-    within fp16's range)."""
+    """Products of the direct solves' moments (``tiles.direct_moments``): exact for fp32 inputs; for bf16
+    ``"parts"``, the weights rounded to bf16 once for every moment and the keys' squares in two bf16 parts (two
+    products); for fp16 three tf32 products (an fp16 square does not split into two fp16 parts within fp16's
+    range)."""
     return {torch.float32: "ieee", torch.bfloat16: "parts"}.get(dtype, "tf32x3")
 
 
@@ -346,7 +361,10 @@ def cross_precision(dtype: torch.dtype) -> str:
 # K: cg=8 4% and cg=16 10% faster, BD-LLA 6-9% slower on the H100. With the direct solves' moments in bf16
 # parts (``moment_precision``) 32 rows of 64 keys on 8 warps compile without spills for 1 x 1 and 2 x 2 blocks,
 # but on the H200 took 40.9 and 59.3 ms against 22.2 and 27.2 with 64 rows on 4 warps (840 and 1032 bytes of
-# stack; the ``tiles`` of benchmarks/results/h200/lla.json): the 64-row tiles stay.
+# stack; the ``tiles`` of benchmarks/results/h200/lla.json): the 64-row tiles stay. With every moment from the
+# weights rounded to bf16 once (``tiles.direct_moments``), 1 x 1 blocks took 13.8 ms at 64 x 64 on 4 warps, 13.2 at
+# 128 x 64 on 8 and 55.6 at 32 x 32 on 8; 2 x 2 blocks 18.3 at 64 x 32 on 4, 20.8 at 128 x 32 on 8 and 115 at
+# 32 x 16 on 8 (benchmarks/results/h200/tiles/lla-direct-one-part.txt).
 FORWARD_TILES = {
     (False, False): [(32, 32, 8, 2), (64, 64, 4, 2), (128, 64, 8, 2)],
     (False, True): [(32, 16, 8, 2), (64, 32, 4, 2), (128, 32, 8, 2)],

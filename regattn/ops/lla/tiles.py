@@ -438,19 +438,16 @@ def centred_probe(y, mu, omega, G: tl.constexpr):
 
 
 @triton.jit
-def moment_products(w, x32, PREC: tl.constexpr, dtype: tl.constexpr):
-    """``w @ x32`` for fp32 weights ``w [BM, BN]`` and ``x32 [BN, C]`` holding a product of two input values
-    (``dtype``) an entry. ``PREC == "parts"`` (bf16 inputs): ``x32`` is exactly the sum of two bf16 parts and
-    ``w`` is split as :func:`split_dot` splits it for ``mu~``; the four half-precision products are then the
-    moments of the same weights as ``mu~``, so the differences the solves take of them cancel alike. Else one
-    ``tl.dot`` in ``PREC`` (``tf32x3`` for fp16, ``ieee`` for fp32)."""
-    if PREC == "parts":  # split_dot(w, x_hi) + split_dot(w, x_lo), chained into one accumulator
-        w_hi, w_lo = split_halves(w, dtype)
-        x_hi, x_lo = split_halves(x32, dtype)
-        acc = tl.dot(w_lo, x_lo)
-        acc = tl.dot(w_lo, x_hi, acc)
-        acc = tl.dot(w_hi, x_lo, acc)
-        acc = tl.dot(w_hi, x_hi, acc)
+def moment_products(w, x32, PREC: tl.constexpr):
+    """``w @ x32`` for weights ``w [BM, BN]`` and ``x32 [BN, C]`` (fp32) holding a product of two input values an
+    entry. ``PREC == "parts"`` (bf16 inputs): ``w`` is the tile's weights rounded to bf16, the same ones every
+    moment of the direct solves takes (``direct_moments``), and ``x32``, exactly the sum of two bf16 parts,
+    enters as those parts (two products). Else fp32 ``w`` in one ``tl.dot`` in ``PREC`` (``tf32x3`` for fp16,
+    ``ieee`` for fp32)."""
+    if PREC == "parts":
+        x_hi, x_lo = split_halves(x32, w.dtype)
+        acc = tl.dot(w, x_lo)
+        acc = tl.dot(w, x_hi, acc)
     else:
         acc = tl.dot(w, x32, input_precision=PREC)
     return acc
@@ -458,18 +455,48 @@ def moment_products(w, x32, PREC: tl.constexpr, dtype: tl.constexpr):
 
 @triton.jit
 def square_moments(w, k, PREC: tl.constexpr):
-    """``sum_j w_ij k_jd^2`` on a tile, fp32 ``[BM, BD]`` (``k [BN, BD]`` in the input dtype): for the direct
-    solves, whose ``Sigma_dd`` subtracts ``2 q mu~`` and ``omega q^2`` from it, so ``PREC``
-    (``forward.moment_precision``) keeps the accuracy of ``mu~``'s split weights."""
+    """``sum_j w_ij k_jd^2`` on a tile, fp32 ``[BM, BD]`` (``k [BN, BD]`` in the input dtype; ``w`` and ``PREC`` as
+    ``moment_products`` takes them): see ``direct_moments``."""
     k32 = k.to(tl.float32)
-    return moment_products(w, k32 * k32, PREC, k.dtype)
+    return moment_products(w, k32 * k32, PREC)
 
 
 @triton.jit
 def pair_moments(w, k, PREC: tl.constexpr):
     """``sum_j w_ij k_j,2d k_j,2d+1`` on a tile, fp32 ``[BM, BD // 2]``: the cross moments of feature pairs."""
     ke, ko = pair_halves(k.to(tl.float32))
-    return moment_products(w, ke * ko, PREC, k.dtype)
+    return moment_products(w, ke * ko, PREC)
+
+
+@triton.jit
+def direct_moments(w, k, mt, SOLVER: tl.constexpr, PREC: tl.constexpr, DPREC: tl.constexpr):
+    """A key tile's part of the direct solves' moments (``SOLVER`` 1: 1 x 1 blocks; 2: 2 x 2), from fp32 weights
+    ``w [BM, BN]`` and ``k [BN, BD]``: ``(omega, mt, kk, kx)``, the tile's ``omega``, ``sum_j w_ij k_jd^2`` and
+    ``sum_j w_ij k_j,2d k_j,2d+1`` (zero for 1 x 1 blocks), and the running ``mu~`` ``mt`` with the tile added.
+
+    ``Sigma_dd`` subtracts ``2 q mu~`` and ``omega q^2`` from the second moments, and ``mu = mu~ - omega q``
+    cancels too: every term is formed from the same weights, so the differences cancel alike. With ``PREC ==
+    "parts"`` (bf16 inputs) those are the weights rounded to bf16, one product each (an exact regression with
+    weights off by 2^-9: below the output's bf16 rounding, ``benchmarks/lla_parts.py direct``); else fp32 weights,
+    ``mu~``'s in two half-precision parts (``split_dot``).
+
+    With one product ``mu~``'s takes ``mt`` as its accumulator, and comes first: the compiler keeps a product that
+    accumulates across key tiles in flight until the next wait on the tensor cores, and the second moments' products
+    wait at once, before the next key tile is loaded into the shared buffer it reads. Issued last, it still read
+    that buffer while the load overwrote it (``regattn.bench.registers``, column HAZARD)."""
+    if PREC == "parts":
+        w = w.to(k.dtype)
+        omega = tl.sum(w.to(tl.float32), 1)
+        mt = tl.dot(w, k, mt)
+    else:
+        omega = tl.sum(w, 1)
+        mt += split_dot(w, k, DPREC)
+    kk = square_moments(w, k, PREC)
+    if SOLVER == 2:
+        kx = pair_moments(w, k, PREC)
+    else:
+        kx = tl.zeros((w.shape[0], k.shape[1] // 2), tl.float32)
+    return omega, mt, kk, kx
 
 
 @triton.jit
