@@ -12,9 +12,10 @@
 prints, for each kernel configuration of an op at its goal shape, what ``cuobjdump --dump-resource-usage``
 reports for the cubin compiled for sm_90: ``REG`` (registers per thread, 255 at most), ``STACK`` (bytes of
 stack frame per thread: spilled registers), ``LOCAL`` (local memory), ``SHARED`` (bytes of shared
-memory the launch needs; an H100 has 227 KiB a block) and ``SERIAL`` (1 where ``ptxas`` serialises the
-warpgroup products for want of registers: each then waits for the one before). A configuration with
-``STACK > 0`` spills.
+memory the launch needs; an H100 has 227 KiB a block), ``SERIAL`` (1 where ``ptxas`` serialises the
+warpgroup products for want of registers: each then waits for the one before) and ``HAZARD`` (copies into a
+shared buffer that a loop issues while an asynchronous warpgroup product reading that buffer may still run: a race,
+:func:`async_product_hazards`). A configuration with ``STACK > 0`` spills; one with ``HAZARD > 0`` must not run.
 ``--candidates`` screens the tile candidates of :data:`CANDIDATES` as well as the table's entry.
 
 ``scan`` screens the forward kernel of the ELSA scan (one row per autotune config of each fp32 precision, or

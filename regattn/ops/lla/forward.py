@@ -97,15 +97,21 @@ def output_pass(q, rho, delta, m2, mt, omega, Kb, Vb, sks, skd, svs, svd, feat, 
     ``tiles.one_minus_a``). ``rho`` leaves the registers before the pass: its half-precision parts are all the
     products need: two, with ``c = 0``; with ``ONE_PART`` (the direct solves' half-precision inputs) one, and ``w (k.rho
     - c)`` in one part too, centred on ``c = mu~.rho / omega`` of pass 1 (``mt``, ``omega``; the same one-part
-    ``rho``): rounded after centring it stays below the output's rounding (``benchmarks/lla_parts.py direct``)."""
+    ``rho``): rounded after centring it stays below the output's rounding (``benchmarks/lla_parts.py direct``). The
+    saved ``centre`` is ``kbar.rho`` of the whole ``rho`` (``c`` and the spread, plus ``kbar.(rho - rho_hi)`` from
+    pass 1), as the backward forms ``k.rho`` (``tiles.one_minus_a``): of ``rho_hi`` alone, a row that sees one key
+    got a ridge gradient of 4e-5 where it is 0."""
     BM: tl.constexpr = q.shape[0]
     row_ok = offs_m < T
     rho_ptrs = RHO + ((b * T + offs_m[:, None]) * HQ + h) * D + feat[None, :]
     tl.store(rho_ptrs, rho, mask=row_ok[:, None] & (feat < D)[None, :])
     rho_hi, rho_lo = split_halves(rho, q.dtype)
     c = tl.zeros((BM,), tl.float32)
+    c_lo = tl.zeros((BM,), tl.float32)
     if ONE_PART:
-        c = tl.sum(mt * rho_hi.to(tl.float32), 1) / tl.where(omega > 0.0, omega, 1.0)
+        inv_omega_pass1 = 1.0 / tl.where(omega > 0.0, omega, 1.0)
+        c = tl.sum(mt * rho_hi.to(tl.float32), 1) * inv_omega_pass1
+        c_lo = tl.sum(mt * (rho - rho_hi.to(tl.float32)), 1) * inv_omega_pass1
     offs_dv = tl.arange(0, BLOCK_DV)
     wv = tl.zeros((BM, BLOCK_DV), tl.float32)
     wkv = tl.zeros((BM, BLOCK_DV), tl.float32)
@@ -126,8 +132,8 @@ def output_pass(q, rho, delta, m2, mt, omega, Kb, Vb, sks, skd, svs, svd, feat, 
         wk += tl.sum(wkr, 1)
         wv += tl.dot(w, v, input_precision=DPREC)
     inv_omega = 1.0 / tl.where(wsum > 0.0, wsum, 1.0)
-    spread = wk * inv_omega  # kbar.rho - c
-    centre = c + spread
+    spread = wk * inv_omega  # kbar.rho_hi - c
+    centre = c + spread + c_lo
     acc = wv * inv_omega[:, None] - (wkv - spread[:, None] * wv) / delta[:, None]
     o_ptrs = O + offs_m[:, None] * sot + offs_dv[None, :] * sod
     tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=row_ok[:, None] & (offs_dv < DV)[None, :])
