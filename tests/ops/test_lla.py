@@ -635,7 +635,36 @@ def test_autotuned_backward_matches_the_fixed_tile(blocks, bd, monkeypatch):
     saved = lla_forward(q, k, v, 0.3, blocks=blocks, **args)[1:]
     fixed = backward.lla_backward(do, q, k, v, 0.3, *saved, lam_grad=False, bd=bd, **args)
     monkeypatch.setattr(backward, "interpreting", lambda: False)
-    monkeypatch.setattr(backward, "TUNED", backward.tuned_kernels({False: [(16, 16, 1, 1)], True: [(16, 16, 1, 1)]}))
+    one_tile = [(16, 16, 1, 1)]
+    monkeypatch.setattr(backward, "TUNED", backward.tuned_kernels({False: one_tile, True: one_tile}, one_tile))
     tuned = backward.lla_backward(do, q, k, v, 0.3, *saved, lam_grad=False, bd=bd, **args)
     for a, b in zip(fixed[:3], tuned[:3], strict=True):
         assert torch.equal(a, b)
+
+
+def test_block_diagonal_dk_tiles_must_share_their_key_tile():
+    """The block-diagonal dk kernel's two parts read the squares of one key tiling: an autotune list that mixes key
+    tiles is refused."""
+    from regattn.ops.lla import backward
+    with pytest.raises(ValueError, match="kv_tiles"):
+        backward.tuned_kernels(backward.BACKWARD_TILES, [(16, 64, 8, 1), (16, 128, 8, 1)])
+
+
+@pytest.mark.parametrize("bd", [1, 2])
+def test_centred_key_tiles_are_each_tiles_keys_less_their_mean(bd, BN=16, B=2, S=37, H=3, D=10):
+    """The block-diagonal dk kernel's operands: per tile of BN keys (the last one partial), the tile's mean key, the
+    squares of the keys less it and, with 2 x 2 blocks, the product of each pair's two features."""
+    from regattn.ops.lla.backward import centred_key_tiles, pairs_block
+    k = randn(B, S, H, D, dtype=torch.float16)
+    ksq, pairs, mean = centred_key_tiles(k, bd, BN, pairs_block(D))
+    for start in range(0, S, BN):
+        keys = k[:, start:start + BN].double()
+        centre = keys.mean(1)                                             # [B, H, D]
+        kc = keys - centre[:, None]
+        got_mean = mean.view(B, H, -1, mean.shape[-1])[:, :, start // BN, :D]
+        torch.testing.assert_close(got_mean.double(), centre, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(ksq[:, start:start + BN].double(), kc * kc, rtol=1e-5, atol=1e-6)
+        if bd == 2:
+            got = pairs[:, start:start + BN, :, :D // 2].double()
+            torch.testing.assert_close(got, kc[..., 0::2] * kc[..., 1::2], rtol=1e-5, atol=1e-6)
+            assert not pairs[:, start:start + BN, :, D // 2:].any()

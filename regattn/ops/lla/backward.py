@@ -22,7 +22,9 @@ becomes ``sum_d z_d^2 h0_d + sum_d z_d z_{d xor 1} h1_d`` and the z-path's ``F r
 tile (kernel 2) or query tile (kernel 1), see ``cross_quad``.
 
 Kernel 1 runs per query tile (the solve for ``u``, then dq); kernel 2 per key tile (dk, dv), summing
-the query heads of a GQA group in one program.
+the query heads of a GQA group in one program. For the block-diagonal variants kernel 2 keeps its keys on the rows
+of every tile and runs in two parts, after a small kernel that forms the centred keys' squares
+(``lla_bwd_kv_blocks_kernel``).
 """
 from __future__ import annotations
 
@@ -38,8 +40,9 @@ from regattn.ops._common.ints import ceil_div
 from regattn.ops._common.launch import launch_any
 from regattn.ops.lla.forward import cross_precision, lam_tensor, moment_precision
 from regattn.ops.lla.tiles import (
-    cg_solve, direct_moments, load_cols, load_rows, one_minus_a, pair_solve, query_head, query_key_tiles,
-    relmm_tile, smallest_ridge, split_dot, swap_pairs, tile_weights,
+    cg_solve, direct_moments, key_head, key_query_tiles, key_rows_products, key_rows_weights, load_cols, load_rows,
+    one_minus_a, pair_solve, query_head, query_key_tiles, relmm_tile, smallest_ridge, split_dot, swap_pairs,
+    tile_weights,
 )
 
 
@@ -238,32 +241,20 @@ def lla_bwd_kv_kernel(Q, K, V, DO, RHO, U, DELTA, M2, OMEGA, CENTRE, BETA, DK, D
                       sqb, sqt, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd, sdb, sdt, sdh, sdd,
                       T, S, HQ, H, GROUPS, D, DV, scale, qk_scale2, SIZE_CLASS,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                      BLOCK_DV: tl.constexpr, WINDOW: tl.constexpr, BD: tl.constexpr, DPREC: tl.constexpr,
-                      XPREC: tl.constexpr):
+                      BLOCK_DV: tl.constexpr, WINDOW: tl.constexpr, BD: tl.constexpr, DPREC: tl.constexpr):
+    """dk and dv of full LLA (``BD = 0``), one program per key tile, streaming the query tiles."""
     # float arguments come as fp64 when torch.compile launches the kernel: keep the arithmetic fp32
     scale, qk_scale2 = tl.cast(scale, tl.float32), tl.cast(qk_scale2, tl.float32)
-    start_n = tl.program_id(0) * BLOCK_N
-    bh = tl.program_id(1)
-    b = bh // H
-    hk = bh % H
+    start_n, b, hk = key_head(H, BLOCK_N)
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     kt = load_cols(K + b * skb + hk * skh, offs_n, offs_d, sks, skd, S, D)
     vt = load_cols(V + b * svb + hk * svh, offs_n, offs_dv, svs, svd, S, DV)
-    # queries whose position can see a key of this tile: start_n <= pos < start_n + BLOCK_N + WINDOW - 1
-    i_lo = tl.maximum(start_n - (S - T), 0)
-    i_lo = (i_lo // BLOCK_M) * BLOCK_M
-    i_hi = T
-    if WINDOW > 0:
-        i_hi = tl.minimum(start_n + BLOCK_N - 1 + WINDOW - 1 - (S - T) + 1, T)
+    i_lo, i_hi = key_query_tiles(start_n, T, S, BLOCK_M, BLOCK_N, WINDOW)
     dk = tl.zeros((BLOCK_D, BLOCK_N), tl.float32)
     dv = tl.zeros((BLOCK_DV, BLOCK_N), tl.float32)
-    # the block-diagonal variants' cross terms, centred on the tile's mean key (``cross_quad``); each query tile adds
-    # the centred keys' share of dk itself, where sums of w h over the query tiles held one or two more [D, BN] fp32
-    # tiles beside dk and dv (more spills)
     col_ok = offs_n < S
-    centre_k = feature_mean(kt.to(tl.float32), col_ok[None, :], 1)
     for g in range(GROUPS):
         h = hk * GROUPS + g
         for start_m in range(i_lo, i_hi, BLOCK_M):
@@ -290,45 +281,150 @@ def lla_bwd_kv_kernel(Q, K, V, DO, RHO, U, DELTA, M2, OMEGA, CENTRE, BETA, DK, D
             a = relmm_tile(rho, q32, kt, DPREC)
             om = one_minus_a(rho, kt, centre, inv_omega, delta_safe, DPREC)
             bu = relmm_tile(u, q32, kt, DPREC)
-            s, dw, f, _ = pair_terms(w, gamma, a, om, bu, beta, delta_safe)
-            dmu = 2.0 * beta[:, None] * rho - u
-            if BD > 0:
-                kc, ksc = centred_keys(kt, centre_k[:, None], BD)
-                hd, h1, hs = sigma_grad(rho, u, beta, BD)
-                qc = q32 - centre_k[None, :]
-                qsc = qc
-                if BD == 2:
-                    qsc = swap_pairs(qc, 1)
-                    dk += 2.0 * ksc * tl.dot(tl.trans(hs), w, input_precision=XPREC)
-                lin, const = cross_rows(hd, h1, qc, qsc, BD)
-                quad = cross_quad(hd, h1, lin, const, kc, ksc, BD, XPREC)
-                dw = gamma * s + w * (2.0 * beta[:, None] * a - bu - beta[:, None] + quad)
-                f = -gamma * w / delta_safe[:, None]   # -c: the rho term of dL/dz
-                # 2 sum_i w_ij (h0_i z_ij + hs_i z_ij,swap) with z = kc - qc: the centred keys' share, then w dmu
-                # and the centred queries' share
-                dk += 2.0 * kc * tl.dot(tl.trans(hd), w, input_precision=XPREC)
-                zq = hd * qc
-                if BD == 2:
-                    zq += hs * qsc
-                dk += tl.dot(tl.trans(dmu - 2.0 * zq), w, input_precision=XPREC)
+            s, dw, _, _ = pair_terms(w, gamma, a, om, bu, beta, delta_safe)
             # column reductions, kept transposed ([D, BN]) so every product is a plain tl.dot
             dk += scale * tl.dot(tl.trans(q), dw.to(q.dtype), input_precision=DPREC)
-            if BD > 0:
-                dk += tl.dot(tl.trans(rho.to(q.dtype)), f.to(q.dtype), input_precision=DPREC)
-            else:  # dL/dz_ij = w_ij dmu_i + f_ij rho_i + w_ij a_ij u_i
-                #            = rho_i (w_ij (2 beta_i om_ij + z_ij.u_i) - c_ij) - u_i w_ij om_ij
-                # with om = 1 - a from one_minus_a: summed term by term, w dmu and w a u cancel where a nears 1,
-                # and each half-precision operand's rounding came back amplified by 1 / om
-                wom = w * om
-                rho_coef = 2.0 * beta[:, None] * wom + w * bu - gamma * w / delta_safe[:, None]
-                dk += tl.dot(tl.trans(rho.to(q.dtype)), rho_coef.to(q.dtype), input_precision=DPREC)
-                dk -= tl.dot(tl.trans(u.to(q.dtype)), wom.to(q.dtype), input_precision=DPREC)
+            # dL/dz_ij = w_ij dmu_i + f_ij rho_i + w_ij a_ij u_i = rho_i (w_ij (2 beta_i om_ij + z_ij.u_i) - c_ij)
+            # - u_i w_ij om_ij with om = 1 - a from one_minus_a: summed term by term, w dmu and w a u cancel where
+            # a nears 1, and each half-precision operand's rounding came back amplified by 1 / om
+            wom = w * om
+            rho_coef = 2.0 * beta[:, None] * wom + w * bu - gamma * w / delta_safe[:, None]
+            dk += tl.dot(tl.trans(rho.to(q.dtype)), rho_coef.to(q.dtype), input_precision=DPREC)
+            dk -= tl.dot(tl.trans(u.to(q.dtype)), wom.to(q.dtype), input_precision=DPREC)
             dv += tl.dot(tl.trans(do), s.to(do.dtype), input_precision=DPREC)
     dk_ptrs = DK + ((b * S + offs_n[None, :]) * H + hk) * D + offs_d[:, None]
     tl.store(dk_ptrs, dk, mask=col_ok[None, :] & (offs_d < D)[:, None])
     dv_ptrs = DV_OUT + ((b * S + offs_n[None, :]) * H + hk) * DV + offs_dv[:, None]
     tl.store(dv_ptrs, dv, mask=col_ok[None, :] & (offs_dv < DV)[:, None])
 
+
+
+@triton.jit
+def centred_key_tiles_kernel(K, KSQ, KX, KMEAN, skb, sks, skh, skd, S, H, D,
+                             BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BD: tl.constexpr):
+    """Per key tile of ``BLOCK_N``: its mean key ``c`` (``feature_mean``) and, fp32, the squares of the keys less it
+    (``[B, S, H, D]``) and with 2 x 2 blocks the products of each pair's two features (``[B, S, H, BLOCK_D / 2]``):
+    the second moments of :func:`cross_quad` in the dk kernel."""
+    start_n, b, hk = key_head(H, BLOCK_N)
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    k = load_rows(K + b * skb + hk * skh, offs_n, offs_d, sks, skd, S, D).to(tl.float32)
+    key_ok = offs_n < S
+    centre = feature_mean(k, key_ok[:, None], 0)
+    kc = k - centre[None, :]
+    out = ((b * S + offs_n[:, None]) * H + hk) * D + offs_d[None, :]
+    tl.store(KSQ + out, kc * kc, mask=key_ok[:, None] & (offs_d < D)[None, :])
+    if BD == 2:
+        first, second = tl.split(tl.reshape(kc, (BLOCK_N, BLOCK_D // 2, 2)))
+        offs_p = tl.arange(0, BLOCK_D // 2)
+        pair_out = ((b * S + offs_n[:, None]) * H + hk) * (BLOCK_D // 2) + offs_p[None, :]
+        tl.store(KX + pair_out, first * second, mask=key_ok[:, None])
+    tl.store(KMEAN + ((b * H + hk) * tl.num_programs(0) + tl.program_id(0)) * BLOCK_D + offs_d, centre)
+
+
+@triton.jit
+def lla_bwd_kv_blocks_kernel(Q, K, V, DO, RHO, U, DELTA, M2, OMEGA, CENTRE, BETA, KSQ, KX, KMEAN, DK, DV_OUT,
+                             sqb, sqt, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd, sdb, sdt, sdh, sdd,
+                             T, S, HQ, H, GROUPS, D, DV, scale, qk_scale2, SIZE_CLASS,
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                             BLOCK_DV: tl.constexpr, WINDOW: tl.constexpr, BD: tl.constexpr, DPREC: tl.constexpr,
+                             XPREC: tl.constexpr, PART: tl.constexpr):
+    """dk and dv of the block-diagonal variants (``BD`` 1 or 2), one program per key tile, in two launches of two
+    ``[BN, BD]`` sums each. ``PART`` 1: dv and dk's terms through ``Dw`` and ``c``, which take every product of
+    the tile; ``PART`` 2, added to part 1's dk: the terms of the weights alone,
+    ``sum_i w_ij (2 kc_j h0_i (+ 2 ksc_j hs_i) + dmu_i - 2 (h0_i qc_i (+ hs_i qsc_i)))`` (module text).
+
+    The ``BLOCK_N`` keys sit on the rows of every tile (``[BN, BM]``, as FlashAttention's dK/dV kernel keeps
+    them), so that every product has the key tile as its rows. The second moments of :func:`cross_quad` come from
+    ``centred_key_tiles_kernel`` (same ``BLOCK_N``) through memory: loaded operands stay in shared memory across
+    the query loop, where operands computed here were held in registers. Its linear term ``kc.lin`` is
+    ``k.lin - c.lin``, with ``lin`` in two parts against the exact keys: within the tf32 rounding of ``kc`` for
+    keys up to 2^5 times farther from the centre than the tile's spread."""
+    scale, qk_scale2 = tl.cast(scale, tl.float32), tl.cast(qk_scale2, tl.float32)
+    start_n, b, hk = key_head(H, BLOCK_N)
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    k = load_rows(K + b * skb + hk * skh, offs_n, offs_d, sks, skd, S, D)
+    key_vec = ((b * S + offs_n[:, None]) * H + hk) * D + offs_d[None, :]
+    key_ok = (offs_n < S)[:, None] & (offs_d < D)[None, :]
+    centre_k = tl.load(KMEAN + ((b * H + hk) * tl.num_programs(0) + tl.program_id(0)) * BLOCK_D + offs_d)
+    if PART == 1:
+        v = load_rows(V + b * svb + hk * svh, offs_n, offs_dv, svs, svd, S, DV)
+        ksq = tl.load(KSQ + key_vec, mask=key_ok, other=0.0)
+        kx = ksq
+        if BD == 2:
+            offs_p = tl.arange(0, BLOCK_D // 2)
+            pair_vec = ((b * S + offs_n[:, None]) * H + hk) * (BLOCK_D // 2) + offs_p[None, :]
+            kx = tl.load(KX + pair_vec, mask=(offs_n < S)[:, None], other=0.0)
+    i_lo, i_hi = key_query_tiles(start_n, T, S, BLOCK_M, BLOCK_N, WINDOW)
+    dk = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
+    acc = tl.zeros((BLOCK_N, BLOCK_DV if PART == 1 else BLOCK_D), tl.float32)  # dv, or sum_i w_ij h0_i
+    whs = tl.zeros((BLOCK_N, BLOCK_D if BD == 2 and PART == 2 else 16), tl.float32)  # sum_i w_ij hs_i
+    for g in range(GROUPS):
+        h = hk * GROUPS + g
+        for start_m in range(i_lo, i_hi, BLOCK_M):
+            offs_m = start_m + tl.arange(0, BLOCK_M)
+            row_ok = offs_m < T
+            q = load_rows(Q + b * sqb + h * sqh, offs_m, offs_d, sqt, sqd, T, D)
+            q32 = q.to(tl.float32)
+            vec = ((b * T + offs_m[:, None]) * HQ + h) * D + offs_d[None, :]
+            vec_ok = row_ok[:, None] & (offs_d < D)[None, :]
+            rho = tl.load(RHO + vec, mask=vec_ok, other=0.0)
+            u = tl.load(U + vec, mask=vec_ok, other=0.0)
+            stat = (b * HQ + h) * T + offs_m
+            m2 = tl.load(M2 + stat, mask=row_ok, other=0.0)
+            beta_row = tl.load(BETA + stat, mask=row_ok, other=0.0)
+            w = key_rows_weights(k, q, m2, start_m + S - T, start_n, S, qk_scale2, WINDOW, DPREC)
+            w = tl.where(row_ok[None, :], w, 0.0)
+            hd, h1, hs = sigma_grad(rho, u, beta_row, BD)
+            qc = q32 - centre_k[None, :]
+            qsc = qc
+            if BD == 2:
+                qsc = swap_pairs(qc, 1)
+            if PART == 1:
+                do = load_rows(DO + b * sdb + h * sdh, offs_m, offs_dv, sdt, sdd, T, DV)
+                delta = tl.load(DELTA + stat, mask=row_ok, other=1.0)
+                delta_safe = tl.where(delta == 0.0, 1.0, delta)
+                inv_omega = 1.0 / tl.maximum(tl.load(OMEGA + stat, mask=row_ok, other=1.0), 1.0)
+                centre = tl.load(CENTRE + stat, mask=row_ok, other=0.0)
+                beta = beta_row[None, :]
+                gamma = tl.dot(v, tl.trans(do), input_precision=DPREC)
+                krho = key_rows_products(k, rho, DPREC)
+                a = krho - tl.sum(rho * q32, 1)[None, :]
+                om = (delta_safe * inv_omega)[None, :] - (krho - centre[None, :])  # as one_minus_a
+                bu = key_rows_products(k, u, DPREC) - tl.sum(u * q32, 1)[None, :]
+                s = w * om / delta_safe[None, :]
+                lin, const = cross_rows(hd, h1, qc, qsc, BD)
+                quad = (tl.dot(ksq, tl.trans(hd), input_precision=XPREC) - key_rows_products(k, lin, DPREC)
+                        + (tl.sum(lin * centre_k[None, :], 1) + const)[None, :])
+                if BD == 2:  # sum_d h1_d kc_d kc_(d xor 1) by pairs
+                    first, second = tl.split(tl.reshape(h1, (BLOCK_M, BLOCK_D // 2, 2)))
+                    quad += tl.dot(kx, tl.trans(first + second), input_precision=XPREC)
+                dw = gamma * s + w * (2.0 * beta * a - bu - beta + quad)
+                f = -gamma * w / delta_safe[None, :]   # -c: the rho term of dL/dz
+                dk += scale * tl.dot(dw.to(q.dtype), q, input_precision=DPREC)
+                dk += tl.dot(f.to(q.dtype), rho.to(q.dtype), input_precision=DPREC)
+                acc += tl.dot(s.to(do.dtype), do, input_precision=DPREC)
+            else:  # 2 sum_i w_ij (h0_i z_ij + hs_i z_ij,swap) with z = kc - qc: the centred keys' share (acc,
+                # whs), then w dmu and the centred queries' share
+                acc += tl.dot(w, hd, input_precision=XPREC)
+                zq = hd * qc
+                if BD == 2:
+                    whs += tl.dot(w, hs, input_precision=XPREC)
+                    zq += hs * qsc
+                dk += tl.dot(w, 2.0 * beta_row[:, None] * rho - u - 2.0 * zq, input_precision=XPREC)
+    if PART == 1:
+        tl.store(DK + key_vec, dk, mask=key_ok)
+        dv_ok = (offs_n < S)[:, None] & (offs_dv < DV)[None, :]
+        tl.store(DV_OUT + ((b * S + offs_n[:, None]) * H + hk) * DV + offs_dv[None, :], acc, mask=dv_ok)
+    else:
+        kc = tl.where(key_ok, k.to(tl.float32) - centre_k[None, :], 0.0)
+        dk += 2.0 * kc * acc
+        if BD == 2:
+            dk += 2.0 * swap_pairs(kc, 1) * whs
+        dk += tl.load(DK + key_vec, mask=key_ok, other=0.0)
+        tl.store(DK + key_vec, dk, mask=key_ok)
 
 # fp16/bf16 tiles (BLOCK_M, BLOCK_N, num_warps, num_stages) beyond D = 64 that the autotuner times on a GPU,
 # for full LLA (False) and the block-diagonal variants (True); the first is the fixed tile (AUTOTUNE off).
@@ -337,45 +433,84 @@ def lla_bwd_kv_kernel(Q, K, V, DO, RHO, U, DELTA, M2, OMEGA, CENTRE, BETA, DK, D
 # forward.FORWARD_TILES), so the former tiles are timed beside these. Forward+backward (B 4, H 16, T 8192,
 # D 128, bf16, cg=8, each tile alone) took 267 ms with 128 x 64 on 8 warps, whose warpgroups own 64 rows each,
 # 280 with 64 x 64 on 4 warps, 316 with 64 x 64 on 8 and 511 with 32 x 32.
-# Block-diagonal, with the centred cross terms in tf32 (``python -m regattn.bench.registers lla_bwd --kinds diag
-# pairs --candidates``): every tile spills in the kv kernel; 1 x 1 blocks, stack bytes of the q / kv kernel and
-# the kv kernel's key-loop instructions a query-key pair (all warps): 40 / 872 and 16 at 16 x 64 on 8 warps, 96 /
-# 976 and 19 at 16 x 32 on 4, 1080 / 2616 and 20 at 32 x 32 on 4, 32 / 488 and 29 at 16 x 32 on 8. On the H200
-# at the shape above (bf16, as the autotuner timed them in one run), 1 x 1 blocks: the q kernel 81 ms at 32 x 32
-# on 4 warps (101 at 16 x 32 on 4, 112 at 16 x 64 on 8, 175 at 16 x 32 on 8), the kv kernel 170 ms at 16 x 64 on 8
-# (193 at 16 x 32 on 4, 237 at 16 x 32 on 8, 397 at 32 x 32 on 4), forward and backward 277 ms; 2 x 2 blocks: the
-# q kernel 136 ms at 16 x 32 on 4 (143 at 16 x 64 on 8), the kv kernel 213 ms at 16 x 64 on 8 (264 to 628 at the
-# others), forward and backward 377 ms. 16 x 64 on 8 warps, the fastest pair of both kernels, is the fixed tile.
+# Block-diagonal, the q kernel (``python -m regattn.bench.registers lla_bwd --kinds diag pairs --candidates``),
+# 1 x 1 blocks, stack bytes: 40 at 16 x 64 on 8 warps, 96 at 16 x 32 on 4, 1080 at 32 x 32 on 4, 32 at 16 x 32 on 8.
+# On the H200 at the shape above (bf16, as the autotuner timed them in one run), 1 x 1 blocks: 81 ms at 32 x 32 on
+# 4 warps (101 at 16 x 32 on 4, 112 at 16 x 64 on 8, 175 at 16 x 32 on 8); 2 x 2 blocks: 136 ms at 16 x 32 on 4 (143
+# at 16 x 64 on 8). 16 x 64 on 8 warps is the fixed tile.
 BACKWARD_TILES = {False: [(32, 32, 8, 1), (64, 64, 8, 1), (128, 64, 8, 1)],
                   True: [(16, 64, 8, 1), (16, 32, 4, 1), (32, 32, 4, 1), (16, 32, 8, 1)]}
+# The block-diagonal dk/dv kernel's tiles (BLOCK_M query rows a step, BLOCK_N keys a program), one BLOCK_N for
+# centred_key_tiles. 128 keys on 8 warps: its products chain (the weights enter the next products), so the
+# compiler gives each warpgroup 64 of their rows; 64 keys on 8 warps had both warpgroups compute the same rows.
+# On sm_90, 1 x 1 blocks, stack bytes of parts 1 / 2: 320 / 264 at 16 x 128 (key loop 46 spill loads / none),
+# 792 / 160 at 32 x 128. On the H200 at the shape above the autotuner took 16 x 128 but for 1 x 1 blocks' part 2
+# (32 x 128), and both parts took 54.6 ms (1 x 1) and 69.8 (2 x 2), where the kernel with 16 queries on the rows
+# took 170 and 213.
+BLOCKS_KV_TILES = [(16, 128, 8, 1), (32, 128, 8, 1)]
 AUTOTUNE = True
 
 
-def backward_blocks(D: int, dtype: torch.dtype, bd: int) -> dict:
-    """The fixed tile: 16 in the interpreter; on a GPU 32 x 32 for fp32 (16 x 16 with the block-diagonal
-    variants' second moments); for fp16/bf16 at D <= 64 64 x 64 (32 x 32 block-diagonal) on 4 warps, beyond
-    the first of :data:`BACKWARD_TILES`."""
+def pairs_block(D: int) -> int:
+    """The feature tile of the 2 x 2 blocks' dk kernel: at least 32, so that its product over the ``BLOCK_D / 2``
+    pairs has the 16 terms a ``tl.dot`` needs."""
+    return max(head_block(D), 32)
+
+
+def centred_key_tiles(k, bd: int, block_n: int, block_d: int) -> tuple:
+    """``(kc^2, pair products, mean)`` of ``centred_key_tiles_kernel`` for key tiles of ``block_n`` (the dk
+    kernel's) and ``block_d`` features; the pair products are ``kc^2`` itself with 1 x 1 blocks."""
+    B, S, H, D = k.shape
+    ksq = torch.empty(B, S, H, D, device=k.device, dtype=torch.float32)
+    kx = torch.empty(B, S, H, block_d // 2, device=k.device, dtype=torch.float32) if bd == 2 else ksq
+    tiles = ceil_div(S, block_n)
+    mean = torch.empty(B * H, tiles, block_d, device=k.device, dtype=torch.float32)
+    centred_key_tiles_kernel[(tiles, B * H)](k, ksq, kx, mean, *k.stride(), S, H, D, BLOCK_N=block_n,
+                                             BLOCK_D=block_d, BD=bd)
+    return ksq, kx, mean
+
+
+def backward_blocks(D: int, dtype: torch.dtype, bd: int) -> tuple[dict, dict]:
+    """The fixed tiles of the q and the kv kernel. The q kernel's: 16 in the interpreter; on a GPU 32 x 32 for
+    fp32 (16 x 16 with the block-diagonal variants' second moments); for fp16/bf16 at D <= 64 64 x 64 (32 x 32
+    block-diagonal) on 4 warps, beyond the first of :data:`BACKWARD_TILES`. Full LLA's kv kernel takes the same;
+    the block-diagonal one 16 x 16 in the interpreter and for fp32, 64 keys on 4 warps at D <= 64, beyond the
+    first of :data:`BLOCKS_KV_TILES`."""
+    def tile(m, n, warps, stages=1):
+        return dict(BLOCK_M=m, BLOCK_N=n, num_warps=warps, num_stages=stages)
     if interpreting():
-        return dict(BLOCK_M=16, BLOCK_N=16, num_warps=1, num_stages=1)
+        return tile(16, 16, 1), tile(16, 16, 1)
     if dtype == torch.float32:
-        tile = 16 if bd else 32
-        return dict(BLOCK_M=tile, BLOCK_N=tile, num_warps=4, num_stages=1)
-    if D <= 64:
-        tile = 32 if bd else 64
-        return dict(BLOCK_M=tile, BLOCK_N=tile, num_warps=4, num_stages=1)
-    m, n, w, s = BACKWARD_TILES[bool(bd)][0]
-    return dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s)
+        size = 16 if bd else 32
+        q_tile = tile(size, size, 4)
+    elif D <= 64:
+        size = 32 if bd else 64
+        q_tile = tile(size, size, 4)
+    else:
+        q_tile = tile(*BACKWARD_TILES[bool(bd)][0])
+    if not bd:
+        return q_tile, q_tile
+    if dtype == torch.float32:
+        return q_tile, tile(16, 16, 4)
+    return q_tile, tile(16, 64, 4) if D <= 64 else tile(*BLOCKS_KV_TILES[0])
 
 
-def tuned_kernels(tiles: dict) -> dict:
-    """The q and kv kernels autotuned over each list of ``tiles`` (as :data:`BACKWARD_TILES`)."""
-    def tune(kernel, configs):
-        return triton.autotune(tile_configs(configs), key=["D", "DV", "WINDOW", "BD", "SIZE_CLASS"])(kernel)
-    return {variant: (tune(lla_bwd_q_kernel, configs), tune(lla_bwd_kv_kernel, configs))
-            for variant, configs in tiles.items()}
+def tuned_kernels(tiles: dict, kv_tiles: list) -> dict:
+    """The q and kv kernels autotuned over each list of ``tiles`` (as :data:`BACKWARD_TILES`), the block-diagonal
+    kv kernel over ``kv_tiles`` (as :data:`BLOCKS_KV_TILES`), which share the key tile of ``centred_key_tiles``.
+    Its second part adds to the first's dk: each timed run of it starts from the dk it was given."""
+    if len({n for _, n, _, _ in kv_tiles}) != 1:
+        raise ValueError(f"kv_tiles: the block-diagonal dk tiles must share BLOCK_N, got {kv_tiles}")
+
+    def tune(kernel, configs, key=(), restore=None):
+        return triton.autotune(tile_configs(configs), key=["D", "DV", "WINDOW", "BD", "SIZE_CLASS", *key],
+                               restore_value=restore)(kernel)
+    return {False: (tune(lla_bwd_q_kernel, tiles[False]), tune(lla_bwd_kv_kernel, tiles[False])),
+            True: (tune(lla_bwd_q_kernel, tiles[True]), tune(lla_bwd_kv_blocks_kernel, kv_tiles, ["PART"], ["DK"]))}
 
 
-TUNED = tuned_kernels(BACKWARD_TILES)
+KV_KERNELS = {False: lla_bwd_kv_kernel, True: lla_bwd_kv_blocks_kernel}
+TUNED = tuned_kernels(BACKWARD_TILES, BLOCKS_KV_TILES)
 
 
 def adjoint_iterations(cg_iters: int, D: int) -> int:
@@ -435,24 +570,29 @@ def lla_backward(do, q, k, v, lam, rho, delta, m2, argmax, omega, centre, *, sca
     dk = torch.empty(B, S, H, D, device=q.device, dtype=torch.float32)
     dv = torch.empty(B, S, H, DV, device=q.device, dtype=torch.float32)
     if AUTOTUNE and not interpreting() and q.dtype != torch.float32 and D > 64:
-        (q_kernel, kv_kernel), tiles = TUNED[bool(bd)], {}
+        (q_kernel, kv_kernel), q_tile, kv_tile = TUNED[bool(bd)], {}, {}
     else:
-        q_kernel, kv_kernel, tiles = lla_bwd_q_kernel, lla_bwd_kv_kernel, backward_blocks(D, q.dtype, bd)
+        q_kernel, kv_kernel = lla_bwd_q_kernel, KV_KERNELS[bool(bd)]
+        q_tile, kv_tile = backward_blocks(D, q.dtype, bd)
     common = dict(BLOCK_D=head_block(D), BLOCK_DV=head_block(DV), WINDOW=window or 0, BD=bd,
-                  DPREC=dot_precision(q.dtype), **tiles)
+                  DPREC=dot_precision(q.dtype))
     launch_any(
         q_kernel, lambda meta: (ceil_div(T, meta["BLOCK_M"]), B * HQ),
         q, k, v, lam4, do, rho, delta, m2, omega, centre, dq, u, beta, dm,
         *q.stride(), *k.stride(), *v.stride(), *lam4.stride(), *do.stride(),
         T, S, HQ, HQ // H, D, DV, scale, scale * LOG2E, adjoint_iterations(cg_iters, D), cg_tol ** 2,
         size_class(B * HQ * T),
-        MPREC=moment_precision(q.dtype), XPREC=cross_precision(q.dtype), **common)
-    launch_any(
-        kv_kernel, lambda meta: (ceil_div(S, meta["BLOCK_N"]), B * H),
-        q, k, v, do, rho, u, delta, m2, omega, centre, beta, dk, dv,
-        *q.stride(), *k.stride(), *v.stride(), *do.stride(),
-        T, S, HQ, H, HQ // H, D, DV, scale, scale * LOG2E, size_class(B * HQ * T),
-        XPREC=cross_precision(q.dtype), **common)
+        MPREC=moment_precision(q.dtype), XPREC=cross_precision(q.dtype), **common, **q_tile)
+    key_tile = kv_tile["BLOCK_N"] if kv_tile else kv_kernel.configs[0].kwargs["BLOCK_N"]
+    kv_common = dict(common, BLOCK_D=pairs_block(D) if bd == 2 else head_block(D))
+    centred = centred_key_tiles(k, bd, key_tile, kv_common["BLOCK_D"]) if bd else ()
+    for part in (1, 2) if bd else (None,):
+        launch_any(
+            kv_kernel, lambda meta: (ceil_div(S, meta["BLOCK_N"]), B * H),
+            q, k, v, do, rho, u, delta, m2, omega, centre, beta, *centred, dk, dv,
+            *q.stride(), *k.stride(), *v.stride(), *do.stride(),
+            T, S, HQ, H, HQ // H, D, DV, scale, scale * LOG2E, size_class(B * HQ * T),
+            **(dict(PART=part, XPREC=cross_precision(q.dtype)) if bd else {}), **kv_common, **kv_tile)
     row_max_path(dq, dk, q, k, dm, argmax, scale)
     poison_hidden(dq, dk, dv, flags, window)
     dlam = None

@@ -10,7 +10,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from regattn.ops._common.attention_tiles import key_span, query_tile, visible_mask
+from regattn.ops._common.attention_tiles import key_span, query_tile, visible_mask, visible_mask_t
 from regattn.reference.lla import CURVATURE_FLOOR as REFERENCE_CURVATURE_FLOOR
 
 CURVATURE_FLOOR = tl.constexpr(REFERENCE_CURVATURE_FLOOR)  # the reference's, as a kernel constant
@@ -34,6 +34,24 @@ def query_key_tiles(start_m, T, S, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     lo, hi = key_span(start_m + S - T, start_m + BLOCK_M - 1 + S - T, S, True, WINDOW)
     lo = (lo // BLOCK_N) * BLOCK_N
     return lo, hi
+
+
+@triton.jit
+def key_head(H, BLOCK_N: tl.constexpr):
+    """``(first key, batch, key/value head)`` of a program of the grid ``(key tiles, B * H)``."""
+    bh = tl.program_id(1)
+    return tl.program_id(0) * BLOCK_N, bh // H, bh % H
+
+
+@triton.jit
+def key_query_tiles(start_n, T, S, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr):
+    """Queries ``[lo, hi)`` whose position can see a key of the tile at ``start_n`` (``start_n <= pos < start_n +
+    BLOCK_N + WINDOW - 1``), ``lo`` on a tile edge."""
+    lo = tl.maximum(start_n - (S - T), 0)
+    hi = T
+    if WINDOW > 0:
+        hi = tl.minimum(start_n + BLOCK_N - 1 + WINDOW - 1 - (S - T) + 1, T)
+    return (lo // BLOCK_M) * BLOCK_M, hi
 
 
 @triton.jit
@@ -74,6 +92,19 @@ def tile_weights(q, kt, m2, pos0, start_n, S, qk_scale2, WINDOW: tl.constexpr, D
 
 
 @triton.jit
+def key_rows_weights(k, q, m2, pos0, start_n, S, qk_scale2, WINDOW: tl.constexpr, DPREC: tl.constexpr):
+    """The transpose of :func:`tile_weights`, ``[BN, BM]``, for kernels that keep the keys ``k [BN, BD]`` on the
+    rows and stream the queries ``q [BM, BD]``."""
+    s2 = tl.dot(k, tl.trans(q), input_precision=DPREC) * qk_scale2
+    w = tl.exp2(s2 - m2[None, :])
+    if partial_tile(pos0, start_n, S, q.shape[0], k.shape[0], WINDOW):
+        pos = pos0 + tl.arange(0, q.shape[0])
+        offs_n = start_n + tl.arange(0, k.shape[0])
+        w = tl.where(visible_mask_t(offs_n, pos, S, True, WINDOW), w, 0.0)
+    return w
+
+
+@triton.jit
 def split_halves(x, dtype: tl.constexpr):
     """``(hi, lo)`` in ``dtype`` with ``hi + lo ~ x`` for fp32 ``x`` (``lo`` unused for fp32, see ``halves_dot``)."""
     hi = x.to(dtype)
@@ -101,6 +132,17 @@ def split_dot(x, y, DPREC: tl.constexpr):
 def key_products(x, kt, DPREC: tl.constexpr):
     """``x_i.k_j`` on a tile, ``[BM, BN]`` (``x`` fp32 ``[BM, BD]``, ``kt [BD, BN]``)."""
     return split_dot(x, kt, DPREC)
+
+
+@triton.jit
+def key_rows_products(k, x, DPREC: tl.constexpr):
+    """The transpose of :func:`key_products`, ``[BN, BM]`` for keys ``k [BN, BD]`` on the rows, with ``x`` fp32
+    ``[BM, BD]`` in the same parts."""
+    hi, lo = split_halves(x, k.dtype)
+    xk = tl.dot(k, tl.trans(hi), input_precision=DPREC)
+    if k.dtype != tl.float32:
+        xk += tl.dot(k, tl.trans(lo), input_precision=DPREC)
+    return xk
 
 
 @triton.jit
