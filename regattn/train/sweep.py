@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -218,16 +219,18 @@ def run_sweep(base: TrainConfig, *, mixers: list[str], lrs: list[float], seeds: 
     began = time.time()
     deadline = None if stop_after is None else began + stop_after
     ran = 0
-    for run in execute(starts(pending, deadline, check), jobs, streams, base.device):
-        ran += 1
-        run.update(pending[run.pop("index")][1])
-        runs.append(run)
-        runs.sort(key=lambda r: order.get(run_key(r["mixer"], r["x"], r["lr"], r["seed"]), len(order)))
-        print_run(run, began)
-        if on_run is not None:
-            on_run(runs)
-        if checkpoints and not run.get("error") and os.path.exists(run["config"]["checkpoint"]):
-            os.remove(run["config"]["checkpoint"])
+    # closed on an interrupt in this loop too, not only inside it: the runs in flight end before the exit waits
+    with contextlib.closing(execute(starts(pending, deadline, check), jobs, streams, base.device)) as finished:
+        for run in finished:
+            ran += 1
+            run.update(pending[run.pop("index")][1])
+            runs.append(run)
+            runs.sort(key=lambda r: order.get(run_key(r["mixer"], r["x"], r["lr"], r["seed"]), len(order)))
+            print_run(run, began)
+            if on_run is not None:
+                on_run(runs)
+            if checkpoints and not run.get("error") and os.path.exists(run["config"]["checkpoint"]):
+                os.remove(run["config"]["checkpoint"])
     refused = sum(1 for _, meta in pending if check is not None and meta["mixer"] in check.answered())
     if ran + refused < len(pending):
         print(f"--stop-after: {len(pending) - ran - refused} of {len(pending)} runs not started (--resume runs them)")
@@ -358,8 +361,11 @@ def execute(starts: Iterable[tuple[int, TrainConfig]], jobs: int, streams: int =
 
 
 def stop_workers(pool: concurrent.futures.ProcessPoolExecutor) -> None:
-    """Cancel the queued runs and end the running ones (``--resume`` runs them again)."""
-    processes = list((getattr(pool, "_processes", None) or {}).values())    # shutdown forgets them
+    """Cancel the queued runs and end the running ones (``--resume`` runs them again): every child process, also a
+    worker the pool had started but not yet listed when the interrupt came, which would run on and keep the
+    interpreter's exit waiting for it (``multiprocessing`` joins its children at exit)."""
+    listed = (getattr(pool, "_processes", None) or {}).values()             # shutdown forgets them
+    processes = {*listed, *multiprocessing.active_children()}
     pool.shutdown(wait=False, cancel_futures=True)
     for process in processes:
         process.terminate()

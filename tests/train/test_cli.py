@@ -344,6 +344,24 @@ def test_interrupted_sweep_stops_its_runs_in_flight(tmp_path):
         assert not _alive(int(pid)), f"worker {pid} still runs after the sweep was interrupted"
 
 
+def test_stopping_the_workers_ends_a_worker_the_pool_has_not_listed():
+    """An interrupt can come after the pool started a worker and before it listed it: ``stop_workers`` ends that
+    one too (a worker left running kept the interrupted sweep's exit waiting for it, as ``multiprocessing`` joins
+    its children at exit)."""
+    import multiprocessing
+    import time
+    context = multiprocessing.get_context("spawn")
+    pool = concurrent.futures.ProcessPoolExecutor(1, mp_context=context)
+    unlisted = context.Process(target=time.sleep, args=(600,))
+    unlisted.start()
+    try:
+        sweep.stop_workers(pool)
+        unlisted.join(timeout=60)
+        assert not unlisted.is_alive()
+    finally:
+        unlisted.kill()
+
+
 def _command_line(pid: str) -> str:
     try:
         with open(f"/proc/{pid}/cmdline") as f:
