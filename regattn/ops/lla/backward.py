@@ -300,6 +300,19 @@ def lla_bwd_kv_kernel(Q, K, V, DO, RHO, U, DELTA, M2, OMEGA, CENTRE, BETA, DK, D
 
 
 @triton.jit
+def key_offsets(b, hk, offs_n, cols, S, H, width):
+    """Offsets of ``[keys, cols]`` in a contiguous ``[B, S, H, width]`` tensor (dk, dv and the centred keys'
+    moments, which ``centred_key_tiles_kernel`` writes and the dk kernel reads)."""
+    return ((b * S + offs_n[:, None]) * H + hk) * width + cols[None, :]
+
+
+@triton.jit
+def key_tile_offsets(b, hk, H, BLOCK_D: tl.constexpr):
+    """Offsets of this program's key tile in ``[B * H, key tiles, BLOCK_D]`` (the tiles' mean keys)."""
+    return ((b * H + hk) * tl.num_programs(0) + tl.program_id(0)) * BLOCK_D + tl.arange(0, BLOCK_D)
+
+
+@triton.jit
 def centred_key_tiles_kernel(K, KSQ, KX, KMEAN, skb, sks, skh, skd, S, H, D,
                              BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BD: tl.constexpr):
     """Per key tile of ``BLOCK_N``: its mean key ``c`` (``feature_mean``) and, fp32, the squares of the keys less it
@@ -312,14 +325,12 @@ def centred_key_tiles_kernel(K, KSQ, KX, KMEAN, skb, sks, skh, skd, S, H, D,
     key_ok = offs_n < S
     centre = feature_mean(k, key_ok[:, None], 0)
     kc = k - centre[None, :]
-    out = ((b * S + offs_n[:, None]) * H + hk) * D + offs_d[None, :]
-    tl.store(KSQ + out, kc * kc, mask=key_ok[:, None] & (offs_d < D)[None, :])
+    tl.store(KSQ + key_offsets(b, hk, offs_n, offs_d, S, H, D), kc * kc, mask=key_ok[:, None] & (offs_d < D)[None, :])
     if BD == 2:
         first, second = tl.split(tl.reshape(kc, (BLOCK_N, BLOCK_D // 2, 2)))
-        offs_p = tl.arange(0, BLOCK_D // 2)
-        pair_out = ((b * S + offs_n[:, None]) * H + hk) * (BLOCK_D // 2) + offs_p[None, :]
-        tl.store(KX + pair_out, first * second, mask=key_ok[:, None])
-    tl.store(KMEAN + ((b * H + hk) * tl.num_programs(0) + tl.program_id(0)) * BLOCK_D + offs_d, centre)
+        pairs = key_offsets(b, hk, offs_n, tl.arange(0, BLOCK_D // 2), S, H, BLOCK_D // 2)
+        tl.store(KX + pairs, first * second, mask=key_ok[:, None])
+    tl.store(KMEAN + key_tile_offsets(b, hk, H, BLOCK_D), centre)
 
 
 @triton.jit
@@ -346,17 +357,16 @@ def lla_bwd_kv_blocks_kernel(Q, K, V, DO, RHO, U, DELTA, M2, OMEGA, CENTRE, BETA
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     k = load_rows(K + b * skb + hk * skh, offs_n, offs_d, sks, skd, S, D)
-    key_vec = ((b * S + offs_n[:, None]) * H + hk) * D + offs_d[None, :]
+    key_vec = key_offsets(b, hk, offs_n, offs_d, S, H, D)
     key_ok = (offs_n < S)[:, None] & (offs_d < D)[None, :]
-    centre_k = tl.load(KMEAN + ((b * H + hk) * tl.num_programs(0) + tl.program_id(0)) * BLOCK_D + offs_d)
+    centre_k = tl.load(KMEAN + key_tile_offsets(b, hk, H, BLOCK_D))
     if PART == 1:
         v = load_rows(V + b * svb + hk * svh, offs_n, offs_dv, svs, svd, S, DV)
         ksq = tl.load(KSQ + key_vec, mask=key_ok, other=0.0)
         kx = ksq
         if BD == 2:
-            offs_p = tl.arange(0, BLOCK_D // 2)
-            pair_vec = ((b * S + offs_n[:, None]) * H + hk) * (BLOCK_D // 2) + offs_p[None, :]
-            kx = tl.load(KX + pair_vec, mask=(offs_n < S)[:, None], other=0.0)
+            pairs = key_offsets(b, hk, offs_n, tl.arange(0, BLOCK_D // 2), S, H, BLOCK_D // 2)
+            kx = tl.load(KX + pairs, mask=(offs_n < S)[:, None], other=0.0)
     i_lo, i_hi = key_query_tiles(start_n, T, S, BLOCK_M, BLOCK_N, WINDOW)
     dk = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
     acc = tl.zeros((BLOCK_N, BLOCK_DV if PART == 1 else BLOCK_D), tl.float32)  # dv, or sum_i w_ij h0_i
@@ -417,7 +427,7 @@ def lla_bwd_kv_blocks_kernel(Q, K, V, DO, RHO, U, DELTA, M2, OMEGA, CENTRE, BETA
     if PART == 1:
         tl.store(DK + key_vec, dk, mask=key_ok)
         dv_ok = (offs_n < S)[:, None] & (offs_dv < DV)[None, :]
-        tl.store(DV_OUT + ((b * S + offs_n[:, None]) * H + hk) * DV + offs_dv[None, :], acc, mask=dv_ok)
+        tl.store(DV_OUT + key_offsets(b, hk, offs_n, offs_dv, S, H, DV), acc, mask=dv_ok)
     else:
         kc = tl.where(key_ok, k.to(tl.float32) - centre_k[None, :], 0.0)
         dk += 2.0 * kc * acc
