@@ -416,9 +416,10 @@ def lla_forward_launch(config, name, B, T, H, D, blocks, precondition):
 LLA_BACKWARD_KINDS = ("pairs", "diag", "cg")
 
 
-def lla_backward_launches(config, B, T, H, D, bd):
+def lla_backward_launches(config, B, T, H, D, bd, deterministic=False):
     """The captured launches of the LLA backward (bf16, cg_iters=8) with ``config`` as the tile of each kernel: the
-    q kernel, then the kv kernel (the block-diagonal one's two parts), without ``centred_key_tiles``."""
+    q kernel (the block-diagonal one's part 1, and part 2 where ``deterministic``), then the kv kernel (the
+    block-diagonal one's two parts), without ``centred_key_tiles``."""
     from regattn.ops.lla import backward
 
     q = torch.empty(B, T, H, D, device="meta", dtype=torch.bfloat16)
@@ -426,31 +427,38 @@ def lla_backward_launches(config, B, T, H, D, bd):
     stat = torch.empty(B, H, T, device="meta")
     with captured_launches() as launches, mock.patch.object(backward, "AUTOTUNE", False), \
             mock.patch.object(backward, "backward_blocks", lambda *a: (dict(config), dict(config))), \
-            mock.patch.object(backward, "row_max_path", lambda *a: None):
+            mock.patch.object(backward, "row_max_path", lambda *a: None), \
+            mock.patch.object(torch, "are_deterministic_algorithms_enabled", lambda: deterministic):
         backward.lla_backward(q, q, q, q, 0.5, vec, stat, stat, stat, stat, vec, scale=D ** -0.5,
                               window=None, cg_iters=8, cg_tol=1e-6, lam_grad=False, bd=bd)
     return [launch for launch in launches if launch[0] is not backward.centred_key_tiles_kernel]
 
 
 def lla_backward_rows(head_dims=(128,), kinds=LLA_BACKWARD_KINDS, candidates=False, *, B=4, T=8192, H=16):
-    """Rows of the LLA backward's kernels at the bench's shape, bf16, cg_iters=8: the q kernel (``diag/q``) at each
-    tile of its autotune list (``backward.BACKWARD_TILES``), then the kv kernel (``cg/kv``; the block-diagonal
-    one's parts ``diag/kv1``, ``diag/kv2``) at each of its own (``backward.BLOCKS_KV_TILES``), then
-    :data:`LLA_CANDIDATES` on one stage for each; with the hottest loop's instruction mix (for cg's q kernel, the
-    adjoint CG's key loop)."""
+    """Rows of the LLA backward's kernels at the bench's shape, bf16, cg_iters=8: the q kernel (``cg/q``; the
+    block-diagonal one's first part ``diag/q1``) at each tile of its autotune list (``backward.BACKWARD_TILES``),
+    the block-diagonal q kernel's second part (``diag/q2``, as the deterministic backward runs it) at each of
+    its own (``backward.PASS_B_TILES``), then the kv kernel (``cg/kv``; the block-diagonal one's parts
+    ``diag/kv1``, ``diag/kv2``, the first adding dq by atomics) at each of its own (``backward.BLOCKS_KV_TILES``),
+    then :data:`LLA_CANDIDATES` on one stage for each; with the hottest loop's instruction mix (for cg's q kernel,
+    the adjoint CG's key loop)."""
     from regattn.ops.lla import backward, forward
 
     extra = [dict(c, num_stages=1) for c in LLA_CANDIDATES] if candidates else []
     for D, kind in itertools.product(head_dims, kinds):
         bd = forward.direct_solver(lla_blocks(kind, D), D)
         kv_names = ("kv1", "kv2") if bd else ("kv",)
-        lists = (("q", backward.BACKWARD_TILES[bool(bd)]),
-                 ("kv", backward.BLOCKS_KV_TILES if bd else backward.BACKWARD_TILES[False]))
+        lists = [("q1", backward.BACKWARD_TILES[bd]), ("q2", backward.PASS_B_TILES[bd])] if bd else [
+            ("q", backward.BACKWARD_TILES[0])]
+        lists.append(("kv", backward.BLOCKS_KV_TILES if bd else backward.BACKWARD_TILES[0]))
         for kernel_name, listed in lists:
             listed = [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=st) for m, n, w, st in listed]
             for config, table in [(c, True) for c in listed] + [(c, False) for c in extra]:
-                launches = lla_backward_launches(config, B, T, H, D, bd)
-                named = [(launches[0], "q")] if kernel_name == "q" else zip(launches[1:], kv_names)
+                if kernel_name.startswith("q"):
+                    launches = lla_backward_launches(config, B, T, H, D, bd, deterministic=kernel_name == "q2")
+                    named = [(launches[1 if kernel_name == "q2" else 0], kernel_name)]
+                else:
+                    named = zip(lla_backward_launches(config, B, T, H, D, bd)[1:], kv_names)
                 for (kernel, args, kwargs), name in named:
                     usage = launch_usage(kernel, args, kwargs, loop=True, nested=not bd and name == "q")
                     yield dict(head_dim=D, kind=f"{kind}/{name}", table=table, **launch_settings(kwargs), **usage)

@@ -140,7 +140,8 @@ def test_scan_backward_fused_kernel_compiles_without_spills(monkeypatch, tma):
 
 def fp64_launches():
     """Launches of kernels with float arguments, captured on the meta device: LLA's forward (CG, 2 x 2 and
-    1 x 1 solves) and backward (CG, 1 x 1 solves), and the gate scan forward and backward."""
+    1 x 1 solves) and backward (CG, 1 x 1 solves with dq by atomics and deterministic), and the gate scan forward
+    and backward."""
     from unittest import mock
 
     import torch
@@ -153,10 +154,11 @@ def fp64_launches():
             mock.patch.object(backward, "AUTOTUNE", False):
         for blocks in (None, 32, 64):
             forward.lla_forward(q, q, q, 0.5, scale=0.125, window=None, blocks=blocks, cg_iters=8, cg_tol=1e-6)
-        for bd in (0, 1):
-            backward.lla_backward(q, q, q, q, 0.5, q.float(), rows, rows, rows.int(), rows,
-                                  q.float().transpose(1, 2), scale=0.125, window=None, cg_iters=8, cg_tol=1e-6,
-                                  lam_grad=False, bd=bd)
+        for bd, deterministic in ((0, False), (1, False), (1, True)):
+            with mock.patch.object(torch, "are_deterministic_algorithms_enabled", lambda d=deterministic: d):
+                backward.lla_backward(q, q, q, q, 0.5, q.float(), rows, rows, rows.int(), rows,
+                                      q.float().transpose(1, 2), scale=0.125, window=None, cg_iters=8,
+                                      cg_tol=1e-6, lam_grad=False, bd=bd)
         h = torch.empty(2, 1024, 16, device="meta")
         gate.gate_forward(h, h, 1e-6)
         gate.gate_backward(h, h, h, 1e-6)
@@ -167,21 +169,21 @@ def fp64_launches():
 def test_float_arguments_may_come_as_fp64():
     # torch.compile launches a kernel with its float arguments as fp64: its loops must keep their fp32 types
     launches = fp64_launches()
-    assert len(launches) == 11
+    assert len(launches) == 16
     for kernel, args, kwargs in launches:
         registers.compile_launch(kernel, args, kwargs, floats="fp64")
 
 
 @compiles
 def test_lla_backward_rows_name_every_kernel_at_each_tile():
-    """The LLA backward's q kernel and the two parts of its kv kernel as the op launches them with each tile of
-    their autotune lists."""
-    from regattn.ops.lla.backward import BACKWARD_TILES, BLOCKS_KV_TILES
+    """The two parts of the LLA backward's block-diagonal q kernel and of its kv kernel as the op launches them
+    with each tile of their autotune lists."""
+    from regattn.ops.lla.backward import BACKWARD_TILES, BLOCKS_KV_TILES, PASS_B_TILES
     rows = list(registers.lla_backward_rows(head_dims=(32,), kinds=("diag",), T=256, H=2))
-    assert [r["kind"] for r in rows] == ["diag/q"] * len(BACKWARD_TILES[True]) + ["diag/kv1", "diag/kv2"] * len(
-        BLOCKS_KV_TILES)
+    assert [r["kind"] for r in rows] == ["diag/q1"] * len(BACKWARD_TILES[1]) + ["diag/q2"] * len(PASS_B_TILES[1]) + [
+        "diag/kv1", "diag/kv2"] * len(BLOCKS_KV_TILES)
     tiles = [(r["BLOCK_M"], r["BLOCK_N"]) for r in rows]
-    assert tiles == [(m, n) for m, n, _, _ in BACKWARD_TILES[True]] + [
+    assert tiles == [(m, n) for m, n, _, _ in BACKWARD_TILES[1] + PASS_B_TILES[1]] + [
         (m, n) for m, n, _, _ in BLOCKS_KV_TILES for _ in range(2)]
     assert all(r["table"] and 0 < r["REG"] <= 255 and "error" not in r for r in rows), rows
 

@@ -96,6 +96,23 @@ def test_block_diagonal_direct_solves_repeat_bit_for_bit_at_every_tile(blocks, m
         assert all(torch.equal(runs[0], r) for r in runs[1:]), tile
 
 
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomics", "deterministic"])
+@pytest.mark.parametrize("blocks", [128, 64], ids=["1x1", "2x2"])
+def test_block_diagonal_backward_at_every_query_tile(blocks, deterministic, monkeypatch, D=128):
+    """The block-diagonal backward with each tile of its q kernel's autotune lists: the first part's with dq added
+    by the dk/dv kernel's atomics, the second part's (deterministic) with dq from that part, on the shifted inputs
+    of :func:`test_block_diagonal_direct_solves_bf16` and within its bound."""
+    from regattn.ops.lla import backward, forward
+    bd = forward.direct_solver(blocks, D)
+    kv_tile = backward.backward_blocks(D, BF16, bd)[1]
+    monkeypatch.setattr(backward, "AUTOTUNE", False)
+    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: deterministic)
+    for m, n, warps, stages in (backward.PASS_B_TILES if deterministic else backward.BACKWARD_TILES)[bd]:
+        tile = dict(BLOCK_M=m, BLOCK_N=n, num_warps=warps, num_stages=stages)
+        monkeypatch.setattr(backward, "backward_blocks", lambda *a, t=tile: (dict(t), dict(kv_tile)))
+        check_converged(BF16, blocks=blocks, shift=4.0, D=D)
+
+
 @pytest.mark.parametrize("precondition", [True, False])
 def test_truncated_cg_fp32(precondition):
     check_truncated_cg(16, precondition)

@@ -636,10 +636,35 @@ def test_autotuned_backward_matches_the_fixed_tile(blocks, bd, monkeypatch):
     fixed = backward.lla_backward(do, q, k, v, 0.3, *saved, lam_grad=False, bd=bd, **args)
     monkeypatch.setattr(backward, "interpreting", lambda: False)
     one_tile = [(16, 16, 1, 1)]
-    monkeypatch.setattr(backward, "TUNED", backward.tuned_kernels({False: one_tile, True: one_tile}, one_tile))
+    monkeypatch.setattr(backward, "TUNED", backward.tuned_kernels({bd: one_tile for bd in (0, 1, 2)}, one_tile,
+                                                                      {1: one_tile, 2: one_tile}))
     tuned = backward.lla_backward(do, q, k, v, 0.3, *saved, lam_grad=False, bd=bd, **args)
     for a, b in zip(fixed[:3], tuned[:3], strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("blocks,bd", [(20, 1), (10, 2)], ids=["1x1", "2x2"])
+def test_block_diagonal_dq_by_atomics_matches_its_deterministic_pass(blocks, bd, monkeypatch):
+    """The block-diagonal dk/dv kernel adds dq's key sum and dm by atomics; under deterministic algorithms the q
+    kernel forms them in a pass of its own instead: the same dq and dk (through dm) within rounding, the same dv,
+    and only there the second q launch."""
+    from regattn.ops.lla import backward
+    T, D = 37, 20
+    q, k, v, do = (randn(1, T, 4, D, dtype=torch.float16) for _ in range(4))
+    k, v = k[:, :, :2], v[:, :, :2]
+    args = dict(scale=D ** -0.5, window=None, cg_iters=4, cg_tol=0.0)
+    saved = lla_forward(q, k, v, 0.3, blocks=blocks, **args)[1:]
+    launched = []
+    launch = backward.launch_any
+    monkeypatch.setattr(backward, "launch_any", lambda kernel, *a, **kw: (
+        launched.append((kernel.__name__, kw.get("PART"))), launch(kernel, *a, **kw)))
+    fused = backward.lla_backward(do, q, k, v, 0.3, *saved, lam_grad=False, bd=bd, **args)
+    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
+    own_pass = backward.lla_backward(do, q, k, v, 0.3, *saved, lam_grad=False, bd=bd, **args)
+    q_kernel = [name for name, _ in launched if name == "lla_bwd_q_kernel"]
+    assert q_kernel == ["lla_bwd_q_kernel"] * 3, launched
+    assert rel_err(fused[0], own_pass[0]) < 1e-4 and rel_err(fused[1], own_pass[1]) < 1e-4
+    assert torch.equal(fused[2], own_pass[2])
 
 
 def test_block_diagonal_dk_tiles_must_share_their_key_tile():
@@ -647,7 +672,7 @@ def test_block_diagonal_dk_tiles_must_share_their_key_tile():
     tiles is refused."""
     from regattn.ops.lla import backward
     with pytest.raises(ValueError, match="kv_tiles"):
-        backward.tuned_kernels(backward.BACKWARD_TILES, [(16, 64, 8, 1), (16, 128, 8, 1)])
+        backward.tuned_kernels(backward.BACKWARD_TILES, [(16, 64, 8, 1), (16, 128, 8, 1)], backward.PASS_B_TILES)
 
 
 @pytest.mark.parametrize("bd", [1, 2])

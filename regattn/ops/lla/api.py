@@ -246,8 +246,10 @@ def lla(q, k, v, *, lam, scale=None, window=None, blocks=None, cg_iters=None, cg
             ``cg_iters`` given (fused forward and backward) and BD-LLA (``g = D`` and ``g = D / 2``
             by direct solves, where ``cg_iters`` is not needed; other ``g`` by one CG per block); the backward is
             fused for full LLA, ``g = D`` and ``g = D / 2``, and recomputes the block-exact torch form
-            per query chunk for other ``g``. With ``cg_iters=None`` full
-            LLA (and BD-LLA with other ``g``) solves exactly in torch through the uncentred form
+            per query chunk for other ``g``. For ``g = D`` and ``g = D / 2`` the fused backward adds ``dq`` in
+            fp32 atomically (its last bits may differ between runs); under
+            ``torch.use_deterministic_algorithms(True)`` it forms ``dq`` in a pass of its own instead. With
+            ``cg_iters=None`` full LLA (and BD-LLA with other ``g``) solves exactly in torch through the uncentred form
             (eq. 10-11, ``[T, D, D]`` per head), not in a kernel.
 
     Returns:

@@ -24,7 +24,9 @@ tile (kernel 2) or query tile (kernel 1), see ``cross_quad``.
 Kernel 1 runs per query tile (the solve for ``u``, then dq); kernel 2 per key tile (dk, dv), summing
 the query heads of a GQA group in one program. For the block-diagonal variants kernel 2 keeps its keys on the rows
 of every tile and runs in two parts, after a small kernel that forms the centred keys' squares
-(``lla_bwd_kv_blocks_kernel``).
+(``lla_bwd_kv_blocks_kernel``); kernel 1 runs only its first pass and the solve, and kernel 2's first part adds
+dq's key sum by atomics where it forms ``Dw`` (under ``torch.use_deterministic_algorithms(True)`` kernel 1's
+second part forms it instead).
 """
 from __future__ import annotations
 
@@ -115,47 +117,33 @@ def cross_rows(hd, h1, qc, qsc, BD: tl.constexpr):
 
 
 @triton.jit
-def lla_bwd_q_kernel(Q, K, V, LAM, DO, RHO, DELTA, M2, OMEGA, CENTRE, DQ, U, BETA, DM,
-                     sqb, sqt, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd, slb, slt, slh, sld,
-                     sdb, sdt, sdh, sdd,
-                     T, S, HQ, GROUPS, D, DV, scale, qk_scale2, iters, tol2, SIZE_CLASS,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-                     WINDOW: tl.constexpr, BD: tl.constexpr, DPREC: tl.constexpr, MPREC: tl.constexpr,
-                     XPREC: tl.constexpr):
-    # float arguments come as fp64 when torch.compile launches the kernel: keep the arithmetic fp32
-    scale, qk_scale2, tol2 = tl.cast(scale, tl.float32), tl.cast(qk_scale2, tl.float32), tl.cast(tol2, tl.float32)
-    start_m, b, h, hk = query_head(HQ, GROUPS, BLOCK_M)
-    offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    row_ok = offs_m < T
-    pos0 = start_m + S - T
-    Kb = K + b * skb + hk * skh
-    Vb = V + b * svb + hk * svh
+def query_rows(Q, RHO, b, h, offs_m, offs_d, sqb, sqt, sqh, sqd, T, HQ, D):
+    """``(q, vec, vec_ok, rho, stat)`` of the query rows ``offs_m`` of batch ``b`` and head ``h``: their tile, the
+    offsets (and mask) of their ``[B, T, HQ, D]`` fp32 rows (``rho``, ``u``, ``dq``), their ``rho``, and the offsets of
+    their ``[B, HQ, T]`` statistics."""
     q = load_rows(Q + b * sqb + h * sqh, offs_m, offs_d, sqt, sqd, T, D)
-    q32 = q.to(tl.float32)
-    do = load_rows(DO + b * sdb + h * sdh, offs_m, offs_dv, sdt, sdd, T, DV)
-    lam = load_rows(LAM + b * slb + h * slh, offs_m, offs_d, slt, sld, T, D).to(tl.float32)
-    lam = tl.where(row_ok[:, None], lam, 1.0)
     vec = ((b * T + offs_m[:, None]) * HQ + h) * D + offs_d[None, :]
-    vec_ok = row_ok[:, None] & (offs_d < D)[None, :]
+    vec_ok = (offs_m < T)[:, None] & (offs_d < D)[None, :]
     rho = tl.load(RHO + vec, mask=vec_ok, other=0.0)
-    stat = (b * HQ + h) * T + offs_m
-    delta = tl.load(DELTA + stat, mask=row_ok, other=1.0)
-    m2 = tl.load(M2 + stat, mask=row_ok, other=0.0)
-    delta_safe = tl.where(delta == 0.0, 1.0, delta)  # 0 only for a query that sees no key
-    inv_omega = 1.0 / tl.maximum(tl.load(OMEGA + stat, mask=row_ok, other=1.0), 1.0)  # omega >= 1 once a key is seen
-    centre = tl.load(CENTRE + stat, mask=row_ok, other=0.0)
-    lo, hi = query_key_tiles(start_m, T, S, BLOCK_M, BLOCK_N, WINDOW)
+    return q, vec, vec_ok, rho, (b * HQ + h) * T + offs_m
 
-    # pass A: omega, mu~ (for Sigma p), sum_j c_ij k_j, sum_j c_ij and sum_j gamma_ij s_ij
-    omega = tl.zeros((BLOCK_M,), tl.float32)
-    mt = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
-    ck = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
-    csum = tl.zeros((BLOCK_M,), tl.float32)
-    gs = tl.zeros((BLOCK_M,), tl.float32)
-    kk = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
-    kx = tl.zeros((BLOCK_M, BLOCK_D // 2), tl.float32)
+
+@triton.jit
+def adjoint_sums(q, do, rho, centre, inv_omega, delta_safe, m2, Kb, Vb, sks, skd, svs, svd, offs_d, offs_dv,
+                 pos0, lo, hi, S, D, DV, qk_scale2, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr, BD: tl.constexpr,
+                 DPREC: tl.constexpr, MPREC: tl.constexpr):
+    """Pass A over the keys ``[lo, hi)`` of a query tile: ``(omega, mt, ck, csum, gs, kk, kx)``, the forward's
+    ``omega``, ``mu~`` and (direct solves) second moments, recomputed, beside ``sum_j c_ij k_j``, ``sum_j c_ij``
+    and ``sum_j gamma_ij s_ij``."""
+    BM: tl.constexpr = q.shape[0]
+    BLOCK_D: tl.constexpr = q.shape[1]
+    omega = tl.zeros((BM,), tl.float32)
+    mt = tl.zeros((BM, BLOCK_D), tl.float32)
+    ck = tl.zeros((BM, BLOCK_D), tl.float32)
+    csum = tl.zeros((BM,), tl.float32)
+    gs = tl.zeros((BM,), tl.float32)
+    kk = tl.zeros((BM, BLOCK_D), tl.float32)
+    kx = tl.zeros((BM, BLOCK_D // 2), tl.float32)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         kt = load_cols(Kb, offs_n, offs_d, sks, skd, S, D)
@@ -176,35 +164,28 @@ def lla_bwd_q_kernel(Q, K, V, LAM, DO, RHO, DELTA, M2, OMEGA, CENTRE, DQ, U, BET
             omega += tile_omega
             kk += tile_kk
             kx += tile_kx
-    beta = gs / delta_safe
+    return omega, mt, ck, csum, gs, kk, kx
 
-    # the second solve (eq. 37) and dmu (eq. 38)
-    y = ck - csum[:, None] * q32
-    mu = mt - omega[:, None] * q32
-    sdiag = kk - 2.0 * q32 * mt + omega[:, None] * q32 * q32 + lam
-    if BD == 1:
-        u = y / tl.where(sdiag == 0.0, 1.0, sdiag)
-    elif BD == 2:
-        u = pair_solve(y, sdiag, kx, q32, mt, omega)
-    else:  # u = Sigma^-1 (y - beta mu) + beta rho: equal to Sigma^-1 y when rho = Sigma^-1 mu, and with a
-        # truncated CG rho the implicit gradient at that rho (the adjoint Sigma^-1 dL/drho by CG on Sigma itself: by
-        # the forward's centred scatter and Sherman-Morrison it would cancel where mu.A^-1 mu >> omega)
-        u = cg_solve(y - beta[:, None] * mu, q, mt, omega, lam, smallest_ridge(lam, offs_d < D), m2, pos0,
-                     Kb, sks, skd, lo, hi, S, D, offs_d,
-                     qk_scale2, iters, tol2, Kb, 0, 1, BLOCK_N, WINDOW, 1, DPREC, False, False, 1) + beta[:, None] * rho
-    dmu = 2.0 * beta[:, None] * rho - u
+
+@triton.jit
+def query_grad_sums(q, do, rho, u, beta, centre, inv_omega, delta_safe, m2, row_ok, Kb, Vb, sks, skd, svs, svd,
+                    offs_d, offs_dv, pos0, lo, hi, S, D, DV, BD: tl.constexpr, BLOCK_N: tl.constexpr,
+                    WINDOW: tl.constexpr, qk_scale2, DPREC: tl.constexpr, XPREC: tl.constexpr):
+    """Pass B over the keys ``[lo, hi)`` of a query tile: ``(sum_j Dw_ij k_j, sum_j Dw_ij, sum_j F_ij,
+    sum_j w_ij a_ij)``, the w-path of dq and, for full LLA, the row sums of its z-path; the block-diagonal
+    variants' cross terms centred on the tile's mean query."""
+    BM: tl.constexpr = q.shape[0]
+    BLOCK_D: tl.constexpr = q.shape[1]
+    q32 = q.to(tl.float32)
     hd, h1, hs = sigma_grad(rho, u, beta, BD)
-
-    # pass B: dq through the w-path and the z-path, and dm for the row maximum; the cross terms centred on
-    # the tile's mean query
     if BD > 0:
         centre_q = feature_mean(q32, row_ok[:, None], 0)
         qc = q32 - centre_q[None, :]
         lin, const = cross_rows(hd, h1, qc, swap_pairs(qc, 1), BD)
-    dq = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
-    dwsum = tl.zeros((BLOCK_M,), tl.float32)
-    fsum = tl.zeros((BLOCK_M,), tl.float32)
-    gsum = tl.zeros((BLOCK_M,), tl.float32)
+    dq = tl.zeros((BM, BLOCK_D), tl.float32)
+    dwsum = tl.zeros((BM,), tl.float32)
+    fsum = tl.zeros((BM,), tl.float32)
+    gsum = tl.zeros((BM,), tl.float32)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         kt = load_cols(Kb, offs_n, offs_d, sks, skd, S, D)
@@ -223,17 +204,86 @@ def lla_bwd_q_kernel(Q, K, V, LAM, DO, RHO, DELTA, M2, OMEGA, CENTRE, DQ, U, BET
         dwsum += tl.sum(dw, 1)
         fsum += tl.sum(f, 1)
         gsum += tl.sum(g, 1)
-    if BD > 0:  # sum_j dL/dz_ij = -sum_j c_ij rho + omega dmu + 2 (h0 mu + hs mu_swap)
+    return dq, dwsum, fsum, gsum
+
+
+@triton.jit
+def lla_bwd_q_kernel(Q, K, V, LAM, DO, RHO, DELTA, M2, OMEGA, CENTRE, DQ, U, BETA, DM,
+                     sqb, sqt, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd, slb, slt, slh, sld,
+                     sdb, sdt, sdh, sdd,
+                     T, S, HQ, GROUPS, D, DV, scale, qk_scale2, iters, tol2, SIZE_CLASS,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                     WINDOW: tl.constexpr, BD: tl.constexpr, DPREC: tl.constexpr, MPREC: tl.constexpr,
+                     XPREC: tl.constexpr, PART: tl.constexpr):
+    """u, beta, dq and dm, one program per query tile: pass A (:func:`adjoint_sums`), the second solve (eq. 37),
+    pass B (:func:`query_grad_sums`). ``PART`` 0: all in one launch (full LLA, whose adjoint CG needs the whole
+    state); the block-diagonal variants in two launches, each with one ``[BM, D]`` sum: ``PART`` 1, pass A and the
+    solve, stores ``u``, ``beta`` and dq's terms outside the key sums; ``PART`` 2, pass B, adds dq's key sums."""
+    # float arguments come as fp64 when torch.compile launches the kernel: keep the arithmetic fp32
+    scale, qk_scale2, tol2 = tl.cast(scale, tl.float32), tl.cast(qk_scale2, tl.float32), tl.cast(tol2, tl.float32)
+    start_m, b, h, hk = query_head(HQ, GROUPS, BLOCK_M)
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    row_ok = offs_m < T
+    pos0 = start_m + S - T
+    Kb = K + b * skb + hk * skh
+    Vb = V + b * svb + hk * svh
+    q, vec, vec_ok, rho, stat = query_rows(Q, RHO, b, h, offs_m, offs_d, sqb, sqt, sqh, sqd, T, HQ, D)
+    q32 = q.to(tl.float32)
+    do = load_rows(DO + b * sdb + h * sdh, offs_m, offs_dv, sdt, sdd, T, DV)
+    delta = tl.load(DELTA + stat, mask=row_ok, other=1.0)
+    m2 = tl.load(M2 + stat, mask=row_ok, other=0.0)
+    delta_safe = tl.where(delta == 0.0, 1.0, delta)  # 0 only for a query that sees no key
+    inv_omega = 1.0 / tl.maximum(tl.load(OMEGA + stat, mask=row_ok, other=1.0), 1.0)  # omega >= 1 once a key is seen
+    centre = tl.load(CENTRE + stat, mask=row_ok, other=0.0)
+    lo, hi = query_key_tiles(start_m, T, S, BLOCK_M, BLOCK_N, WINDOW)
+
+    if PART == 2:
+        u = tl.load(U + vec, mask=vec_ok, other=0.0)
+        beta = tl.load(BETA + stat, mask=row_ok, other=0.0)
+    else:
+        lam = load_rows(LAM + b * slb + h * slh, offs_m, offs_d, slt, sld, T, D).to(tl.float32)
+        lam = tl.where(row_ok[:, None], lam, 1.0)
+        omega, mt, ck, csum, gs, kk, kx = adjoint_sums(q, do, rho, centre, inv_omega, delta_safe, m2, Kb, Vb, sks,
+                                                       skd, svs, svd, offs_d, offs_dv, pos0, lo, hi, S, D, DV,
+                                                       qk_scale2, BLOCK_N, WINDOW, BD, DPREC, MPREC)
+        beta = gs / delta_safe
+        # the second solve (eq. 37) and dmu (eq. 38)
+        y = ck - csum[:, None] * q32
+        mu = mt - omega[:, None] * q32
+        sdiag = kk - 2.0 * q32 * mt + omega[:, None] * q32 * q32 + lam
+        if BD == 1:
+            u = y / tl.where(sdiag == 0.0, 1.0, sdiag)
+        elif BD == 2:
+            u = pair_solve(y, sdiag, kx, q32, mt, omega)
+        else:  # u = Sigma^-1 (y - beta mu) + beta rho: equal to Sigma^-1 y when rho = Sigma^-1 mu, and with a
+            # truncated CG rho the implicit gradient at that rho (the adjoint Sigma^-1 dL/drho by CG on Sigma itself:
+            # by the forward's centred scatter and Sherman-Morrison it would cancel where mu.A^-1 mu >> omega)
+            u = cg_solve(y - beta[:, None] * mu, q, mt, omega, lam, smallest_ridge(lam, offs_d < D), m2, pos0,
+                         Kb, sks, skd, lo, hi, S, D, offs_d, qk_scale2, iters, tol2, Kb, 0, 1, BLOCK_N, WINDOW, 1,
+                         DPREC, False, False, 1) + beta[:, None] * rho
+        dmu = 2.0 * beta[:, None] * rho - u
+        tl.store(U + vec, u, mask=vec_ok)
+        tl.store(BETA + stat, beta, mask=row_ok)
+    if PART == 1:  # dq less its key sum (part 2 or the dk/dv kernel adds that, and dm):
+        # -sum_j dL/dz_ij = -(omega dmu - sum_j c_ij rho + 2 (h0 mu + hs mu_swap))
+        hd, _, hs = sigma_grad(rho, u, beta, BD)
         zsum = omega[:, None] * dmu - csum[:, None] * rho + 2.0 * hd * mu
         if BD == 2:
             zsum += 2.0 * hs * swap_pairs(mu, 1)
-        dq = scale * dq - zsum
+        tl.store(DQ + vec, -zsum, mask=vec_ok)
+        tl.store(DM + stat, tl.zeros_like(beta), mask=row_ok)
     else:
-        dq = scale * dq - (omega[:, None] * dmu + fsum[:, None] * rho + gsum[:, None] * u)
-    tl.store(DQ + vec, dq, mask=vec_ok)
-    tl.store(U + vec, u, mask=vec_ok)
-    tl.store(BETA + stat, beta, mask=row_ok)
-    tl.store(DM + stat, -dwsum, mask=row_ok)
+        dq, dwsum, fsum, gsum = query_grad_sums(q, do, rho, u, beta, centre, inv_omega, delta_safe, m2, row_ok, Kb,
+                                                Vb, sks, skd, svs, svd, offs_d, offs_dv, pos0, lo, hi, S, D, DV, BD,
+                                                BLOCK_N, WINDOW, qk_scale2, DPREC, XPREC)
+        if PART == 2:
+            dq = scale * dq + tl.load(DQ + vec, mask=vec_ok, other=0.0)
+        else:
+            dq = scale * dq - (omega[:, None] * dmu + fsum[:, None] * rho + gsum[:, None] * u)
+        tl.store(DQ + vec, dq, mask=vec_ok)
+        tl.store(DM + stat, -dwsum, mask=row_ok)
 
 
 @triton.jit
@@ -261,14 +311,10 @@ def lla_bwd_kv_kernel(Q, K, V, DO, RHO, U, DELTA, M2, OMEGA, CENTRE, BETA, DK, D
             offs_m = start_m + tl.arange(0, BLOCK_M)
             row_ok = offs_m < T
             pos0 = start_m + S - T
-            q = load_rows(Q + b * sqb + h * sqh, offs_m, offs_d, sqt, sqd, T, D)
+            q, vec, vec_ok, rho, stat = query_rows(Q, RHO, b, h, offs_m, offs_d, sqb, sqt, sqh, sqd, T, HQ, D)
             q32 = q.to(tl.float32)
             do = load_rows(DO + b * sdb + h * sdh, offs_m, offs_dv, sdt, sdd, T, DV)
-            vec = ((b * T + offs_m[:, None]) * HQ + h) * D + offs_d[None, :]
-            vec_ok = row_ok[:, None] & (offs_d < D)[None, :]
-            rho = tl.load(RHO + vec, mask=vec_ok, other=0.0)
             u = tl.load(U + vec, mask=vec_ok, other=0.0)
-            stat = (b * HQ + h) * T + offs_m
             delta = tl.load(DELTA + stat, mask=row_ok, other=1.0)
             delta_safe = tl.where(delta == 0.0, 1.0, delta)
             inv_omega = 1.0 / tl.maximum(tl.load(OMEGA + stat, mask=row_ok, other=1.0), 1.0)
@@ -334,12 +380,12 @@ def centred_key_tiles_kernel(K, KSQ, KX, KMEAN, skb, sks, skh, skd, S, H, D,
 
 
 @triton.jit
-def lla_bwd_kv_blocks_kernel(Q, K, V, DO, RHO, U, DELTA, M2, OMEGA, CENTRE, BETA, KSQ, KX, KMEAN, DK, DV_OUT,
+def lla_bwd_kv_blocks_kernel(Q, K, V, DO, RHO, U, DELTA, M2, OMEGA, CENTRE, BETA, KSQ, KX, KMEAN, DK, DV_OUT, DQ, DM,
                              sqb, sqt, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd, sdb, sdt, sdh, sdd,
                              T, S, HQ, H, GROUPS, D, DV, scale, qk_scale2, SIZE_CLASS,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                              BLOCK_DV: tl.constexpr, WINDOW: tl.constexpr, BD: tl.constexpr, DPREC: tl.constexpr,
-                             XPREC: tl.constexpr, PART: tl.constexpr):
+                             XPREC: tl.constexpr, PART: tl.constexpr, FUSED_DQ: tl.constexpr):
     """dk and dv of the block-diagonal variants (``BD`` 1 or 2), one program per key tile, in two launches of two
     ``[BN, BD]`` sums each. ``PART`` 1: dv and dk's terms through ``Dw`` and ``c``, which take every product of
     the tile; ``PART`` 2, added to part 1's dk: the terms of the weights alone,
@@ -350,7 +396,11 @@ def lla_bwd_kv_blocks_kernel(Q, K, V, DO, RHO, U, DELTA, M2, OMEGA, CENTRE, BETA
     ``centred_key_tiles_kernel`` (same ``BLOCK_N``) through memory: loaded operands stay in shared memory across
     the query loop, where operands computed here were held in registers. Its linear term ``kc.lin`` is
     ``k.lin - c.lin``, with ``lin`` in two parts against the exact keys: within the tf32 rounding of ``kc`` for
-    keys up to 2^5 times farther from the centre than the tile's spread."""
+    keys up to 2^5 times farther from the centre than the tile's spread.
+
+    With ``FUSED_DQ`` part 1 also adds each query tile's share of dq's key sum, ``scale sum_j Dw_ij k_j``, and of
+    ``dm = -sum_j Dw_ij`` to ``DQ`` and ``DM`` by fp32 atomics (in any order), in place of the q kernel's pass B,
+    which forms the same ``Dw`` again."""
     scale, qk_scale2 = tl.cast(scale, tl.float32), tl.cast(qk_scale2, tl.float32)
     start_n, b, hk = key_head(H, BLOCK_N)
     offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -376,13 +426,9 @@ def lla_bwd_kv_blocks_kernel(Q, K, V, DO, RHO, U, DELTA, M2, OMEGA, CENTRE, BETA
         for start_m in range(i_lo, i_hi, BLOCK_M):
             offs_m = start_m + tl.arange(0, BLOCK_M)
             row_ok = offs_m < T
-            q = load_rows(Q + b * sqb + h * sqh, offs_m, offs_d, sqt, sqd, T, D)
+            q, vec, vec_ok, rho, stat = query_rows(Q, RHO, b, h, offs_m, offs_d, sqb, sqt, sqh, sqd, T, HQ, D)
             q32 = q.to(tl.float32)
-            vec = ((b * T + offs_m[:, None]) * HQ + h) * D + offs_d[None, :]
-            vec_ok = row_ok[:, None] & (offs_d < D)[None, :]
-            rho = tl.load(RHO + vec, mask=vec_ok, other=0.0)
             u = tl.load(U + vec, mask=vec_ok, other=0.0)
-            stat = (b * HQ + h) * T + offs_m
             m2 = tl.load(M2 + stat, mask=row_ok, other=0.0)
             beta_row = tl.load(BETA + stat, mask=row_ok, other=0.0)
             w = key_rows_weights(k, q, m2, start_m + S - T, start_n, S, qk_scale2, WINDOW, DPREC)
@@ -413,8 +459,13 @@ def lla_bwd_kv_blocks_kernel(Q, K, V, DO, RHO, U, DELTA, M2, OMEGA, CENTRE, BETA
                     quad += tl.dot(kx, tl.trans(first + second), input_precision=XPREC)
                 dw = gamma * s + w * (2.0 * beta * a - bu - beta + quad)
                 f = -gamma * w / delta_safe[None, :]   # -c: the rho term of dL/dz
-                dk += scale * tl.dot(dw.to(q.dtype), q, input_precision=DPREC)
+                dw_half = dw.to(q.dtype)
+                dk += scale * tl.dot(dw_half, q, input_precision=DPREC)
                 dk += tl.dot(f.to(q.dtype), rho.to(q.dtype), input_precision=DPREC)
+                if FUSED_DQ:
+                    dq = scale * tl.dot(tl.trans(dw_half), k, input_precision=DPREC)
+                    tl.atomic_add(DQ + vec, dq, mask=vec_ok, sem="relaxed")
+                    tl.atomic_add(DM + stat, -tl.sum(dw, 0), mask=row_ok, sem="relaxed")
                 acc += tl.dot(s.to(do.dtype), do, input_precision=DPREC)
             else:  # 2 sum_i w_ij (h0_i z_ij + hs_i z_ij,swap) with z = kc - qc: the centred keys' share (acc,
                 # whs), then w dmu and the centred queries' share
@@ -437,26 +488,36 @@ def lla_bwd_kv_blocks_kernel(Q, K, V, DO, RHO, U, DELTA, M2, OMEGA, CENTRE, BETA
         tl.store(DK + key_vec, dk, mask=key_ok)
 
 # fp16/bf16 tiles (BLOCK_M, BLOCK_N, num_warps, num_stages) beyond D = 64 that the autotuner times on a GPU,
-# for full LLA (False) and the block-diagonal variants (True); the first is the fixed tile (AUTOTUNE off).
+# for full LLA (0) and the block-diagonal variants' first part (1: 1 x 1 blocks, 2: 2 x 2 blocks); the first is the
+# fixed tile (AUTOTUNE off), which fits both parts.
 # Full LLA: the sm_90 compile at D = 128, bf16 (stack bytes of the q and kv kernels): 1768 / 1712 at 64 x 64 on
 # 8 warps, 0 / 352 at 32 x 32 on 8. The forward's spill-free 32-row tile was the slower one on the H100 (see
 # forward.FORWARD_TILES), so the former tiles are timed beside these. Forward+backward (B 4, H 16, T 8192,
 # D 128, bf16, cg=8, each tile alone) took 267 ms with 128 x 64 on 8 warps, whose warpgroups own 64 rows each,
 # 280 with 64 x 64 on 4 warps, 316 with 64 x 64 on 8 and 511 with 32 x 32.
-# Block-diagonal, the q kernel (``python -m regattn.bench.registers lla_bwd --kinds diag pairs --candidates``),
-# 1 x 1 blocks, stack bytes: 40 at 16 x 64 on 8 warps, 96 at 16 x 32 on 4, 1080 at 32 x 32 on 4, 32 at 16 x 32 on 8.
-# On the H200 at the shape above (bf16, as the autotuner timed them in one run), 1 x 1 blocks: 81 ms at 32 x 32 on
-# 4 warps (101 at 16 x 32 on 4, 112 at 16 x 64 on 8, 175 at 16 x 32 on 8); 2 x 2 blocks: 136 ms at 16 x 32 on 4 (143
-# at 16 x 64 on 8). 16 x 64 on 8 warps is the fixed tile.
-BACKWARD_TILES = {False: [(32, 32, 8, 1), (64, 64, 8, 1), (128, 64, 8, 1)],
-                  True: [(16, 64, 8, 1), (16, 32, 4, 1), (32, 32, 4, 1), (16, 32, 8, 1)]}
+# Block-diagonal, the q kernel's two parts (``python -m regattn.bench.registers lla_bwd --kinds diag pairs``): the
+# first holds the sums of pass A (mu~, the second moments, sum c k), the second dq alone; each spills at 64 and
+# 128 rows (0.8 to 3 KB a thread) and compiles without spills at 32 x 64 on 8 warps. On the H200 at the shape
+# above (bf16, as the autotuner timed them in one run), 1 x 1 blocks, part 1: 20.7 ms at 128 x 64 on 8 warps, 26.5
+# at 128 x 32 on 8 and at 64 x 32 on 4, 34.1 at 32 x 64 on 8; part 2: 37.5 at 64 x 32 on 4, 43.6 at 32 x 32 on 4,
+# 48.4 at 32 x 64 on 8. 2 x 2 blocks, part 1: 32.0, 34.5, 36.5, 42.5; part 2: 62.6 at 32 x 64 on 8, 65.4 at 64 x 16
+# on 4, 76.9 at 32 x 32 on 4 (its 64 x 32 and 128-row tiles need more than 227 KB of shared memory). The kernel in
+# one launch took 81 ms (1 x 1, 32 x 32 on 4 warps) and 131 (2 x 2, 16 x 32 on 4).
+BACKWARD_TILES = {0: [(32, 32, 8, 1), (64, 64, 8, 1), (128, 64, 8, 1)],
+                  1: [(32, 64, 8, 1), (128, 64, 8, 1), (128, 32, 8, 1)],
+                  2: [(32, 64, 8, 1), (128, 64, 8, 1), (128, 32, 8, 1)]}
+# The block-diagonal q kernel's second part (pass B: dq, run by the deterministic backward), by block size.
+PASS_B_TILES = {1: [(32, 64, 8, 1), (64, 32, 4, 1), (32, 32, 4, 1)],
+                2: [(32, 64, 8, 1), (64, 16, 4, 1), (32, 32, 4, 1)]}
 # The block-diagonal dk/dv kernel's tiles (BLOCK_M query rows a step, BLOCK_N keys a program), one BLOCK_N for
 # centred_key_tiles. 128 keys on 8 warps: its products chain (the weights enter the next products), so the
 # compiler gives each warpgroup 64 of their rows; 64 keys on 8 warps had both warpgroups compute the same rows.
 # On sm_90, 1 x 1 blocks, stack bytes of parts 1 / 2: 320 / 264 at 16 x 128 (key loop 46 spill loads / none),
 # 792 / 160 at 32 x 128. On the H200 at the shape above the autotuner took 16 x 128 but for 1 x 1 blocks' part 2
 # (32 x 128), and both parts took 54.6 ms (1 x 1) and 69.8 (2 x 2), where the kernel with 16 queries on the rows
-# took 170 and 213.
+# took 170 and 213. Adding dq by atomics (FUSED_DQ) took part 1 from 37.8 to 52.2 ms at 16 x 128 (1 x 1 blocks;
+# 52.6 at 32 x 128, 57.7 at 16 x 128 on 2 stages) and the parts to 69.0 and 87.5 ms; 2 x 2 blocks' part 1 needs
+# more than 227 KB of shared memory at 32 x 128 (stack 392 / 264 bytes at 16 x 128 on sm_90, 1 x 1).
 BLOCKS_KV_TILES = [(16, 128, 8, 1), (32, 128, 8, 1)]
 AUTOTUNE = True
 
@@ -497,7 +558,7 @@ def backward_blocks(D: int, dtype: torch.dtype, bd: int) -> tuple[dict, dict]:
         size = 32 if bd else 64
         q_tile = tile(size, size, 4)
     else:
-        q_tile = tile(*BACKWARD_TILES[bool(bd)][0])
+        q_tile = tile(*BACKWARD_TILES[bd][0])
     if not bd:
         return q_tile, q_tile
     if dtype == torch.float32:
@@ -505,22 +566,35 @@ def backward_blocks(D: int, dtype: torch.dtype, bd: int) -> tuple[dict, dict]:
     return q_tile, tile(16, 64, 4) if D <= 64 else tile(*BLOCKS_KV_TILES[0])
 
 
-def tuned_kernels(tiles: dict, kv_tiles: list) -> dict:
-    """The q and kv kernels autotuned over each list of ``tiles`` (as :data:`BACKWARD_TILES`), the block-diagonal
-    kv kernel over ``kv_tiles`` (as :data:`BLOCKS_KV_TILES`), which share the key tile of ``centred_key_tiles``.
-    Its second part adds to the first's dk: each timed run of it starts from the dk it was given."""
+def tuned_kernels(tiles: dict, kv_tiles: list, pass_b_tiles: dict) -> dict:
+    """The q and kv kernels autotuned over each list of ``tiles`` (as :data:`BACKWARD_TILES`; the block-diagonal q
+    kernel's second part over ``pass_b_tiles``, as :data:`PASS_B_TILES`), the block-diagonal kv kernel over
+    ``kv_tiles`` (as :data:`BLOCKS_KV_TILES`), which share the key tile of ``centred_key_tiles``. The second parts
+    add to the first's dq and dk, and the first part of the kv kernel adds to dq and dm: each timed run of them
+    starts from the values it was given."""
     if len({n for _, n, _, _ in kv_tiles}) != 1:
         raise ValueError(f"kv_tiles: the block-diagonal dk tiles must share BLOCK_N, got {kv_tiles}")
 
-    def tune(kernel, configs, key=(), restore=None):
+    def tune(kernel, configs, key=(), restore=None, prune=None):
         return triton.autotune(tile_configs(configs), key=["D", "DV", "WINDOW", "BD", "SIZE_CLASS", *key],
-                               restore_value=restore)(kernel)
-    return {False: (tune(lla_bwd_q_kernel, tiles[False]), tune(lla_bwd_kv_kernel, tiles[False])),
-            True: (tune(lla_bwd_q_kernel, tiles[True]), tune(lla_bwd_kv_blocks_kernel, kv_tiles, ["PART"], ["DK"]))}
+                               restore_value=restore, prune_configs_by=prune)(kernel)
+
+    def part_tiles(first, second):
+        def prune(configs, named_args, **kwargs):
+            listed = first if kwargs["PART"] == 1 else second
+            return [c for c in configs if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages)
+                    in listed]
+        return first + [t for t in second if t not in first], {"early_config_prune": prune}
+    tuned = {0: (tune(lla_bwd_q_kernel, tiles[0]), tune(lla_bwd_kv_kernel, tiles[0]))}
+    for bd in (1, 2):
+        q_tiles, prune = part_tiles(tiles[bd], pass_b_tiles[bd])
+        tuned[bd] = (tune(lla_bwd_q_kernel, q_tiles, ["PART"], ["DQ"], prune),
+                     tune(lla_bwd_kv_blocks_kernel, kv_tiles, ["PART", "FUSED_DQ"], ["DK", "DQ", "DM"]))
+    return tuned
 
 
 KV_KERNELS = {False: lla_bwd_kv_kernel, True: lla_bwd_kv_blocks_kernel}
-TUNED = tuned_kernels(BACKWARD_TILES, BLOCKS_KV_TILES)
+TUNED = tuned_kernels(BACKWARD_TILES, BLOCKS_KV_TILES, PASS_B_TILES)
 
 
 def adjoint_iterations(cg_iters: int, D: int) -> int:
@@ -580,29 +654,32 @@ def lla_backward(do, q, k, v, lam, rho, delta, m2, argmax, omega, centre, *, sca
     dk = torch.empty(B, S, H, D, device=q.device, dtype=torch.float32)
     dv = torch.empty(B, S, H, DV, device=q.device, dtype=torch.float32)
     if AUTOTUNE and not interpreting() and q.dtype != torch.float32 and D > 64:
-        (q_kernel, kv_kernel), q_tile, kv_tile = TUNED[bool(bd)], {}, {}
+        (q_kernel, kv_kernel), q_tile, kv_tile = TUNED[bd], {}, {}
     else:
         q_kernel, kv_kernel = lla_bwd_q_kernel, KV_KERNELS[bool(bd)]
         q_tile, kv_tile = backward_blocks(D, q.dtype, bd)
     common = dict(BLOCK_D=head_block(D), BLOCK_DV=head_block(DV), WINDOW=window or 0, BD=bd,
                   DPREC=dot_precision(q.dtype))
-    launch_any(
-        q_kernel, lambda meta: (ceil_div(T, meta["BLOCK_M"]), B * HQ),
-        q, k, v, lam4, do, rho, delta, m2, omega, centre, dq, u, beta, dm,
-        *q.stride(), *k.stride(), *v.stride(), *lam4.stride(), *do.stride(),
-        T, S, HQ, HQ // H, D, DV, scale, scale * LOG2E, adjoint_iterations(cg_iters, D), cg_tol ** 2,
-        size_class(B * HQ * T),
-        MPREC=moment_precision(q.dtype), XPREC=cross_precision(q.dtype), **common, **q_tile)
+    fused = bool(bd) and not torch.are_deterministic_algorithms_enabled()
+    for part in (1,) if fused else (1, 2) if bd else (0,):
+        launch_any(
+            q_kernel, lambda meta: (ceil_div(T, meta["BLOCK_M"]), B * HQ),
+            q, k, v, lam4, do, rho, delta, m2, omega, centre, dq, u, beta, dm,
+            *q.stride(), *k.stride(), *v.stride(), *lam4.stride(), *do.stride(),
+            T, S, HQ, HQ // H, D, DV, scale, scale * LOG2E, adjoint_iterations(cg_iters, D), cg_tol ** 2,
+            size_class(B * HQ * T),
+            MPREC=moment_precision(q.dtype), XPREC=cross_precision(q.dtype), PART=part, **common, **q_tile)
     key_tile = kv_tile["BLOCK_N"] if kv_tile else kv_kernel.configs[0].kwargs["BLOCK_N"]
     kv_common = dict(common, BLOCK_D=pairs_block(D) if bd == 2 else head_block(D))
     centred = centred_key_tiles(k, bd, key_tile, kv_common["BLOCK_D"]) if bd else ()
     for part in (1, 2) if bd else (None,):
         launch_any(
             kv_kernel, lambda meta: (ceil_div(S, meta["BLOCK_N"]), B * H),
-            q, k, v, do, rho, u, delta, m2, omega, centre, beta, *centred, dk, dv,
+            q, k, v, do, rho, u, delta, m2, omega, centre, beta, *centred, dk, dv, *((dq, dm) if bd else ()),
             *q.stride(), *k.stride(), *v.stride(), *do.stride(),
             T, S, HQ, H, HQ // H, D, DV, scale, scale * LOG2E, size_class(B * HQ * T),
-            **(dict(PART=part, XPREC=cross_precision(q.dtype)) if bd else {}), **kv_common, **kv_tile)
+            **(dict(PART=part, XPREC=cross_precision(q.dtype), FUSED_DQ=fused) if bd else {}), **kv_common,
+            **kv_tile)
     row_max_path(dq, dk, q, k, dm, argmax, scale)
     poison_hidden(dq, dk, dv, flags, window)
     dlam = None
