@@ -623,7 +623,6 @@ def test_autotuned_launch_matches_the_fixed_tile(dtype, blocks, monkeypatch):
         assert torch.equal(a, b)
 
 
-
 @pytest.mark.parametrize("blocks,bd", [(None, 0), (36, 2)], ids=["cg", "pairs"])
 def test_autotuned_backward_matches_the_fixed_tile(blocks, bd, monkeypatch):
     """fp16/bf16 beyond D = 64 a GPU launches the autotuned backward kernels (tiles by meta-parameters, grids

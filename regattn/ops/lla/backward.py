@@ -217,8 +217,9 @@ def lla_bwd_q_kernel(Q, K, V, LAM, DO, RHO, DELTA, M2, OMEGA, CENTRE, DQ, U, BET
                      XPREC: tl.constexpr, PART: tl.constexpr):
     """u, beta, dq and dm, one program per query tile: pass A (:func:`adjoint_sums`), the second solve (eq. 37),
     pass B (:func:`query_grad_sums`). ``PART`` 0: all in one launch (full LLA, whose adjoint CG needs the whole
-    state); the block-diagonal variants in two launches, each with one ``[BM, D]`` sum: ``PART`` 1, pass A and the
-    solve, stores ``u``, ``beta`` and dq's terms outside the key sums; ``PART`` 2, pass B, adds dq's key sums."""
+    state); the block-diagonal variants in two launches, so that pass B's dq is not held beside pass A's sums:
+    ``PART`` 1, pass A and the solve, stores ``u``, ``beta`` and dq's terms outside the key sums; ``PART`` 2, pass B,
+    adds dq's key sum and stores dm."""
     # float arguments come as fp64 when torch.compile launches the kernel: keep the arithmetic fp32
     scale, qk_scale2, tol2 = tl.cast(scale, tl.float32), tl.cast(qk_scale2, tl.float32), tl.cast(tol2, tl.float32)
     start_m, b, h, hk = query_head(HQ, GROUPS, BLOCK_M)
@@ -342,7 +343,6 @@ def lla_bwd_kv_kernel(Q, K, V, DO, RHO, U, DELTA, M2, OMEGA, CENTRE, BETA, DK, D
     tl.store(dk_ptrs, dk, mask=col_ok[None, :] & (offs_d < D)[:, None])
     dv_ptrs = DV_OUT + ((b * S + offs_n[None, :]) * H + hk) * DV + offs_dv[:, None]
     tl.store(dv_ptrs, dv, mask=col_ok[None, :] & (offs_dv < DV)[:, None])
-
 
 
 @triton.jit
@@ -486,6 +486,7 @@ def lla_bwd_kv_blocks_kernel(Q, K, V, DO, RHO, U, DELTA, M2, OMEGA, CENTRE, BETA
             dk += 2.0 * swap_pairs(kc, 1) * whs
         dk += tl.load(DK + key_vec, mask=key_ok, other=0.0)
         tl.store(DK + key_vec, dk, mask=key_ok)
+
 
 # fp16/bf16 tiles (BLOCK_M, BLOCK_N, num_warps, num_stages) beyond D = 64 that the autotuner times on a GPU,
 # for full LLA (0) and the block-diagonal variants' first part (1: 1 x 1 blocks, 2: 2 x 2 blocks); the first is the
