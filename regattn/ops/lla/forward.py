@@ -9,7 +9,7 @@ pass 3 streams K, V once more for the output through relmm (eq. 12, 16). Full LL
 query rows runs in ``iters + 2`` launches instead (pass 1, one per CG iteration, pass 3), each row's CG state
 in memory between them. Saved for the backward:
 ``rho`` (fp32), ``delta``, the base-2 row maximum ``m2``, the index of the key that attains it, ``omega``
-(as pass 3 summed it) and ``kbar.rho`` (for ``1 - z.rho`` without cancellation, see ``tiles.one_minus_a``).
+and ``kbar.rho`` as pass 1 formed them (for ``1 - z.rho`` without cancellation, see ``tiles.one_minus_a``).
 """
 from __future__ import annotations
 
@@ -86,7 +86,7 @@ def output_pass(q, rho, delta, m2, mt, omega, Kb, Vb, sks, skd, svs, svd, feat, 
                 BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr, WINDOW: tl.constexpr, DPREC: tl.constexpr,
                 ONE_PART: tl.constexpr):
     """Pass 3 and the stores of a query tile (batch ``b``, query head ``h``): ``o`` (``O`` at the tile's batch and
-    head) and the saved ``rho``, ``delta``, ``omega`` (as pass 3 sums it) and ``centre``.
+    head) and the saved ``rho``, ``delta``, ``omega`` and ``centre``.
 
     ``o_i = sum_j w_ij (1 - z_ij.rho_i) v_j / delta_i
           = sum_j w_ij v_j / omega_i
@@ -97,21 +97,24 @@ def output_pass(q, rho, delta, m2, mt, omega, Kb, Vb, sks, skd, svs, svd, feat, 
     ``tiles.one_minus_a``). ``rho`` leaves the registers before the pass: its half-precision parts are all the
     products need: two, with ``c = 0``; with ``ONE_PART`` (the direct solves' half-precision inputs) one, and ``w (k.rho
     - c)`` in one part too, centred on ``c = mu~.rho / omega`` of pass 1 (``mt``, ``omega``; the same one-part
-    ``rho``): rounded after centring it stays below the output's rounding (``benchmarks/lla_parts.py direct``). The
-    saved ``centre`` is ``kbar.rho`` of the whole ``rho`` (``c`` and the spread, plus ``kbar.(rho - rho_hi)`` from
-    pass 1), as the backward forms ``k.rho`` (``tiles.one_minus_a``): of ``rho_hi`` alone, a row that sees one key
-    got a ridge gradient of 4e-5 where it is 0."""
+    ``rho``): rounded after centring it stays below the output's rounding (``benchmarks/lla_parts.py direct``).
+
+    The saved ``omega`` and ``centre = mu~.rho / omega`` (the whole ``rho``, as the backward forms ``k.rho``) are
+    pass 1's, whose ``omega`` and ``mu~`` made ``delta = omega - mu.rho``: the backward's ``1 - z.rho`` as
+    ``delta / omega - (k.rho - centre)`` (``tiles.one_minus_a``) then sums to ``delta`` over its weights. Pass 3's
+    ``omega`` sums the weights rounded to the values' dtype: ``delta`` over it was off by their rounding (1.2e-4
+    relative at a row of fp16 inputs), and so was ``beta``, which the ridge's gradient
+    ``rho (u - beta rho)`` multiplies by ``|rho|^2``: there 200 times that gradient, which came out 2.5% off.
+    Of ``rho_hi`` alone, the centre gave a row that sees one key a ridge gradient of 4e-5 where it is 0."""
     BM: tl.constexpr = q.shape[0]
     row_ok = offs_m < T
     rho_ptrs = RHO + ((b * T + offs_m[:, None]) * HQ + h) * D + feat[None, :]
     tl.store(rho_ptrs, rho, mask=row_ok[:, None] & (feat < D)[None, :])
     rho_hi, rho_lo = split_halves(rho, q.dtype)
+    inv_omega_pass1 = 1.0 / tl.where(omega > 0.0, omega, 1.0)
     c = tl.zeros((BM,), tl.float32)
-    c_lo = tl.zeros((BM,), tl.float32)
     if ONE_PART:
-        inv_omega_pass1 = 1.0 / tl.where(omega > 0.0, omega, 1.0)
         c = tl.sum(mt * rho_hi.to(tl.float32), 1) * inv_omega_pass1
-        c_lo = tl.sum(mt * (rho - rho_hi.to(tl.float32)), 1) * inv_omega_pass1
     offs_dv = tl.arange(0, BLOCK_DV)
     wv = tl.zeros((BM, BLOCK_DV), tl.float32)
     wkv = tl.zeros((BM, BLOCK_DV), tl.float32)
@@ -133,14 +136,13 @@ def output_pass(q, rho, delta, m2, mt, omega, Kb, Vb, sks, skd, svs, svd, feat, 
         wv += tl.dot(w, v, input_precision=DPREC)
     inv_omega = 1.0 / tl.where(wsum > 0.0, wsum, 1.0)
     spread = wk * inv_omega  # kbar.rho_hi - c
-    centre = c + spread + c_lo
     acc = wv * inv_omega[:, None] - (wkv - spread[:, None] * wv) / delta[:, None]
     o_ptrs = O + offs_m[:, None] * sot + offs_dv[None, :] * sod
     tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=row_ok[:, None] & (offs_dv < DV)[None, :])
     stat = (b * HQ + h) * T + offs_m
     tl.store(DELTA + stat, delta, mask=row_ok)
-    tl.store(OMEGA + stat, wsum, mask=row_ok)
-    tl.store(CENTRE + stat, centre, mask=row_ok)
+    tl.store(OMEGA + stat, omega, mask=row_ok)
+    tl.store(CENTRE + stat, tl.sum(mt * rho, 1) * inv_omega_pass1, mask=row_ok)
 
 
 @triton.jit
