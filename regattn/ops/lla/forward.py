@@ -372,9 +372,12 @@ def cross_precision(dtype: torch.dtype) -> str:
 # stack; the ``tiles`` of benchmarks/results/h200/lla.json): the 64-row tiles stay. With every moment from the
 # weights rounded to bf16 once (``tiles.direct_moments``), 1 x 1 blocks took 13.8 ms at 64 x 64 on 4 warps, 13.2 at
 # 128 x 64 on 8 and 55.6 at 32 x 32 on 8; 2 x 2 blocks 18.3 at 64 x 32 on 4, 20.8 at 128 x 32 on 8 and 115 at
-# 32 x 16 on 8 (benchmarks/results/h200/tiles/lla-direct-one-part.txt).
+# 32 x 16 on 8 (benchmarks/results/h200/tiles/lla-direct-one-part.txt). With 1 x 1 blocks 128 x 64 on 8 warps took
+# 14.04 ms on 3 stages against 14.37 on 2 in one process (lla-forward-stages.txt there; 2 x 2 blocks, 3 stages
+# lost at 64 x 32 and won by 1% at 128 x 32, which stays behind 64 x 32 on 2): the 3-stage tile is listed, its copies
+# clear of the products still reading their buffers (``regattn.bench.registers``, column HAZARD) with every solver.
 FORWARD_TILES = {
-    (False, False): [(32, 32, 8, 2), (64, 64, 4, 2), (128, 64, 8, 2)],
+    (False, False): [(32, 32, 8, 2), (64, 64, 4, 2), (128, 64, 8, 2), (128, 64, 8, 3)],
     (False, True): [(32, 16, 8, 2), (64, 32, 4, 2), (128, 32, 8, 2)],
     (True, False): [(32, 32, 4, 2)],
     (True, True): [(32, 16, 4, 2)],
