@@ -262,7 +262,7 @@ def test_scan_shape_with_a_bad_key_is_refused_before_any_input(tmp_path, shape, 
     assert row["op"] == "inputs" and message in row["status"], row
 
 
-def test_scan_shape_with_a_precision_times_that_precision_alone(tmp_path):
+def test_scan_shape_with_a_precision_times_that_precision_alone(tmp_path, interpret):
     out = tmp_path / "scan.json"
     assert main(["bench", "scan", "--device", "cpu", "--rep-ms", "1", "--backend", "triton", "--peers", "none",
                  "--shapes", "B=1,H=2,T=24,D=16,causal=true,precision=fp16x3", "--out", str(out)]) == 0
