@@ -635,8 +635,8 @@ def test_autotuned_backward_matches_the_fixed_tile(blocks, bd, monkeypatch):
     fixed = backward.lla_backward(do, q, k, v, 0.3, *saved, lam_grad=False, bd=bd, **args)
     monkeypatch.setattr(backward, "interpreting", lambda: False)
     one_tile = [(16, 16, 1, 1)]
-    monkeypatch.setattr(backward, "TUNED", backward.tuned_kernels({bd: one_tile for bd in (0, 1, 2)}, one_tile,
-                                                                      {1: one_tile, 2: one_tile}))
+    tiles = {solver: one_tile for solver in (0, 1, 2)}
+    monkeypatch.setattr(backward, "TUNED", backward.tuned_kernels(tiles, one_tile, {1: one_tile, 2: one_tile}))
     tuned = backward.lla_backward(do, q, k, v, 0.3, *saved, lam_grad=False, bd=bd, **args)
     for a, b in zip(fixed[:3], tuned[:3], strict=True):
         assert torch.equal(a, b)
