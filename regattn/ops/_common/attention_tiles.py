@@ -175,20 +175,20 @@ def visible_mask_t(offs_k, pos, Sk, CAUSAL: tl.constexpr, WINDOW: tl.constexpr):
 
 
 @triton.jit
-def online_softmax_step(m_i, l_i, s, scale2):
+def online_softmax_step(m_i, l_i, s, scale2, AXIS: tl.constexpr = 1):
     """One FlashAttention update with base-2 logits ``scale2 * s`` (``s: [BM, BN]``, ``-inf`` where hidden;
-    ``scale2 > 0``).
+    ``scale2 > 0``; with ``AXIS = 0`` the transpose ``[BN, BM]``, the keys on the rows).
 
     Returns ``(m_new, l_new, p, alpha)``: the running max and sum, the tile's unnormalised
     weights ``p = exp2(scale2 * s - m_new)`` (one fused multiply-add per entry) and the factor ``alpha`` that
     rescales the old accumulator. Rows that have seen no key yet keep ``m = -inf`` and get ``p = 0`` (never
     NaN). Callers whose logits are already scaled pass ``scale2 = 1.0``.
     """
-    m_new = tl.maximum(m_i, tl.max(s, 1) * scale2)
+    m_new = tl.maximum(m_i, tl.max(s, AXIS) * scale2)
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp2(s * scale2 - m_use[:, None])
+    p = tl.exp2(s * scale2 - tl.expand_dims(m_use, AXIS))
     alpha = tl.exp2(m_i - m_use)
-    l_new = l_i * alpha + tl.sum(p, 1)
+    l_new = l_i * alpha + tl.sum(p, AXIS)
     return m_new, l_new, p, alpha
 
 
@@ -207,10 +207,26 @@ def contained_dot(acc, w, x, seen, PRECISION: tl.constexpr):
 
 
 @triton.jit
+def contained_dot_t(acc_t, w_t, x, seen_t, PRECISION: tl.constexpr):
+    """The transpose of :func:`contained_dot`: ``acc_t + x^T @ w_t`` with ``acc_t: [E, R]``, ``w_t``, ``seen_t: [C, R]``
+    (the keys on the rows) and ``x: [C, E]``; a column ``r`` that sees a non-finite row ``x_c`` is NaN."""
+    finite = tl.abs(x) < float("inf")
+    x_safe = tl.where(finite, x, 0.0).to(x.dtype)
+    acc_t += tl.dot(tl.trans(x_safe), tl.where(seen_t, w_t, 0.0).to(x.dtype), input_precision=PRECISION)
+    hits = tl.max(tl.where(seen_t, _bad_rows(finite)[:, None], 0), 0)  # [R]: the column sees such an x_c
+    return tl.where(hits[None, :] > 0, float("nan"), acc_t)
+
+
+@triton.jit
+def _bad_rows(finite):
+    """``[C]``: 1 where the row ``c`` of ``finite [C, E]`` is not all True (``x_c`` holds a non-finite entry)."""
+    return tl.max(tl.where(finite, 0, 1), 1)
+
+
+@triton.jit
 def _poison_seen(acc, finite, seen):
     """``acc`` with NaN in the rows that see (``seen [R, C]``) a row ``c`` of ``finite [C, E]`` not all True."""
-    bad = tl.max(tl.where(finite, 0, 1), 1)                       # [C]: x_c holds a non-finite entry
-    hits = tl.max(tl.where(seen, bad[None, :], 0), 1)             # [R]: the row sees such an x_c
+    hits = tl.max(tl.where(seen, _bad_rows(finite)[None, :], 0), 1)  # [R]: the row sees such an x_c
     return tl.where(hits[:, None] > 0, float("nan"), acc)
 
 

@@ -32,7 +32,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from regattn.ops._common.attention_tiles import (
-    LOG2E, contained_dot, contained_split_dot, full_key_span, head_block, interpreting, key_span,
+    LOG2E, contained_dot, contained_dot_t, contained_split_dot, full_key_span, head_block, interpreting, key_span,
     online_softmax_step, query_span, query_tile, row_dot, size_class, softmax_finish, split_dot, tf32_parts, tf32_round,
     tile_configs, tile_loop_bounds, tma_descriptors, tma_pays, visible_mask, visible_mask_t,
 )
@@ -218,6 +218,46 @@ def _fold_span(q, q_base, sqt, k_base, v_base, skt, svt, K_DESC, V_DESC, bat, hk
 
 
 @triton.jit
+def _fold_tiles_t(m_i, l_i, acc, qt_base, sqd, kt_base, v_base, skd, svt, lo, hi, offs_m, offs_n0, offs_dv, Tb, Sb,
+                  qk_scale, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
+                  WINDOW: tl.constexpr, HIDDEN: tl.constexpr, EVEN_N: tl.constexpr, MASKED: tl.constexpr,
+                  PREC: tl.constexpr, DOT_K: tl.constexpr, POS_SCALE: tl.constexpr):
+    """:func:`_fold_tiles` for strict fp32 (``DOT_K > 0``), with the keys on the rows of every tile: ``s^T = k q^T``
+    (``[BLOCK_N, BLOCK_M]``, ``DOT_K`` features a product, each accumulated into the last) and ``W^T += v^T p^T``.
+    ``qt_base`` and ``kt_base`` point into copies of q and k laid out ``[.., D, T]`` (``sqd``, ``skd``: the stride of
+    a feature), so that every operand of the FMA products, which Triton stages in shared memory unswizzled in the
+    order of its registers, is read along its contiguous axis: the query and key chunks along the queries and keys,
+    ``p^T`` along the queries and ``v^T`` along the value columns. Returns ``(m, l, acc)`` as :func:`_fold_tiles`."""
+    BLOCK_N: tl.constexpr = offs_n0.shape[0]
+    pos = _positions(offs_m, Tb, Sb, CAUSAL)
+    acc_t = tl.trans(acc)
+    for n0 in range(lo, hi, BLOCK_N):
+        offs_n = n0 + offs_n0
+        s_t = tl.zeros([BLOCK_N, offs_m.shape[0]], tl.float32)
+        for d0 in tl.static_range(0, BLOCK_D, DOT_K):
+            feats = d0 + tl.arange(0, DOT_K)
+            k_c = tl.load(kt_base + feats[None, :].to(tl.int64) * skd + offs_n[:, None],
+                          mask=(offs_n[:, None] < Sb) & (feats[None, :] < D), other=0.0)
+            q_c = tl.load(qt_base + feats[:, None].to(tl.int64) * sqd + offs_m[None, :],
+                          mask=(feats[:, None] < D) & (offs_m[None, :] < Tb), other=0.0)
+            s_t = tl.dot(k_c, q_c, s_t, input_precision=PREC)
+        s_scale = qk_scale
+        if not POS_SCALE:
+            s_t = s_t * qk_scale
+            s_scale = 1.0
+        if MASKED:
+            seen_t = visible_mask_t(offs_n, pos, Sb, CAUSAL, WINDOW)
+            s_t = tl.where(seen_t, s_t, float("-inf"))
+        m_i, l_i, p_t, alpha = online_softmax_step(m_i, l_i, s_t, s_scale, AXIS=0)
+        v = _load_rows(v_base, offs_n, svt, offs_dv, Sb, DV, EVEN_N)
+        if MASKED and HIDDEN:
+            acc_t = contained_dot_t(acc_t * alpha[None, :], p_t, v, seen_t, PREC)
+        else:
+            acc_t = tl.dot(tl.trans(v), p_t, acc_t * alpha[None, :], input_precision=PREC)
+    return m_i, l_i, tl.trans(acc_t)
+
+
+@triton.jit
 def _fold_tiles(m_i, l_i, acc, q, q_base, sqt, k_base, v_base, skt, svt, K_DESC, V_DESC, bat, hk, row0, lo, hi,
                 offs_m, offs_n0, offs_d, offs_dv, Tb, Sb, qk_scale, D: tl.constexpr, DV: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -237,6 +277,10 @@ def _fold_tiles(m_i, l_i, acc, q, q_base, sqt, k_base, v_base, skt, svt, K_DESC,
     :func:`split_dot`, ``p`` split as ``2^P_SHIFT p``. ``PREC == "tf32x3"`` (not ``SPLIT``): ``q`` and ``q_lo`` are
     the TF32 parts of the query tile (:func:`tf32_parts`), and ``q k^T`` is the :func:`split_dot` of the parts.
     Returns ``(m, l, acc)``."""
+    if DOT_K > 0:
+        return _fold_tiles_t(m_i, l_i, acc, q_base, sqt, k_base, v_base, skt, svt, lo, hi, offs_m, offs_n0, offs_dv,
+                             Tb, Sb, qk_scale, D, DV, BLOCK_D, CAUSAL, WINDOW, HIDDEN, EVEN_N, MASKED, PREC, DOT_K,
+                             POS_SCALE)
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + offs_n0
         if SPLIT:
@@ -248,13 +292,6 @@ def _fold_tiles(m_i, l_i, acc, q, q_base, sqt, k_base, v_base, skt, svt, K_DESC,
             else:
                 ks = tl.load(ks_base + offs_n, mask=offs_n < Sb, other=0.0)
             s = s * (q_rs[:, None] * ks[None, :])
-        elif DOT_K > 0:  # q k^T in chunks of DOT_K columns, each accumulated into the last
-            s = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-            for d0 in tl.static_range(0, BLOCK_D, DOT_K):
-                cols = d0 + tl.arange(0, DOT_K)
-                q_c = _tf32(_load_rows(q_base, offs_m, sqt, cols, Tb, D, False), ROUND_TF32)
-                k_c = _tf32(_load_rows(k_base, offs_n, skt, cols, Sb, D, EVEN_N), ROUND_TF32)
-                s = tl.dot(q_c, tl.trans(k_c), s, input_precision=PREC)
         elif PREC == "tf32x3":  # q's parts made once (``q, q_lo``: see _fwd_kernel), the key tile's here
             k_hi, k_lo = tf32_parts(_rows_at(K_DESC, k_base, bat, hk, row0, n0, offs_n, skt, offs_d, Sb, D, EVEN_N,
                                              TMA))
@@ -351,7 +388,13 @@ def _fwd_kernel(Q, K, V, O, LSE, WS_M, WS_L, WS_ACC, CU, K_DESC, V_DESC, QL, KL,
     q_base = _head_rows(Q, bat, h, row0, sqb, sqh, sqt)
     k_base = _head_rows(K, bat, hk, row0, skb, skh, skt)
     v_base = _head_rows(V, bat, hk, row0, svb, svh, svt)
-    q = _tf32(_load_rows(q_base, offs_m, sqt, offs_d, Tb, D, False), ROUND_TF32)
+    if DOT_K > 0:  # strict fp32: q and k from their copies laid out [.., D, T] (QL, KL; see _fold_tiles_t)
+        q_base = QL + (bat * HQ + h).to(tl.int64) * D * T + row0
+        k_base = KL + (bat * (HQ // GROUP) + hk).to(tl.int64) * D * S + row0
+        sqt, skt = T, S
+        q = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    else:
+        q = _tf32(_load_rows(q_base, offs_m, sqt, offs_d, Tb, D, False), ROUND_TF32)
     rows = _stats_rows(bat, h, HQ, T, row0) + offs_m
     if SPLIT:
         q_lo = _load_rows(_head_rows(QL, bat, h, row0, sqb, sqh, sqt), offs_m, sqt, offs_d, Tb, D, False)
@@ -947,6 +990,8 @@ def forward(q, k, v, *, causal, window, scale, precision, cu_seqlens, num_splits
     if fam == "half":  # (a packed sequence's query row sees at most max_rows keys)
         descriptors = kv_descriptors(k, v, BLOCK_D, BLOCK_DV, work=B * HQ * T * (max_rows if varlen else S) * D)
     (qk, kk, vk), parts = (q, k, v), (q, k, v, q, k, v)  # the kernel's operands; parts unused but by SPLIT
+    if fam == "ieee":  # q and k laid out [.., D, T] for the transposed products (_fold_tiles_t)
+        parts = (q.permute(0, 2, 3, 1).contiguous(), k.permute(0, 2, 3, 1).contiguous(), v, q, k, v)
     if fam == "split":
         (qk, q_lo, q_scale), (kk, k_lo, k_scale) = row_parts(q), row_parts(k)
         vk, v_lo, v_scale = column_parts(v, cu_seqlens)
