@@ -20,9 +20,9 @@ shared buffer that a loop issues while an asynchronous warpgroup product reading
 
 ``scan`` screens the forward kernel of the ELSA scan (one row per autotune config of each fp32 precision, or
 with ``--kinds fp16`` of fp16 inputs, ``*`` marking them; ``--candidates`` adds :data:`SCAN_CANDIDATES`) at its
-goal shape B=1 H=16 T=16384 non-causal, and reads the SASS of the hottest innermost loop: its instruction
-count, how many are ``FFMA`` (and the FFMA share: the fp32 FMA pipe's density), ``MUFU`` (exp2), ``HMMA``
-(tensor core), and ``LDL``/``STL`` (spill traffic inside the loop).
+goal shape B=1 H=16 T=16384 non-causal (``--causal``: causal), and reads the SASS of the hottest innermost loop:
+its instruction count, how many are ``FFMA`` (and the FFMA share: the fp32 FMA pipe's density), ``MUFU`` (exp2),
+``HMMA`` (tensor core), and ``LDL``/``STL`` (spill traffic inside the loop).
 
 ``gatedfwa`` screens the softmax kernels with the gate (``GATED=True``) at GatedFWA's goal shape B=1 H=16
 T=32768 window 512, bf16; ``softmax`` the same kernels without the gate at that shape (the ungated sliding
@@ -298,9 +298,9 @@ def scan_dtype(kind: str) -> tuple[torch.dtype, str]:
     return (torch.float16, "ieee") if kind == "fp16" else (torch.float32, kind)
 
 
-def scan_launch(kind: str, config, *, B=1, T=16384, H=16, D=64):
-    """The captured launch of the scan's forward kernel (non-causal, no lse: the benchmark's call; ``kind``: see
-    :func:`scan_dtype`) with ``config`` (a ``triton.Config``) as its only tile choice."""
+def scan_launch(kind: str, config, *, B=1, T=16384, H=16, D=64, causal=False):
+    """The captured launch of the scan's forward kernel (non-causal by default, no lse: the benchmark's call;
+    ``kind``: see :func:`scan_dtype`) with ``config`` (a ``triton.Config``) as its only tile choice."""
     from regattn.ops.scan import kernels
 
     dtype, precision = scan_dtype(kind)
@@ -310,14 +310,14 @@ def scan_launch(kind: str, config, *, B=1, T=16384, H=16, D=64):
     try:
         q = torch.empty(B, T, H, D, device="meta", dtype=dtype)
         with captured_launches() as launches:
-            kernels.forward(q, q, q, causal=False, window=None, scale=D ** -0.5, precision=precision,
+            kernels.forward(q, q, q, causal=causal, window=None, scale=D ** -0.5, precision=precision,
                             cu_seqlens=None, num_splits=1, need_lse=False)
     finally:
         kernels.FWD_CONFIGS, kernels.AUTOTUNE = saved
     return next(launch for launch in launches if launch[0].__name__ == "_fwd_kernel")
 
 
-def scan_rows(head_dims=(64,), kinds=("ieee", "tf32x3"), candidates=False):
+def scan_rows(head_dims=(64,), kinds=("ieee", "tf32x3"), candidates=False, causal=False):
     """One row per (head dim, kind, forward configuration): the autotune list's, then the candidates."""
     from regattn.ops._common.attention_tiles import tile_configs
     from regattn.ops.scan import kernels
@@ -327,7 +327,7 @@ def scan_rows(head_dims=(64,), kinds=("ieee", "tf32x3"), candidates=False):
         if candidates:
             configs += [(tile_configs([c])[0], False) for c in SCAN_CANDIDATES]
         for config, listed in configs:
-            kernel, args, kwargs = scan_launch(kind, config, D=D)
+            kernel, args, kwargs = scan_launch(kind, config, D=D, causal=causal)
             usage = launch_usage(kernel, args, kwargs, loop=True)
             yield dict(head_dim=D, kind=kind, table=listed, **launch_settings(kwargs), **usage)
 
@@ -600,16 +600,20 @@ def main(argv=None) -> int:
                              f"(ieee and tf32x3 by default); lla: {', '.join(LLA_KINDS)} (all by default); gatedfwa "
                              f"and softmax: {', '.join(ATTENTION_KINDS)} (all by default)")
     parser.add_argument("--candidates", action="store_true", help="screen the tile candidates too")
+    parser.add_argument("--causal", action="store_true", help="scan: the causal forward")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         parser.error("unset TRITON_INTERPRET: the kernels are compiled, not interpreted")
     rows, kinds, columns = OPS[args.op]
+    if args.causal and args.op != "scan":
+        parser.error("--causal: scan only")
     if args.kinds and not set(args.kinds) <= set(kinds if args.op != "scan" else SCAN_KINDS):
         parser.error(f"--kinds: not kernels of {args.op}: {args.kinds}")
     print(" ".join(f"{c:>12}" for c in columns), " table")
     head_dims = args.head_dims or {"parallax": list(HEAD_DIMS), "lla": [128], "lla_bwd": [128], "gatedfwa": [128],
                                    "softmax": [128], "nsa": [128]}.get(args.op, [64])
-    for row in rows(head_dims, args.kinds or kinds, args.candidates):
+    extra = {"causal": True} if args.causal else {}
+    for row in rows(head_dims, args.kinds or kinds, args.candidates, **extra):
         cells = [f"{row.get(c, '-'):>12}" for c in columns]
         note = " *" if row["table"] else "  "
         if row.get("SHARED", 0) > SM90_SHARED:

@@ -108,22 +108,47 @@ def number(value, fmt: str) -> str:
     return "–" if value is None else format(value, fmt)
 
 
-def row_cells(row: dict, first: bool) -> list[str]:
-    """One table line; the shape and mode only on the first line of their group."""
+def row_cells(row: dict, first: bool, again: str | None = None) -> list[str]:
+    """One table line; the shape and mode only on the first line of their group; ``again``: the later file that
+    measured the row again."""
     timing = " (graph)" if row.get("graph") else " (back to back)" if row.get("back_to_back") else ""
     shape, mode = (row["shape"], row["mode"] + timing) if first else ("", "")
     ms = number(row["ms"], ".4g") if row["status"] == "ok" else row["status"]
     ratio = number(row.get("ratio"), ".2f") + ("x" if row.get("ratio") is not None else "")
-    return [shape, mode, row["op"], ms, ratio, number(row.get("tflops"), ".3g"), number(row.get("gbps"), ".0f"),
+    op = row["op"] + (f" (measured again: `{again}`)" if again else "")
+    return [shape, mode, op, ms, ratio, number(row.get("tflops"), ".3g"), number(row.get("gbps"), ".0f"),
             number(row.get("peak_mb"), ".0f"), worst_error(row.get("err")) or "–"]
 
 
-def result_table(result: dict) -> str:
+def row_key(device: str, row: dict) -> tuple:
+    """What a row measured, to find it in another file: the device, mode, timing, op and shape parameters (a
+    precision in the shape is also in the op's name; a false flag is the default)."""
+    params = {k: v for k, v in row["params"].items() if k != "precision" and v is not False}
+    return (device, row["mode"], bool(row.get("graph")), bool(row.get("back_to_back")), row["op"],
+            tuple(sorted(params.items())))
+
+
+def latest_runs(found: list[tuple[str, dict]]) -> dict:
+    """``{row_key: name}``: the file of the latest run that measured each row of our ops."""
+    latest = {}
+    for name, result in sorted(found, key=lambda item: item[1]["date"]):
+        for row in result["rows"]:
+            if row["ours"]:
+                latest[row_key(result["machine"]["device"], row)] = name
+    return latest
+
+
+def result_table(result: dict, name: str = "", latest: dict | None = None) -> str:
     """Every row as measured: time, ratio to the suite's main peer, rate, peak memory and the largest
-    relative error against the float64 reference (with what it is of)."""
+    relative error against the float64 reference (with what it is of). A row of ours that a later run measured
+    again (``latest``: :func:`latest_runs`; ``name``: this file's) names that run's file."""
     lines = ["| shape | mode | op | ms | ratio | TFLOP/s | GB/s | peak MiB | error vs float64 |", "|" + "---|" * 9]
+    device = result["machine"]["device"]
     for rows in groups(result["rows"]).values():
-        lines += ["| " + " | ".join(row_cells(r, i == 0)).replace("\n", " ") + " |" for i, r in enumerate(rows)]
+        for i, r in enumerate(rows):
+            later = (latest or {}).get(row_key(device, r)) if r["ours"] else None
+            cells = row_cells(r, i == 0, later if later != name else None)
+            lines.append("| " + " | ".join(cells).replace("\n", " ") + " |")
     return "\n".join(lines)
 
 
@@ -161,7 +186,8 @@ INTRO = ("Each table lists what one `regattn bench SUITE` run measured, rows in 
          "(`regattn.bench.counts`), the peak memory of one call above its inputs, and the largest relative error "
          "of the output and every gradient against the float64 reference on a slice of the problem "
          "(`regattn.bench.check`; all errors are in the JSON). Our ops are `regattn:triton` (the Triton kernels) "
-         "or `regattn:torch`. Peers that could not run show why.")
+         "or `regattn:torch`. Peers that could not run show why. A row of ours that a later run measured again "
+         "names that run's file, whose row is the current one.")
 
 
 DRIFT_INTRO = ("`regattn verify scan --n 1024,...,65536 --dtype D --precision P --backend triton --json FILE`: the "
@@ -182,9 +208,10 @@ def write_report(root: Path | str = ".", *, include_cpu: bool = False) -> Path:
     parts.append("")
     drift = drift_reports(root)
     last_scan = {r["machine"]["device"]: i for i, (_, r) in enumerate(found) if r["suite"] == "scan"}
+    latest = latest_runs(found)
     for i, (name, result) in enumerate(found):
         device, suite = result["machine"]["device"], result["suite"]
-        parts += [f"## {name} on {device}", "", machine_line(result), "", result_table(result), ""]
+        parts += [f"## {name} on {device}", "", machine_line(result), "", result_table(result, name, latest), ""]
         plots = [plot_result(result, root / PLOTS / f"{device}-{name}.png")]
         part = getattr(suites.get(suite), "SCALING", None)
         if part and any(r["params"].get("part") == part for r in result["rows"]):

@@ -121,6 +121,20 @@ def test_scan_forward_loop_uses_the_fma_pipe_only_in_strict_fp32(kind):
 
 
 @compiles
+def test_causal_strict_fp32_scan_keeps_spills_out_of_its_key_loops():
+    """The causal fold runs masked key tiles on either side of the full ones: three key loops in one kernel."""
+    config = triton.Config({"BLOCK_M": 32, "BLOCK_N": 32}, num_warps=2, num_stages=2)
+    kernel, args, kwargs = registers.scan_launch("ieee", config, T=256, H=2, causal=True)
+    assert kwargs["CAUSAL"] is True
+    sass = registers.cuobjdump(registers.compile_launch(kernel, args, kwargs), "-sass")
+    loops = [addr for addr, op, arg in registers.SASS_LINE.findall(sass)
+             if op == "BRA" and arg and int(arg.split()[-1], 16) < int(addr, 16)]
+    assert len(loops) >= 3
+    mix = registers.inner_loop(sass)
+    assert mix["LDL"] == mix["STL"] == 0 and mix["FFMA"] >= 2 * 32 * 32 * 64 // 64
+
+
+@compiles
 @pytest.mark.parametrize("tma", [False, True], ids=["atomics", "tma"])
 def test_scan_backward_fused_kernel_compiles_without_spills(monkeypatch, tma):
     """The scan's fp16 backward with dq added in the dK/dV pass, one launch, through pointers and atomics or

@@ -95,6 +95,23 @@ def test_report_renders_part_files_and_the_scan_drift_after_the_devices_scan_tab
     assert verify.summary(run) in text and "Theorem 1 bound rel dY" in text
 
 
+def test_report_names_the_later_run_that_measured_a_row_of_ours_again(tmp_path):
+    folder = tmp_path / results.RESULTS_DIR / "h100"
+    old, new = gpu_result("scan"), gpu_result("scan")
+    new["date"] = "9999-01-01 00:00 UTC"
+    for r in new["rows"]:
+        r["params"]["precision"] = "ieee"  # named in the shape, as in the op's name
+    other = gpu_result("scan")
+    other["rows"][0]["params"]["causal"] = True  # another shape: not the same measurement
+    other["date"] = new["date"]
+    for name, result in (("scan", old), ("scan-again", new), ("scan-causal", other)):
+        results.write_result(folder / f"{name}.json", result)
+    text = report.write_report(tmp_path).read_text()
+    assert text.count("| regattn:triton (measured again: `scan-again`) | 0.5 |") == 1
+    assert text.count("| regattn:triton | 0.5 |") == 2  # the later run's row and the other shape's
+    assert "sdpa:cudnn (measured again" not in text  # peers are measured with each run
+
+
 def test_committed_performance_doc_is_the_generated_one(tmp_path):
     shutil.copytree(REPO / results.RESULTS_DIR, tmp_path / results.RESULTS_DIR)
     assert report.write_report(tmp_path).read_text() == (REPO / report.DOC).read_text()

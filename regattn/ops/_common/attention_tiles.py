@@ -207,13 +207,20 @@ def contained_dot(acc, w, x, seen, PRECISION: tl.constexpr):
 
 
 @triton.jit
-def contained_dot_t(acc_t, w_t, x, seen_t, PRECISION: tl.constexpr):
-    """The transpose of :func:`contained_dot`: ``acc_t + x^T @ w_t`` with ``acc_t: [E, R]``, ``w_t``, ``seen_t: [C, R]``
-    (the keys on the rows) and ``x: [C, E]``; a column ``r`` that sees a non-finite row ``x_c`` is NaN."""
-    finite = tl.abs(x) < float("inf")
-    x_safe = tl.where(finite, x, 0.0).to(x.dtype)
-    acc_t += tl.dot(tl.trans(x_safe), tl.where(seen_t, w_t, 0.0).to(x.dtype), input_precision=PRECISION)
-    hits = tl.max(tl.where(seen_t, _bad_rows(finite)[:, None], 0), 0)  # [R]: the column sees such an x_c
+def sees_non_finite_t(seen_t, x):
+    """``[R]``: 1 where the column ``r`` of ``seen_t [C, R]`` (the keys on the rows) sees a row ``x_c`` of
+    ``x [C, E]`` that holds a non-finite entry; the mask of :func:`contained_dot_t`, taken before the softmax step
+    so that ``seen_t`` need not stay live until the product."""
+    return tl.max(tl.where(seen_t, _bad_rows(tl.abs(x) < float("inf"))[:, None], 0), 0)
+
+
+@triton.jit
+def contained_dot_t(acc_t, w_t, x, hits, PRECISION: tl.constexpr):
+    """The transpose of :func:`contained_dot`: ``acc_t + x^T @ w_t`` with ``acc_t: [E, R]``, ``w_t: [C, R]`` (the
+    keys on the rows; 0 where hidden) and ``x: [C, E]``; a column ``r`` with ``hits[r] > 0``
+    (:func:`sees_non_finite_t`) is NaN."""
+    x_safe = tl.where(tl.abs(x) < float("inf"), x, 0.0).to(x.dtype)
+    acc_t += tl.dot(tl.trans(x_safe), w_t.to(x.dtype), input_precision=PRECISION)
     return tl.where(hits[None, :] > 0, float("nan"), acc_t)
 
 

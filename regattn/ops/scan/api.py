@@ -27,7 +27,8 @@ def scan_attention(q, k, v, *, causal=False, scale=None, precision="ieee", windo
             With ``S != T`` the queries are the last ``T`` positions of the keys.
         causal: query ``i`` sees keys ``j <= i``.
         scale: defaults to ``D ** -0.5``.
-        precision: for fp32 inputs on the Triton backend, ``"ieee"`` (strict fp32, no TF32),
+        precision: for fp32 inputs on the Triton backend, ``"ieee"`` (strict fp32, no TF32; the forward
+            works from copies of ``q`` and ``k`` laid out ``[B, H, D, T]``, so it holds twice their memory more),
             ``"tf32x3"`` (fp32-accurate products on the tensor cores), ``"fp16x3"`` (as accurate, from fp16
             parts at twice TF32's rate; values spanning more than 2^14 in one column of ``v`` lose bits below
             2^-38 of its largest: :mod:`regattn.ops.scan.split`; the backward is tf32x3's) or ``"tf32"``

@@ -19,7 +19,8 @@ query tile's share of ``dq`` into an fp32 buffer (atomics, or Hopper's tensor-me
 and ``ds`` are formed once per pair of tiles; fp32 inputs take the two-kernel form, ``dq`` per query tile
 looping over keys in a pass of its own (both passes recomputing ``p = exp2(s - lse)``).
 
-Precisions (fp32 inputs): ``"ieee"`` strict fp32 (FMA, no TF32), ``"tf32x3"`` (three TF32 products,
+Precisions (fp32 inputs): ``"ieee"`` strict fp32 (FMA, no TF32; every tile transposed, the keys on its rows:
+:func:`_fold_tiles_t`), ``"tf32x3"`` (three TF32 products,
 fp32-accurate), ``"fp16x3"`` (three products of fp16 parts, as accurate at twice the rate:
 :mod:`regattn.ops.scan.split`; its backward is tf32x3's), ``"tf32"`` (operands rounded to the nearest TF32
 value, not truncated). fp16/bf16 inputs use their own tensor cores with fp32 accumulation.
@@ -33,8 +34,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from regattn.ops._common.attention_tiles import (
     LOG2E, contained_dot, contained_dot_t, contained_split_dot, full_key_span, head_block, interpreting, key_span,
-    online_softmax_step, query_span, query_tile, row_dot, size_class, softmax_finish, split_dot, tf32_parts, tf32_round,
-    tile_configs, tile_loop_bounds, tma_descriptors, tma_pays, visible_mask, visible_mask_t,
+    online_softmax_step, query_span, query_tile, row_dot, sees_non_finite_t, size_class, softmax_finish, split_dot,
+    tf32_parts, tf32_round, tile_configs, tile_loop_bounds, tma_descriptors, tma_pays, visible_mask, visible_mask_t,
 )
 from regattn.ops._common.checks import longest_sequence, sm_count
 from regattn.ops._common.ints import ceil_div
@@ -231,7 +232,7 @@ def _fold_tiles_t(m_i, l_i, acc, qt_base, sqd, kt_base, v_base, skd, svt, lo, hi
     BLOCK_N: tl.constexpr = offs_n0.shape[0]
     pos = _positions(offs_m, Tb, Sb, CAUSAL)
     acc_t = tl.trans(acc)
-    for n0 in range(lo, hi, BLOCK_N):
+    for n0 in tl.range(lo, hi, BLOCK_N, num_stages=1 if MASKED and HIDDEN else None):  # a masked run: 1 or 2 tiles
         offs_n = n0 + offs_n0
         s_t = tl.zeros([BLOCK_N, offs_m.shape[0]], tl.float32)
         for d0 in tl.static_range(0, BLOCK_D, DOT_K):
@@ -245,13 +246,15 @@ def _fold_tiles_t(m_i, l_i, acc, qt_base, sqd, kt_base, v_base, skd, svt, lo, hi
         if not POS_SCALE:
             s_t = s_t * qk_scale
             s_scale = 1.0
+        v = _load_rows(v_base, offs_n, svt, offs_dv, Sb, DV, EVEN_N)
         if MASKED:
             seen_t = visible_mask_t(offs_n, pos, Sb, CAUSAL, WINDOW)
             s_t = tl.where(seen_t, s_t, float("-inf"))
+            if HIDDEN:
+                hits = sees_non_finite_t(seen_t, v)
         m_i, l_i, p_t, alpha = online_softmax_step(m_i, l_i, s_t, s_scale, AXIS=0)
-        v = _load_rows(v_base, offs_n, svt, offs_dv, Sb, DV, EVEN_N)
         if MASKED and HIDDEN:
-            acc_t = contained_dot_t(acc_t * alpha[None, :], p_t, v, seen_t, PREC)
+            acc_t = contained_dot_t(acc_t * alpha[None, :], p_t, v, hits, PREC)
         else:
             acc_t = tl.dot(tl.trans(v), p_t, acc_t * alpha[None, :], input_precision=PREC)
     return m_i, l_i, tl.trans(acc_t)
@@ -724,8 +727,14 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, CU,
 
 # "tensor" and "ieee" first list the tiles that compile for sm_90 without spill traffic in the key loop (see
 # benchmarks/results/sm90-registers/scan.txt: ``python -m regattn.bench.registers scan --candidates``), then
-# tiles that spill but won on the H100: without them the forward at B1 H16 T16384 D64 took 88.7 ms (ieee,
-# 55.1 ms with them) and 9.86 ms (tf32, 7.86 ms with them) in regattn bench scan.
+# tiles that spill but won on the H100: without them the forward at B1 H16 T16384 D64 took 88.7 ms (ieee in the
+# rows form, 55.1 ms with them) and 9.86 ms (tf32, 7.86 ms with them) in regattn bench scan.
+# "ieee" with the keys on the rows of every tile (_fold_tiles_t) took 27.8 ms there on the H200 where the rows
+# form took 55.1 (0.89x SDPA's memory-efficient fp32 against 1.75x: benchmarks/results/h200/tiles/README.md,
+# "keys on the rows"). Its last two tiles have no spill traffic in the key loop in that form; 64 x 64 on 2 warps
+# (64 outputs a thread, 3.2 FFMA a shared word, no spill in the loop either) took 80.7 ms: six warps an SM. A
+# causal fold's masked runs push 64 x 64 on 4 warps into spills (ptxas then keeps 32 registers), so causal runs
+# take 32 x 32 on 2 warps or 32 x 64 on 4.
 # fp16/bf16: issuing the next key tile's q k^T before this tile's softmax (so that the tensor cores form it while
 # the exp2s run) lost to the plain loop: benchmarks/results/h200/tiles/README.md ("ELSA's fp16 forward"); so did
 # moving the running max only past a slack, which saves the rescaling multiplies in most tiles but puts a
@@ -769,7 +778,7 @@ FWD_CONFIGS = {
                         (32, 128, 8, 2), (128, 64, 4, 3), (128, 32, 4, 3), (128, 128, 8, 2), (64, 128, 4, 2)]),
     "ieee": tile_configs([(64, 64, 8, 2), (128, 32, 8, 2), (64, 32, 4, 2), (32, 64, 4, 2), (32, 32, 4, 2),
                       (128, 32, 8, 3), (64, 32, 4, 3), (32, 64, 4, 3), (32, 32, 2, 2),
-                      (64, 64, 4, 2), (128, 64, 8, 2), (64, 128, 8, 2)]),
+                      (64, 64, 4, 2), (128, 64, 8, 2), (64, 128, 8, 2), (64, 64, 4, 3), (64, 32, 2, 2)]),
     # fp32 as fp16 parts (precision "fp16x3"): two fp16 tiles of each operand.
     "split": tile_configs([(128, 64, 8, 3), (64, 64, 4, 3), (128, 64, 8, 2), (64, 64, 4, 2), (128, 128, 8, 2),
                            (64, 128, 4, 2), (128, 32, 4, 3), (64, 32, 4, 3)]),
