@@ -138,7 +138,7 @@ def latest_runs(found: list[tuple[str, dict]]) -> dict:
     return latest
 
 
-def result_table(result: dict, name: str = "", latest: dict | None = None) -> str:
+def result_table(result: dict, name: str, latest: dict) -> str:
     """Every row as measured: time, ratio to the suite's main peer, rate, peak memory and the largest
     relative error against the float64 reference (with what it is of). A row of ours that a later run measured
     again (``latest``: :func:`latest_runs`; ``name``: this file's) names that run's file."""
@@ -146,7 +146,7 @@ def result_table(result: dict, name: str = "", latest: dict | None = None) -> st
     device = result["machine"]["device"]
     for rows in groups(result["rows"]).values():
         for i, r in enumerate(rows):
-            later = (latest or {}).get(row_key(device, r)) if r["ours"] else None
+            later = latest.get(row_key(device, r)) if r["ours"] else None
             cells = row_cells(r, i == 0, later if later != name else None)
             lines.append("| " + " | ".join(cells).replace("\n", " ") + " |")
     return "\n".join(lines)

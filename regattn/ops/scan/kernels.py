@@ -388,15 +388,15 @@ def _fwd_kernel(Q, K, V, O, LSE, WS_M, WS_L, WS_ACC, CU, K_DESC, V_DESC, QL, KL,
     offs_dv = tl.arange(0, BLOCK_DV)
     offs_n0 = tl.arange(0, BLOCK_N)
     hk = h // GROUP
-    q_base = _head_rows(Q, bat, h, row0, sqb, sqh, sqt)
-    k_base = _head_rows(K, bat, hk, row0, skb, skh, skt)
     v_base = _head_rows(V, bat, hk, row0, svb, svh, svt)
     if DOT_K > 0:  # strict fp32: q and k from their copies laid out [.., D, T] (QL, KL; see _fold_tiles_t)
         q_base = QL + (bat * HQ + h).to(tl.int64) * D * T + row0
         k_base = KL + (bat * (HQ // GROUP) + hk).to(tl.int64) * D * S + row0
         sqt, skt = T, S
-        q = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        q = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)  # unused: the products load their chunks of q
     else:
+        q_base = _head_rows(Q, bat, h, row0, sqb, sqh, sqt)
+        k_base = _head_rows(K, bat, hk, row0, skb, skh, skt)
         q = _tf32(_load_rows(q_base, offs_m, sqt, offs_d, Tb, D, False), ROUND_TF32)
     rows = _stats_rows(bat, h, HQ, T, row0) + offs_m
     if SPLIT:
