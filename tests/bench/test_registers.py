@@ -31,6 +31,13 @@ def test_command_prints_the_table_entry(capsys):
     assert lines[1].split()[:7] == ["32", "decode", "16", "128", "0", "4", "3"] and lines[1].split()[13] == "*"
 
 
+def test_causal_is_refused_for_other_kernels_than_the_scan(monkeypatch, capsys):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(SystemExit):
+        registers.main(["lla", "--causal"])
+    assert "--causal: scan only" in capsys.readouterr().err
+
+
 @compiles
 @pytest.mark.parametrize("gated", [True, False])
 def test_softmax_kernel_launch_takes_the_tiles_given(gated):
