@@ -188,7 +188,7 @@ def _fold_span(q, q_base, sqt, k_base, v_base, skt, svt, K_DESC, V_DESC, bat, hk
                offs_m, offs_n0, offs_d, offs_dv, Tb, Sb, qk_scale, D: tl.constexpr, DV: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                CAUSAL: tl.constexpr, WINDOW: tl.constexpr, HIDDEN: tl.constexpr, EVEN_N: tl.constexpr,
-               PREC: tl.constexpr, ROUND_TF32: tl.constexpr, DOT_K: tl.constexpr, POS_SCALE: tl.constexpr,
+               PREC: tl.constexpr, ROUND_TF32: tl.constexpr, POS_SCALE: tl.constexpr,
                TMA: tl.constexpr, q_lo, kl_base, vl_base, ks_base, q_rs, SPLIT: tl.constexpr):
     """Left fold of the key tiles ``[lo, hi)`` (``lo`` on a tile edge) from the identity. ``HIDDEN``: a masked
     tile can hold keys some of its rows cannot see (a causal or windowed fold, or packed sequences, whose last
@@ -201,20 +201,20 @@ def _fold_span(q, q_base, sqt, k_base, v_base, skt, svt, K_DESC, V_DESC, bat, hk
         m_i, l_i, acc = _fold_tiles(m_i, l_i, acc, q, q_base, sqt, k_base, v_base, skt, svt, K_DESC, V_DESC, bat, hk,
                                     row0, lo, a, offs_m, offs_n0, offs_d, offs_dv, Tb, Sb, qk_scale, D, DV, BLOCK_M,
                                     BLOCK_N, BLOCK_D, BLOCK_DV, CAUSAL, WINDOW, HIDDEN, EVEN_N, True, PREC,
-                                    ROUND_TF32, DOT_K, POS_SCALE, TMA, q_lo, kl_base, vl_base, ks_base, q_rs, SPLIT)
+                                    ROUND_TF32, POS_SCALE, TMA, q_lo, kl_base, vl_base, ks_base, q_rs, SPLIT)
         m_i, l_i, acc = _fold_tiles(m_i, l_i, acc, q, q_base, sqt, k_base, v_base, skt, svt, K_DESC, V_DESC, bat, hk,
                                     row0, a, b, offs_m, offs_n0, offs_d, offs_dv, Tb, Sb, qk_scale, D, DV, BLOCK_M,
                                     BLOCK_N, BLOCK_D, BLOCK_DV, CAUSAL, WINDOW, HIDDEN, EVEN_N, False, PREC,
-                                    ROUND_TF32, DOT_K, POS_SCALE, TMA, q_lo, kl_base, vl_base, ks_base, q_rs, SPLIT)
+                                    ROUND_TF32, POS_SCALE, TMA, q_lo, kl_base, vl_base, ks_base, q_rs, SPLIT)
         m_i, l_i, acc = _fold_tiles(m_i, l_i, acc, q, q_base, sqt, k_base, v_base, skt, svt, K_DESC, V_DESC, bat, hk,
                                     row0, b, hi, offs_m, offs_n0, offs_d, offs_dv, Tb, Sb, qk_scale, D, DV, BLOCK_M,
                                     BLOCK_N, BLOCK_D, BLOCK_DV, CAUSAL, WINDOW, HIDDEN, EVEN_N, True, PREC,
-                                    ROUND_TF32, DOT_K, POS_SCALE, TMA, q_lo, kl_base, vl_base, ks_base, q_rs, SPLIT)
+                                    ROUND_TF32, POS_SCALE, TMA, q_lo, kl_base, vl_base, ks_base, q_rs, SPLIT)
     else:
         m_i, l_i, acc = _fold_tiles(m_i, l_i, acc, q, q_base, sqt, k_base, v_base, skt, svt, K_DESC, V_DESC, bat, hk,
                                     row0, lo, hi, offs_m, offs_n0, offs_d, offs_dv, Tb, Sb, qk_scale, D, DV, BLOCK_M,
                                     BLOCK_N, BLOCK_D, BLOCK_DV, CAUSAL, WINDOW, HIDDEN, EVEN_N, not EVEN_N, PREC,
-                                    ROUND_TF32, DOT_K, POS_SCALE, TMA, q_lo, kl_base, vl_base, ks_base, q_rs, SPLIT)
+                                    ROUND_TF32, POS_SCALE, TMA, q_lo, kl_base, vl_base, ks_base, q_rs, SPLIT)
     return m_i, l_i, acc
 
 
@@ -261,29 +261,40 @@ def _fold_tiles_t(m_i, l_i, acc, qt_base, sqd, kt_base, v_base, skd, svt, lo, hi
 
 
 @triton.jit
+def _fold_parked(m_i, l_i, w_ptrs, w_mask, qt_base, sqd, kt_base, v_base, skd, svt, lo, hi, offs_m, offs_n0, offs_dv,
+                 Tb, Sb, qk_scale, D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
+                 HIDDEN: tl.constexpr, EVEN_N: tl.constexpr, MASKED: tl.constexpr, PREC: tl.constexpr,
+                 DOT_K: tl.constexpr, POS_SCALE: tl.constexpr):
+    """Strict fp32's two-level fold: the key tiles ``[lo, hi)`` folded from the identity (:func:`_fold_tiles_t`)
+    and combined into the total, whose ``W`` is parked at ``w_ptrs``. Returns the total's ``(m, l)``."""
+    m_c, l_c, acc_c = _identity(BLOCK_M, BLOCK_DV)
+    m_c, l_c, acc_c = _fold_tiles_t(m_c, l_c, acc_c, qt_base, sqd, kt_base, v_base, skd, svt, lo, hi, offs_m, offs_n0,
+                                    offs_dv, Tb, Sb, qk_scale, D, DV, BLOCK_D, CAUSAL, WINDOW, HIDDEN, EVEN_N, MASKED,
+                                    PREC, DOT_K, POS_SCALE)
+    tl.debug_barrier()
+    m_i, l_i, w = _combine(m_i, l_i, tl.load(w_ptrs, mask=w_mask, other=0.0), m_c, l_c, acc_c)
+    tl.store(w_ptrs, w, mask=w_mask)
+    return m_i, l_i
+
+
+@triton.jit
 def _fold_tiles(m_i, l_i, acc, q, q_base, sqt, k_base, v_base, skt, svt, K_DESC, V_DESC, bat, hk, row0, lo, hi,
                 offs_m, offs_n0, offs_d, offs_dv, Tb, Sb, qk_scale, D: tl.constexpr, DV: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                 CAUSAL: tl.constexpr, WINDOW: tl.constexpr, HIDDEN: tl.constexpr, EVEN_N: tl.constexpr,
-                MASKED: tl.constexpr, PREC: tl.constexpr, ROUND_TF32: tl.constexpr, DOT_K: tl.constexpr,
-                POS_SCALE: tl.constexpr, TMA: tl.constexpr, q_lo, kl_base, vl_base, ks_base, q_rs,
-                SPLIT: tl.constexpr):
+                MASKED: tl.constexpr, PREC: tl.constexpr, ROUND_TF32: tl.constexpr, POS_SCALE: tl.constexpr,
+                TMA: tl.constexpr, q_lo, kl_base, vl_base, ks_base, q_rs, SPLIT: tl.constexpr):
     """Fold the key tiles ``[lo, hi)`` (of the sequence from row ``row0``) into the state ``(m_i, l_i, acc)``: each
     tile's state (its max, the sum of ``p`` and ``p @ v``: tree reductions across the tile) merges into the running
     state by un-sum-renorm (the online-softmax step). ``MASKED``: the scores of hidden pairs are set to -inf, and
     where the tiles are partly hidden (``HIDDEN``, see :func:`_fold_span`) ``p @ v`` multiplies through
-    :func:`contained_dot`. ``DOT_K > 0``: ``q k^T`` is formed ``DOT_K`` columns of ``q`` and ``k`` at a
-    time, read from memory (the FMA dot then holds a slice of its operands in registers, not all of ``D``;
-    its additions run in the same order). ``SPLIT``: the operands are fp16 parts (``q, q_lo``, the tiles of
-    ``k_base, kl_base`` and ``v_base, vl_base``) scaled per query row by ``q_rs``, per key row by ``ks_base``'s
-    entries and (after the fold) per value column (:mod:`regattn.ops.scan.split`); each product is a
-    :func:`split_dot`, ``p`` split as ``2^P_SHIFT p``. ``PREC == "tf32x3"`` (not ``SPLIT``): ``q`` and ``q_lo`` are
-    the TF32 parts of the query tile (:func:`tf32_parts`), and ``q k^T`` is the :func:`split_dot` of the parts.
-    Returns ``(m, l, acc)``."""
-    if DOT_K > 0:
-        return _fold_tiles_t(m_i, l_i, acc, q_base, sqt, k_base, v_base, skt, svt, lo, hi, offs_m, offs_n0, offs_dv,
-                             Tb, Sb, qk_scale, D, DV, BLOCK_D, CAUSAL, WINDOW, HIDDEN, EVEN_N, MASKED, PREC, DOT_K,
-                             POS_SCALE)
+    :func:`contained_dot` (strict fp32 folds in :func:`_fold_tiles_t` instead). ``SPLIT``: the operands are fp16
+    parts (``q, q_lo``, the tiles of ``k_base, kl_base`` and ``v_base, vl_base``) scaled per query row by ``q_rs``,
+    per key row by ``ks_base``'s entries and (after the fold) per value column (:mod:`regattn.ops.scan.split`); each
+    product is a :func:`split_dot`, ``p`` split as ``2^P_SHIFT p``. ``PREC == "tf32x3"`` (not ``SPLIT``): ``q`` and
+    ``q_lo`` are the TF32 parts of the query tile (:func:`tf32_parts`), and ``q k^T`` is the :func:`split_dot` of
+    the parts. Returns ``(m, l, acc)``."""
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + offs_n0
         if SPLIT:
@@ -368,9 +379,9 @@ def _fwd_kernel(Q, K, V, O, LSE, WS_M, WS_L, WS_ACC, CU, K_DESC, V_DESC, QL, KL,
                 POS_SCALE: tl.constexpr, HAS_DESC: tl.constexpr, SPLIT: tl.constexpr, TMA: tl.constexpr = False):
     """One program: ``BLOCK_M`` queries of one head against key slice ``program_id(2)`` of ``NSPLIT``.
 
-    ``CHUNK > 0``: fold in two levels of ``CHUNK`` tiles;
-    ``DOT_K > 0``: ``q k^T`` in column chunks (see :func:`_fold_tiles`); ``POS_SCALE``: ``qk_scale > 0``, which
-    then multiplies the scores inside exp2's argument (a zero or negative one scales them first);
+    ``CHUNK > 0`` (strict fp32, with ``DOT_K > 0``): fold in two levels of ``CHUNK`` tiles, the products
+    transposed, ``q k^T`` in chunks of ``DOT_K`` columns (:func:`_fold_parked`); ``POS_SCALE``: ``qk_scale > 0``,
+    which then multiplies the scores inside exp2's argument (a zero or negative one scales them first);
     ``HAS_DESC``: ``K_DESC``, ``V_DESC`` are tensor descriptors of k and v (else k and v again), through which
     ``TMA`` loads the key and value tiles; ``SPLIT``: ``Q, K, V`` hold the fp16 high parts of fp32 operands,
     ``QL, KL, VL`` their low parts, ``QS [B, HQ, T]``, ``KS [B, H, S]`` and ``VS [sequences, H, DV]`` their
@@ -422,7 +433,7 @@ def _fwd_kernel(Q, K, V, O, LSE, WS_M, WS_L, WS_ACC, CU, K_DESC, V_DESC, QL, KL,
         m_i, l_i, acc = _fold_span(q, q_base, sqt, k_base, v_base, skt, svt, K_DESC, V_DESC, bat, hk, row0, lo, hi,
                                    full_lo, full_hi, offs_m, offs_n0, offs_d, offs_dv, Tb, Sb, qk_scale, D, DV,
                                    BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, CAUSAL, WINDOW, HIDDEN, EVEN_N, PREC,
-                                   ROUND_TF32, DOT_K, POS_SCALE, TMA, q_lo, kl_base, vl_base, ks_base, q_rs, SPLIT)
+                                   ROUND_TF32, POS_SCALE, TMA, q_lo, kl_base, vl_base, ks_base, q_rs, SPLIT)
         if SPLIT:
             vs = VS + ((pid_bh // HQ) * (HQ // GROUP) + hk).to(tl.int64) * DV + offs_dv
             acc = acc * tl.load(vs, mask=offs_dv < DV, other=0.0)[None, :]
@@ -431,19 +442,28 @@ def _fwd_kernel(Q, K, V, O, LSE, WS_M, WS_L, WS_ACC, CU, K_DESC, V_DESC, QL, KL,
         # no accumulator sees more than max(CHUNK * BLOCK_N, n / (CHUNK * BLOCK_N)) sequential additions.
         # The total's W parks in the (fp32) rows it ends in between chunks (the output, or this split's
         # workspace), so the key loop holds one [BLOCK_M, BLOCK_DV] accumulator in registers, not two.
+        # With HIDDEN the masked tiles at either end fold apart, after the chunks of whole tiles: inside the chunk
+        # loop, the three runs of _fold_span took 64 x 64 on 4 warps to 32 registers and 8.9 KB of spills (sm_90).
         w_ptrs, w_mask = _parked_rows(O, WS_ACC, bat, h, row0, sob, soh, sot, rows, split, ws_stride, offs_m,
                                       offs_dv, Tb, DV, BLOCK_DV, NSPLIT)
         m_i, l_i, acc = _identity(BLOCK_M, BLOCK_DV)
         tl.store(w_ptrs, acc, mask=w_mask)
-        for c0 in range(lo, hi, CHUNK * BLOCK_N):
-            m_c, l_c, acc_c = _fold_span(q, q_base, sqt, k_base, v_base, skt, svt, K_DESC, V_DESC, bat, hk, row0, c0,
-                                         tl.minimum(hi, c0 + CHUNK * BLOCK_N), full_lo, full_hi, offs_m, offs_n0,
-                                         offs_d, offs_dv, Tb, Sb, qk_scale, D, DV, BLOCK_M, BLOCK_N, BLOCK_D,
-                                         BLOCK_DV, CAUSAL, WINDOW, HIDDEN, EVEN_N, PREC, ROUND_TF32, DOT_K,
-                                         POS_SCALE, TMA, q_lo, kl_base, vl_base, ks_base, q_rs, SPLIT)
-            tl.debug_barrier()
-            m_i, l_i, w = _combine(m_i, l_i, tl.load(w_ptrs, mask=w_mask, other=0.0), m_c, l_c, acc_c)
-            tl.store(w_ptrs, w, mask=w_mask)
+        a, b = lo, hi
+        if HIDDEN:
+            _, a, b = tile_loop_bounds(lo, hi, full_lo, full_hi, BLOCK_N)
+        for c0 in range(a, b, CHUNK * BLOCK_N):
+            m_i, l_i = _fold_parked(m_i, l_i, w_ptrs, w_mask, q_base, sqt, k_base, v_base, skt, svt, c0,
+                                    tl.minimum(b, c0 + CHUNK * BLOCK_N), offs_m, offs_n0, offs_dv, Tb, Sb, qk_scale,
+                                    D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, CAUSAL, WINDOW, HIDDEN, EVEN_N,
+                                    not HIDDEN and not EVEN_N, PREC, DOT_K, POS_SCALE)
+        if HIDDEN:
+            if WINDOW > 0:  # without a window the whole keys start at the first key (a == lo)
+                m_i, l_i = _fold_parked(m_i, l_i, w_ptrs, w_mask, q_base, sqt, k_base, v_base, skt, svt, lo, a,
+                                        offs_m, offs_n0, offs_dv, Tb, Sb, qk_scale, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV,
+                                        CAUSAL, WINDOW, HIDDEN, EVEN_N, True, PREC, DOT_K, POS_SCALE)
+            m_i, l_i = _fold_parked(m_i, l_i, w_ptrs, w_mask, q_base, sqt, k_base, v_base, skt, svt, b, hi, offs_m,
+                                    offs_n0, offs_dv, Tb, Sb, qk_scale, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, CAUSAL,
+                                    WINDOW, HIDDEN, EVEN_N, True, PREC, DOT_K, POS_SCALE)
         tl.debug_barrier()
         acc = tl.load(w_ptrs, mask=w_mask, other=0.0)
 
