@@ -234,6 +234,33 @@ def test_varlen_with_empty_and_single_token_sequences(interpret, splits, precisi
     _assert_close(got, want, FP32_TOL)
 
 
+@pytest.mark.parametrize("window, cu", [(None, None), (11, None), (None, [0, 5, 38, 70])],
+                         ids=["causal", "window", "packed"])
+def test_strict_fp32_masked_runs_of_wider_tiles(interpret, monkeypatch, window, cu):
+    """32 x 32 tiles: strict fp32's masked runs (a window's first keys, the diagonal, a sequence's end) fold tiles
+    that rows of the query tile see in part, and whole tiles between them."""
+    monkeypatch.setattr(kernels, "INTERPRET_BLOCK", 32)
+    q, k, v = _inputs(1, 70, 70, 2, 1, 16, 16)
+    cu_seqlens = None if cu is None else torch.tensor(cu, dtype=torch.int32)
+    got, want = _run(q, k, v, causal=True, window=window, cu_seqlens=cu_seqlens, precision="ieee")
+    _assert_close(got, want, FP32_TOL)
+
+
+def test_strict_fp32_diagonal_tile_keeps_a_later_nan_out(interpret, monkeypatch):
+    """A NaN value at key 40 sits in the diagonal tile [32, 64) of 32 x 32 tiles: rows 32 to 39 fold that tile
+    without seeing it and stay as without the NaN; every later row shows it."""
+    monkeypatch.setattr(kernels, "INTERPRET_BLOCK", 32)
+    q, k, v = _inputs(1, 70, 70, 2, 1, 16, 16)
+    bad = v.detach().clone()
+    bad[0, 40, 0, 3] = float("nan")
+    with torch.no_grad():
+        got = regattn.scan_attention(q, k, bad, causal=True, backend="triton")
+        want = regattn.scan_attention(q, k, v, causal=True, backend="triton")
+    assert torch.isfinite(got[:, :40]).all()
+    torch.testing.assert_close(got[:, :40], want[:, :40], rtol=0, atol=0)
+    assert (~torch.isfinite(got[0, 40:])).any(-1).all()
+
+
 @pytest.mark.parametrize("descriptors", [True, False], ids=["tma", "pointers"])
 @pytest.mark.parametrize("causal, window", [(True, None), (False, None), (True, 5)])
 def test_fp16_varlen_through_descriptors_and_pointers(interpret, monkeypatch, descriptors, causal, window):

@@ -444,6 +444,10 @@ def _fwd_kernel(Q, K, V, O, LSE, WS_M, WS_L, WS_ACC, CU, K_DESC, V_DESC, QL, KL,
         # workspace), so the key loop holds one [BLOCK_M, BLOCK_DV] accumulator in registers, not two.
         # With HIDDEN the masked tiles at either end fold apart, after the chunks of whole tiles: inside the chunk
         # loop, the three runs of _fold_span took 64 x 64 on 4 warps to 32 registers and 8.9 KB of spills (sm_90).
+        # Each key loop is some 78 KB of SASS at that tile, so programs of one SM in different loops wait on the
+        # instruction cache (a causal fold at 0.55-0.60 of the non-causal time); masking every tile in one loop, or
+        # the masked runs in 16-key steps, cost more (benchmarks/results/h200/tiles/README.md, "what a causal fold
+        # waits on").
         w_ptrs, w_mask = _parked_rows(O, WS_ACC, bat, h, row0, sob, soh, sot, rows, split, ws_stride, offs_m,
                                       offs_dv, Tb, DV, BLOCK_DV, NSPLIT)
         m_i, l_i, acc = _identity(BLOCK_M, BLOCK_DV)
@@ -752,9 +756,10 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, CU,
 # "ieee" with the keys on the rows of every tile (_fold_tiles_t) took 27.8 ms there on the H200 where the rows
 # form took 55.1 (0.89x SDPA's memory-efficient fp32 against 1.75x: benchmarks/results/h200/tiles/README.md,
 # "keys on the rows"). Its last two tiles have no spill traffic in the key loop in that form; 64 x 64 on 2 warps
-# (64 outputs a thread, 3.2 FFMA a shared word, no spill in the loop either) took 80.7 ms: six warps an SM. A
-# causal fold's masked runs push 64 x 64 on 4 warps into spills (ptxas then keeps 32 registers), so causal runs
-# take 32 x 32 on 2 warps or 32 x 64 on 4.
+# (64 outputs a thread, 3.2 FFMA a shared word, no spill in the loop either) took 80.7 ms: six warps an SM.
+# Causal, with the masked tiles folded apart, 64 x 64 on 4 warps took 17.0 ms at T 16384, behind 32 x 32 on 2
+# warps (16.5) and 32 x 64 on 4 (16.9, first at T 4096); no unlisted tile won (README, "what a causal fold
+# waits on").
 # fp16/bf16: issuing the next key tile's q k^T before this tile's softmax (so that the tensor cores form it while
 # the exp2s run) lost to the plain loop: benchmarks/results/h200/tiles/README.md ("ELSA's fp16 forward"); so did
 # moving the running max only past a slack, which saves the rescaling multiplies in most tiles but puts a
