@@ -46,12 +46,16 @@ def parse_shapes(specs: list[str] | None, suite, cuda: bool, quick: bool = False
         if spec in suite.GRIDS:
             shapes += suite.GRIDS[spec]
             continue
+        if len(spec.split()) > 1:
+            raise UsageError(f"--shapes: {spec!r} holds several specs: pass each as an argument of its own")
         keys, choices = [], []
         for item in spec.split(","):
             key, sep, values = item.partition("=")
             if not sep or not key.strip() or not values.strip():
                 raise UsageError(f"--shapes: expected KEY=VALUE[/VALUE...] items or one of {sorted(suite.GRIDS)}, "
                                  f"got {item!r}")
+            if key.strip() in keys:
+                raise UsageError(f"--shapes: {key.strip()!r} given twice in {spec!r}")
             keys.append(key.strip())
             choices.append([parse_value(v.strip()) for v in values.split("/")])
         shapes += [dict(zip(keys, combo)) for combo in itertools.product(*choices)]

@@ -298,9 +298,10 @@ def scan_dtype(kind: str) -> tuple[torch.dtype, str]:
     return (torch.float16, "ieee") if kind == "fp16" else (torch.float32, kind)
 
 
-def scan_launch(kind: str, config, *, B=1, T=16384, H=16, D=64, causal=False):
+def scan_launch(kind: str, config, *, B=1, T=16384, H=16, D=64, causal=False, masked=False):
     """The captured launch of the scan's forward kernel (non-causal by default, no lse: the benchmark's call;
-    ``kind``: see :func:`scan_dtype`) with ``config`` (a ``triton.Config``) as its only tile choice."""
+    ``kind``: see :func:`scan_dtype`) with ``config`` (a ``triton.Config``) as its only tile choice. A causal
+    strict fp32 fold launches it twice: the whole tiles, then (``masked``) the masked ones at ``MASKED_CONFIGS``."""
     from regattn.ops.scan import kernels
 
     dtype, precision = scan_dtype(kind)
@@ -314,7 +315,8 @@ def scan_launch(kind: str, config, *, B=1, T=16384, H=16, D=64, causal=False):
                             cu_seqlens=None, num_splits=1, need_lse=False)
     finally:
         kernels.FWD_CONFIGS, kernels.AUTOTUNE = saved
-    return next(launch for launch in launches if launch[0].__name__ == "_fwd_kernel")
+    forward = [launch for launch in launches if launch[0].__name__ == "_fwd_kernel"]
+    return forward[-1 if masked else 0]
 
 
 def scan_rows(head_dims=(64,), kinds=("ieee", "tf32x3"), candidates=False, causal=False):
@@ -327,6 +329,8 @@ def scan_rows(head_dims=(64,), kinds=("ieee", "tf32x3"), candidates=False, causa
         if candidates:
             configs += [(tile_configs([c])[0], False) for c in SCAN_CANDIDATES]
         for config, listed in configs:
+            if causal and kind == "ieee" and not kernels.usable([config], dict(WHOLE_ROWS=kernels.WHOLE_ROWS)):
+                continue  # a tile the causal strict fp32 fold does not take
             kernel, args, kwargs = scan_launch(kind, config, D=D, causal=causal)
             usage = launch_usage(kernel, args, kwargs, loop=True)
             yield dict(head_dim=D, kind=kind, table=listed, **launch_settings(kwargs), **usage)

@@ -85,6 +85,10 @@ def test_parse_shapes_expands_alternatives_and_grid_names():
     for bad in ("B4", "B=", "=4"):
         with pytest.raises(cli.UsageError, match="--shapes"):
             cli.parse_shapes([bad], suite, cuda=True)
+    with pytest.raises(cli.UsageError, match="several specs"):  # a shell-quoted list of specs: not one shape
+        cli.parse_shapes(["B=1,T=64,causal=true B=2,T=128"], suite, cuda=True)
+    with pytest.raises(cli.UsageError, match="'T' given twice"):
+        cli.parse_shapes(["T=64,D=16,T=128"], suite, cuda=True)
     assert shape_label(dict(B=1, window=None, T=8)) == "B=1 T=8"
 
 

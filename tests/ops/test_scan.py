@@ -246,6 +246,43 @@ def test_strict_fp32_masked_runs_of_wider_tiles(interpret, monkeypatch, window, 
     _assert_close(got, want, FP32_TOL)
 
 
+@pytest.mark.parametrize("window, cu", [(None, None), (11, None), (None, [0, 5, 38, 70])],
+                         ids=["causal", "window", "packed"])
+def test_strict_fp32_masked_launch_tiles_the_queries_its_own_way(interpret, monkeypatch, window, cu):
+    """The whole tiles' launch on 32 x 32 tiles, the masked tiles' launch on 16 x 16: each finds the whole keys of
+    the same 64 rows (kernels.WHOLE_ROWS in the interpreter: twice its tile), so together they fold every key once."""
+    launch, parts = kernels._launch, []
+
+    def tiled(*args, **kwargs):
+        parts.append(kwargs.get("PART"))
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(kernels, "INTERPRET_BLOCK", 16 if kwargs.get("PART") == 2 else 32)
+            launch(*args, **kwargs)
+
+    monkeypatch.setattr(kernels, "INTERPRET_BLOCK", 32)
+    monkeypatch.setattr(kernels, "_launch", tiled)
+    q, k, v = _inputs(1, 70, 70, 2, 1, 16, 16)
+    cu_seqlens = None if cu is None else torch.tensor(cu, dtype=torch.int32)
+    with torch.no_grad():
+        got = regattn.scan_attention(q, k, v, causal=True, window=window, cu_seqlens=cu_seqlens, backend="triton")
+    want = softmax_attention(*_double(q, k, v), causal=True, window=window, cu_seqlens=cu_seqlens)
+    assert parts == [1, 2]
+    assert rel_err(got, want) < FP32_TOL
+
+
+def test_strict_fp32_two_launches_take_tiles_within_their_row_groups():
+    """A query tile longer than kernels.WHOLE_ROWS would fold, unmasked, keys its later rows cannot see (with a
+    window): the launches of a two-part fold prune such tiles, a one-part fold keeps them."""
+    prune = kernels._pruner("N")["early_config_prune"]
+    q = torch.empty(1, 16, 4, 64, device="meta", dtype=torch.float32)
+    sides = lambda cfgs: {max(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) for c in cfgs}  # noqa: E731
+    whole = dict(BLOCK_D=64, BLOCK_DV=64, HAS_DESC=False)
+    assert max(sides(prune(kernels.FWD_CONFIGS["ieee"], {"Q": q}, **whole))) == 128
+    for configs in (kernels.FWD_CONFIGS["ieee"], kernels.MASKED_CONFIGS):
+        kept = prune(configs, {"Q": q}, WHOLE_ROWS=64, **whole)
+        assert kept and max(sides(kept)) <= 64
+
+
 def test_strict_fp32_diagonal_tile_keeps_a_later_nan_out(interpret, monkeypatch):
     """A NaN value at key 40 sits in the diagonal tile [32, 64) of 32 x 32 tiles: rows 32 to 39 fold that tile
     without seeing it and stay as without the NaN; every later row shows it."""
