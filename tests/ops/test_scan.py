@@ -250,11 +250,12 @@ def test_strict_fp32_masked_runs_of_wider_tiles(interpret, monkeypatch, window, 
                          ids=["causal", "window", "packed"])
 def test_strict_fp32_masked_launch_tiles_the_queries_its_own_way(interpret, monkeypatch, window, cu):
     """The whole tiles' launch on 32 x 32 tiles, the masked tiles' launch on 16 x 16: each finds the whole keys of
-    the same 64 rows (kernels.WHOLE_ROWS in the interpreter: twice its tile), so together they fold every key once."""
+    the same 64 rows (kernels.WHOLE_ROWS in the interpreter: twice its tile), so together they fold every key once.
+    Without a window the whole tiles' programs take query tiles 0 and 2, and 1, of the 3 of 70 rows."""
     launch, parts = kernels._launch, []
 
     def tiled(*args, **kwargs):
-        parts.append(kwargs.get("PART"))
+        parts.append((kwargs.get("PART"), kwargs.get("PAIRED")))
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(kernels, "INTERPRET_BLOCK", 16 if kwargs.get("PART") == 2 else 32)
             launch(*args, **kwargs)
@@ -266,7 +267,7 @@ def test_strict_fp32_masked_launch_tiles_the_queries_its_own_way(interpret, monk
     with torch.no_grad():
         got = regattn.scan_attention(q, k, v, causal=True, window=window, cu_seqlens=cu_seqlens, backend="triton")
     want = softmax_attention(*_double(q, k, v), causal=True, window=window, cu_seqlens=cu_seqlens)
-    assert parts == [1, 2]
+    assert parts == [(1, window is None), (2, None)]  # causal folds pair their whole-tile query tiles
     assert rel_err(got, want) < FP32_TOL
 
 

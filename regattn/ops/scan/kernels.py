@@ -364,6 +364,33 @@ def _parked_rows(O, WS_ACC, bat, h, row0, sob, soh, sot, rows, split, ws_stride,
     return ptrs, mask
 
 
+@triton.jit
+def _park_whole_tiles(O, WS_M, WS_L, q_base, sqt, k_base, v_base, skt, svt, bat, h, row0, sob, soh, sot, HQ, T, m0,
+                      Tb, Sb, qk_scale, D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr,
+                      WINDOW: tl.constexpr, EVEN_N: tl.constexpr, PREC: tl.constexpr, CHUNK: tl.constexpr,
+                      DOT_K: tl.constexpr, POS_SCALE: tl.constexpr, WHOLE_ROWS: tl.constexpr):
+    """The first of strict fp32's two launches for the query tile at ``m0``: the key tiles every query of its
+    ``WHOLE_ROWS`` rows sees, in chunks of ``CHUNK`` (:func:`_fold_parked`); the total's ``W`` parks in the output
+    rows, its ``m, l`` in ``WS_M, WS_L``, for the masked tiles' launch to finish."""
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    rows = _stats_rows(bat, h, HQ, T, row0) + offs_m
+    w_ptrs, w_mask = _parked_rows(O, O, bat, h, row0, sob, soh, sot, rows, 0, 0, offs_m, offs_dv, Tb, DV, BLOCK_DV, 1)
+    m_i, l_i, w = _identity(BLOCK_M, BLOCK_DV)
+    tl.store(w_ptrs, w, mask=w_mask)
+    lo, hi = _key_tiles(m0, Tb, Sb, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
+    full_lo, full_hi = _full_keys(m0 // WHOLE_ROWS * WHOLE_ROWS, Tb, Sb, WHOLE_ROWS, CAUSAL, WINDOW)
+    _, a, b = tile_loop_bounds(lo, hi, full_lo, full_hi, WHOLE_ROWS)
+    for c0 in range(a, b, CHUNK * BLOCK_N):
+        m_i, l_i = _fold_parked(m_i, l_i, w_ptrs, w_mask, q_base, sqt, k_base, v_base, skt, svt, c0,
+                                tl.minimum(b, c0 + CHUNK * BLOCK_N), offs_m, tl.arange(0, BLOCK_N), offs_dv, Tb, Sb,
+                                qk_scale, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, CAUSAL, WINDOW, True, EVEN_N, False, PREC,
+                                DOT_K, POS_SCALE)
+    tl.store(WS_M + rows, m_i, mask=offs_m < Tb)
+    tl.store(WS_L + rows, l_i, mask=offs_m < Tb)
+
+
 @triton.heuristics({
     "EVEN_N": lambda a: (not a["VARLEN"]) and a["S"] % a["BLOCK_N"] == 0 and a["D"] == a["BLOCK_D"]
     and a["DV"] == a["BLOCK_DV"],
@@ -377,25 +404,41 @@ def _fwd_kernel(Q, K, V, O, LSE, WS_M, WS_L, WS_ACC, CU, K_DESC, V_DESC, QL, KL,
                 VARLEN: tl.constexpr, NSPLIT: tl.constexpr, STORE_LSE: tl.constexpr, EVEN_N: tl.constexpr,
                 PREC: tl.constexpr, ROUND_TF32: tl.constexpr, CHUNK: tl.constexpr, DOT_K: tl.constexpr,
                 POS_SCALE: tl.constexpr, HAS_DESC: tl.constexpr, SPLIT: tl.constexpr, TMA: tl.constexpr = False,
-                PART: tl.constexpr = 0, WHOLE_ROWS: tl.constexpr = 0):
+                PART: tl.constexpr = 0, WHOLE_ROWS: tl.constexpr = 0, PAIRED: tl.constexpr = False):
     """One program: ``BLOCK_M`` queries of one head against key slice ``program_id(2)`` of ``NSPLIT``.
 
     ``CHUNK > 0`` (strict fp32, with ``DOT_K > 0``): fold in two levels of ``CHUNK`` tiles, the products
     transposed, ``q k^T`` in chunks of ``DOT_K`` columns (:func:`_fold_parked`); ``POS_SCALE``: ``qk_scale > 0``,
     which then multiplies the scores inside exp2's argument (a zero or negative one scales them first);
-    ``PART`` (strict fp32, one split): 0 folds every key; 1 only the whole tiles, parking the total's ``m, l`` in
-    ``WS_M, WS_L`` and its ``W`` in ``O``; 2 the masked tiles into that total, then finishes it.
-    ``WHOLE_ROWS > 0``: the whole tiles are those every query of the ``WHOLE_ROWS`` rows around the tile sees, so
-    that the two parts may tile the queries differently (each a divisor of ``WHOLE_ROWS``; 0: this tile's rows);
+    ``PART`` (strict fp32, one split): 0 folds every key; 1 only the whole tiles (:func:`_park_whole_tiles`); 2 the
+    masked tiles into the total parked by 1, then finishes it. ``WHOLE_ROWS > 0``: the whole tiles are those every
+    query of the ``WHOLE_ROWS`` rows around the tile sees, so that the two parts may tile the queries differently
+    (each a divisor of ``WHOLE_ROWS``; 0: this tile's rows); ``PAIRED`` (PART 1, causal, no window): program ``i``
+    takes the query tiles ``i`` and ``n - 1 - i`` of its sequence's ``n``, so that every program folds as many
+    whole tiles (but one);
     ``HAS_DESC``: ``K_DESC``, ``V_DESC`` are tensor descriptors of k and v (else k and v again), through which
     ``TMA`` loads the key and value tiles; ``SPLIT``: ``Q, K, V`` hold the fp16 high parts of fp32 operands,
     ``QL, KL, VL`` their low parts, ``QS [B, HQ, T]``, ``KS [B, H, S]`` and ``VS [sequences, H, DV]`` their
     scales (:mod:`regattn.ops.scan.split`; else these are any tensors).
     """
-    pid_m = query_tile(CAUSAL)
+    pid_m = tl.program_id(0) if PAIRED else query_tile(CAUSAL)
     pid_bh = tl.program_id(1)
     split = tl.program_id(2)
     bat, h, row0, Tb, Sb = _sequence_head(CU, pid_bh, T, S, HQ, VARLEN)
+    hk = h // GROUP
+    v_base = _head_rows(V, bat, hk, row0, svb, svh, svt)
+    if DOT_K > 0:  # strict fp32: q and k from their copies laid out [.., D, T] (QL, KL; see _fold_tiles_t)
+        q_base = QL + (bat * HQ + h).to(tl.int64) * D * T + row0
+        k_base = KL + (bat * (HQ // GROUP) + hk).to(tl.int64) * D * S + row0
+        sqt, skt = T, S
+    if PART == 1:
+        n = tl.cdiv(Tb, BLOCK_M)
+        last = n - 1 - pid_m if PAIRED else pid_m  # (a tile count known at run time: the loop is not unrolled)
+        for i in range(0, (pid_m < n).to(tl.int32) + (last > pid_m).to(tl.int32)):
+            _park_whole_tiles(O, WS_M, WS_L, q_base, sqt, k_base, v_base, skt, svt, bat, h, row0, sob, soh, sot, HQ,
+                              T, tl.where(i == 0, pid_m, last) * BLOCK_M, Tb, Sb, qk_scale, D, DV, BLOCK_M, BLOCK_N,
+                              BLOCK_D, BLOCK_DV, CAUSAL, WINDOW, EVEN_N, PREC, CHUNK, DOT_K, POS_SCALE, WHOLE_ROWS)
+        return
     m0 = pid_m * BLOCK_M
     if m0 >= Tb:
         return
@@ -403,12 +446,7 @@ def _fwd_kernel(Q, K, V, O, LSE, WS_M, WS_L, WS_ACC, CU, K_DESC, V_DESC, QL, KL,
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     offs_n0 = tl.arange(0, BLOCK_N)
-    hk = h // GROUP
-    v_base = _head_rows(V, bat, hk, row0, svb, svh, svt)
-    if DOT_K > 0:  # strict fp32: q and k from their copies laid out [.., D, T] (QL, KL; see _fold_tiles_t)
-        q_base = QL + (bat * HQ + h).to(tl.int64) * D * T + row0
-        k_base = KL + (bat * (HQ // GROUP) + hk).to(tl.int64) * D * S + row0
-        sqt, skt = T, S
+    if DOT_K > 0:
         q = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)  # unused: the products load their chunks of q
     else:
         q_base = _head_rows(Q, bat, h, row0, sqb, sqh, sqt)
@@ -449,10 +487,10 @@ def _fwd_kernel(Q, K, V, O, LSE, WS_M, WS_L, WS_ACC, CU, K_DESC, V_DESC, QL, KL,
         # workspace), so the key loop holds one [BLOCK_M, BLOCK_DV] accumulator in registers, not two.
         # With HIDDEN the masked tiles at either end fold apart, after the chunks of whole tiles: inside the chunk
         # loop, the three runs of _fold_span took 64 x 64 on 4 warps to 32 registers and 8.9 KB of spills (sm_90).
-        # Each key loop is some 78 KB of SASS at that tile, so programs of one SM in different loops wait on the
-        # instruction cache (a causal fold at 0.55-0.60 of the non-causal time); masking every tile in one loop, or
-        # the masked runs in 16-key steps, cost more (benchmarks/results/h200/tiles/README.md, "what a causal fold
-        # waits on").
+        # Each key loop is some 78 KB of SASS at that tile, and a causal fold's warps wait on instruction fetch (a
+        # causal fold at 0.55-0.60 of the non-causal time); masking every tile in one loop, or the masked runs in
+        # 16-key steps, cost more (benchmarks/results/h200/tiles/README.md, "what a causal fold waits on"); two
+        # launches (MASKED_LAUNCH) cost less.
         w_ptrs, w_mask = _parked_rows(O, WS_ACC, bat, h, row0, sob, soh, sot, rows, split, ws_stride, offs_m,
                                       offs_dv, Tb, DV, BLOCK_DV, NSPLIT)
         if PART == 2:  # the whole tiles' total, parked by the launch of PART 1
@@ -469,13 +507,13 @@ def _fwd_kernel(Q, K, V, O, LSE, WS_M, WS_L, WS_ACC, CU, K_DESC, V_DESC, QL, KL,
                 _, a, b = tile_loop_bounds(lo, hi, full_lo, full_hi, WHOLE_ROWS)
             else:
                 _, a, b = tile_loop_bounds(lo, hi, full_lo, full_hi, BLOCK_N)
-        if PART != 2:
+        if PART == 0:
             for c0 in range(a, b, CHUNK * BLOCK_N):
                 m_i, l_i = _fold_parked(m_i, l_i, w_ptrs, w_mask, q_base, sqt, k_base, v_base, skt, svt, c0,
                                         tl.minimum(b, c0 + CHUNK * BLOCK_N), offs_m, offs_n0, offs_dv, Tb, Sb,
                                         qk_scale, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, CAUSAL, WINDOW, HIDDEN, EVEN_N,
                                         not HIDDEN and not EVEN_N, PREC, DOT_K, POS_SCALE)
-        if HIDDEN and PART != 1:
+        if HIDDEN:
             if WINDOW > 0:  # without a window the whole keys start at the first key (a == lo)
                 m_i, l_i = _fold_parked(m_i, l_i, w_ptrs, w_mask, q_base, sqt, k_base, v_base, skt, svt, lo, a,
                                         offs_m, offs_n0, offs_dv, Tb, Sb, qk_scale, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV,
@@ -483,14 +521,10 @@ def _fwd_kernel(Q, K, V, O, LSE, WS_M, WS_L, WS_ACC, CU, K_DESC, V_DESC, QL, KL,
             m_i, l_i = _fold_parked(m_i, l_i, w_ptrs, w_mask, q_base, sqt, k_base, v_base, skt, svt, b, hi, offs_m,
                                     offs_n0, offs_dv, Tb, Sb, qk_scale, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, CAUSAL,
                                     WINDOW, HIDDEN, EVEN_N, True, PREC, DOT_K, POS_SCALE)
-        if PART != 1:
-            tl.debug_barrier()
-            acc = tl.load(w_ptrs, mask=w_mask, other=0.0)
+        tl.debug_barrier()
+        acc = tl.load(w_ptrs, mask=w_mask, other=0.0)
 
-    if PART == 1:
-        tl.store(WS_M + rows, m_i, mask=offs_m < Tb)
-        tl.store(WS_L + rows, l_i, mask=offs_m < Tb)
-    elif NSPLIT == 1:
+    if NSPLIT == 1:
         _store_output(O, LSE, acc, m_i, l_i, rows, bat, h, row0, sob, soh, sot, offs_m, offs_dv, Tb, DV, STORE_LSE)
     else:
         ws = split.to(tl.int64) * ws_stride + rows
@@ -904,7 +938,7 @@ def _pruner(streamed: str):
 
 
 _KEY = ["D", "DV", "CAUSAL", "WINDOW", "VARLEN", "PREC", "SIZE_CLASS"]
-_FWD_KEY = _KEY + ["NSPLIT", "STORE_LSE", "HAS_DESC", "SPLIT", "PART", "WHOLE_ROWS"]
+_FWD_KEY = _KEY + ["NSPLIT", "STORE_LSE", "HAS_DESC", "SPLIT", "PART", "WHOLE_ROWS", "PAIRED"]
 _FWD_TUNED = {family: triton.autotune(cfgs, key=_FWD_KEY, prune_configs_by=_pruner("N"))(_fwd_kernel)
               for family, cfgs in FWD_CONFIGS.items()}
 _MASKED_TUNED = triton.autotune(MASKED_CONFIGS, key=_FWD_KEY, prune_configs_by=_pruner("N"))(_fwd_kernel)
@@ -933,16 +967,20 @@ def dot_precision(dtype: torch.dtype, precision: str) -> str:
 
 
 # Strict fp32 folds a causal, windowed or packed forward (one split) in two launches: the whole tiles, then the masked
-# ones (PART 1, PART 2 of _fwd_kernel), so that the programs of each launch run one key loop: in one launch, programs
-# of one SM in different loops (each some 78 KB of SASS at 64 x 64 on 4 warps) wait on the instruction cache. On the
-# H200 at B1 H16 D64 causal, T 4096 / 16384 / 65536: 1.267 / 16.08 / 234.4 ms against 1.283 / 16.59 / 250.8 in one
-# launch; 8 packed sequences 0.311 / 2.908 / 38.57 against 0.306 / 3.027 / 39.07 (tiles README: "the masked tiles
-# in a launch of their own").
+# ones (PART 1, PART 2 of _fwd_kernel), so that each launch's kernel holds one key loop, where one launch's holds three
+# (188 KB of SASS at 64 x 64 on 4 warps, whose warps wait on instruction fetch). On the H200 at B1 H16 D64 causal,
+# T 4096 / 16384 / 65536: 1.267 / 16.08 / 234.4 ms against 1.283 / 16.59 / 250.8 in one launch; 8 packed sequences
+# 0.311 / 2.908 / 38.57 against 0.306 / 3.027 / 39.07 (tiles README: "the masked tiles in a launch of their own").
 MASKED_LAUNCH = True
 # The two launches find the whole keys of each WHOLE_ROWS rows together, so that each may tile the queries its own
 # way; both take tiles no longer than that. 128-row groups leave the masked launch half again as many keys a row:
 # 1.326 / 16.11 / 234.4 ms causal, 0.321 / 2.876 / 37.68 packed.
 WHOLE_ROWS = 64
+# A causal fold without a window pairs its whole-tile query tiles (PAIRED of _fwd_kernel): each program folds as many
+# whole tiles (but one), where unpaired they differ in length. On the H200 at B1 H16 D64 causal, T 4096 / 16384 /
+# 65536: 1.168 / 16.06 / 239.6 ms against 1.275 / 16.22 / 245.0 unpaired; 8 packed sequences at T 16384 2.767
+# against 2.873 (tiles README: "the masked tiles in a launch of their own").
+PAIRED_ROWS = True
 DOT_K = 16  # columns of q and k per FMA dot of strict fp32's q k^T (triton 3.6 needs K >= 16)
 CHUNK_TILES = 16  # tiles per chunk of the two-level fold (2 in the interpreter, so small tests reach it)
 
@@ -1079,7 +1117,10 @@ def forward(q, k, v, *, causal, window, scale, precision, cu_seqlens, num_splits
     grid = lambda m: (ceil_div(max_rows, m["BLOCK_M"]), nseq * HQ, num_splits)  # noqa: E731
     if parted:
         whole_rows = 2 * INTERPRET_BLOCK if interpreting() else WHOLE_ROWS
-        _launch(FWD_CONFIGS[fam], _FWD_TUNED[fam], _fwd_kernel, grid, *args, PART=1, WHOLE_ROWS=whole_rows, **meta)
+        paired = causal and not window and PAIRED_ROWS
+        pairs = lambda m: (ceil_div(ceil_div(max_rows, m["BLOCK_M"]), 2), nseq * HQ, 1)  # noqa: E731
+        _launch(FWD_CONFIGS[fam], _FWD_TUNED[fam], _fwd_kernel, pairs if paired else grid, *args, PART=1,
+                WHOLE_ROWS=whole_rows, PAIRED=paired, **meta)
         _launch(MASKED_CONFIGS, _MASKED_TUNED, _fwd_kernel, grid, *args, PART=2, WHOLE_ROWS=whole_rows, **meta)
     else:
         _launch(FWD_CONFIGS[fam], _FWD_TUNED[fam], _fwd_kernel, grid, *args, **meta)
