@@ -51,12 +51,13 @@ def parse_shapes(specs: list[str] | None, suite, cuda: bool, quick: bool = False
         keys, choices = [], []
         for item in spec.split(","):
             key, sep, values = item.partition("=")
-            if not sep or not key.strip() or not values.strip():
+            key = key.strip()
+            if not sep or not key or not values.strip():
                 raise UsageError(f"--shapes: expected KEY=VALUE[/VALUE...] items or one of {sorted(suite.GRIDS)}, "
                                  f"got {item!r}")
-            if key.strip() in keys:
-                raise UsageError(f"--shapes: {key.strip()!r} given twice in {spec!r}")
-            keys.append(key.strip())
+            if key in keys:
+                raise UsageError(f"--shapes: {key!r} given twice in {spec!r}")
+            keys.append(key)
             choices.append([parse_value(v.strip()) for v in values.split("/")])
         shapes += [dict(zip(keys, combo)) for combo in itertools.product(*choices)]
     return shapes

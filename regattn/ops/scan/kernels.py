@@ -365,6 +365,15 @@ def _parked_rows(O, WS_ACC, bat, h, row0, sob, soh, sot, rows, split, ws_stride,
 
 
 @triton.jit
+def _whole_key_tiles(m0, lo, hi, Tb, Sb, WHOLE_ROWS: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr):
+    """``[a, b)``: the key tiles of ``[lo, hi)`` that every query of the ``WHOLE_ROWS`` rows around ``m0`` sees; both
+    launches of a two-part fold take them from here, whatever their tiles, so that together they fold every key once."""
+    full_lo, full_hi = _full_keys(m0 // WHOLE_ROWS * WHOLE_ROWS, Tb, Sb, WHOLE_ROWS, CAUSAL, WINDOW)
+    _, a, b = tile_loop_bounds(lo, hi, full_lo, full_hi, WHOLE_ROWS)
+    return a, b
+
+
+@triton.jit
 def _park_whole_tiles(O, WS_M, WS_L, q_base, sqt, k_base, v_base, skt, svt, bat, h, row0, sob, soh, sot, HQ, T, m0,
                       Tb, Sb, qk_scale, D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr,
@@ -380,8 +389,7 @@ def _park_whole_tiles(O, WS_M, WS_L, q_base, sqt, k_base, v_base, skt, svt, bat,
     m_i, l_i, w = _identity(BLOCK_M, BLOCK_DV)
     tl.store(w_ptrs, w, mask=w_mask)
     lo, hi = _key_tiles(m0, Tb, Sb, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
-    full_lo, full_hi = _full_keys(m0 // WHOLE_ROWS * WHOLE_ROWS, Tb, Sb, WHOLE_ROWS, CAUSAL, WINDOW)
-    _, a, b = tile_loop_bounds(lo, hi, full_lo, full_hi, WHOLE_ROWS)
+    a, b = _whole_key_tiles(m0, lo, hi, Tb, Sb, WHOLE_ROWS, CAUSAL, WINDOW)
     for c0 in range(a, b, CHUNK * BLOCK_N):
         m_i, l_i = _fold_parked(m_i, l_i, w_ptrs, w_mask, q_base, sqt, k_base, v_base, skt, svt, c0,
                                 tl.minimum(b, c0 + CHUNK * BLOCK_N), offs_m, tl.arange(0, BLOCK_N), offs_dv, Tb, Sb,
@@ -502,9 +510,7 @@ def _fwd_kernel(Q, K, V, O, LSE, WS_M, WS_L, WS_ACC, CU, K_DESC, V_DESC, QL, KL,
         a, b = lo, hi
         if HIDDEN:
             if WHOLE_ROWS > 0:
-                g0 = m0 // WHOLE_ROWS * WHOLE_ROWS
-                full_lo, full_hi = _full_keys(g0, Tb, Sb, WHOLE_ROWS, CAUSAL, WINDOW)
-                _, a, b = tile_loop_bounds(lo, hi, full_lo, full_hi, WHOLE_ROWS)
+                a, b = _whole_key_tiles(m0, lo, hi, Tb, Sb, WHOLE_ROWS, CAUSAL, WINDOW)
             else:
                 _, a, b = tile_loop_bounds(lo, hi, full_lo, full_hi, BLOCK_N)
         if PART == 0:
