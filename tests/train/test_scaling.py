@@ -16,7 +16,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def env() -> dict:
-    return dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    """The children's environment; a rank that aborts prints every thread's Python stack (the fault handler)."""
+    return dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1",
+                PYTHONFAULTHANDLER="1")
 
 
 def test_command_runs_a_mixer_on_one_and_two_processes(tmp_path):
