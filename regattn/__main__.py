@@ -1,6 +1,5 @@
 """``python -m regattn ARGS`` runs the ``regattn`` command."""
-import sys
-
 from regattn.cli import main
+from regattn.usage import exit_process
 
-sys.exit(main())
+exit_process(main())

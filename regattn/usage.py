@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import sys
 
 
@@ -40,6 +41,22 @@ def run_command(prog: str, main, argv: list[str]) -> int:
     except UsageError as e:
         print(f"{prog}: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
+
+
+def exit_process(code: int) -> None:
+    """End the process with ``code``; a rank of a torchrun launch (``WORLD_SIZE > 1``) ends without
+    finalizing Python.
+
+    A distributed run's process group outlives ``destroy_process_group`` (DTensor's sharding caches keep
+    its device mesh), so gloo's worker threads still run while Python finalizes. One that then drops the
+    last reference to a finished collective's tensors must take the GIL, and Python ends such a thread in
+    a way that aborts the process ("terminate called without an active exception"). Once the command has
+    returned, its results are written and the process group destroyed: nothing is left to finalize."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
 
 
 def device(flag: str, name: str) -> None:

@@ -3,13 +3,13 @@
 ``python -m regattn.train TASK ...`` trains on a synthetic task (:mod:`regattn.train.cli`)."""
 import sys
 
-from regattn.usage import run_command
+from regattn.usage import exit_process, run_command
 
 if len(sys.argv) > 1 and sys.argv[1] == "lm":
     from regattn.train.lm import main
-    sys.exit(run_command("python -m regattn.train lm", main, sys.argv[2:]))
+    exit_process(run_command("python -m regattn.train lm", main, sys.argv[2:]))
 if len(sys.argv) > 1 and sys.argv[1] == "scaling":
     from regattn.train.scaling import main
-    sys.exit(run_command("python -m regattn.train scaling", main, sys.argv[2:]))
+    exit_process(run_command("python -m regattn.train scaling", main, sys.argv[2:]))
 from regattn.train.cli import main
-sys.exit(run_command("python -m regattn.train", main, sys.argv[1:]))
+exit_process(run_command("python -m regattn.train", main, sys.argv[1:]))
