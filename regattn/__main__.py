@@ -1,5 +1,4 @@
 """``python -m regattn ARGS`` runs the ``regattn`` command."""
-from regattn.cli import main
-from regattn.usage import exit_process
+from regattn.cli import run
 
-exit_process(main())
+run()

@@ -7,7 +7,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-from regattn.usage import run_command
+from regattn.usage import exit_process, run_command
 
 COMMANDS = {
     "demo": ("regattn.demo", "test-time regression on non-stationary piecewise-linear data (LLA paper, Section 4)"),
@@ -51,5 +51,11 @@ def main(argv=None) -> int:
     return run_command(f"regattn {name}", command, rest)
 
 
+def run() -> None:
+    """The ``regattn`` executable and ``python -m regattn``: the process ends with :func:`main`'s status
+    (:func:`regattn.usage.exit_process`)."""
+    exit_process(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

@@ -1,12 +1,10 @@
 """The distributed LM path on 2 CPU processes (gloo): FSDP2 training with activation checkpointing
 equals one process trained on both ranks' batches; a torch.distributed.checkpoint saved on 2 ranks loads
 on 1 rank with equal parameters and validation loss and resumes there, and resumes on 2 ranks with the
-losses of the uninterrupted run; a rank ends without finalizing Python."""
+losses of the uninterrupted run."""
 import math
 import os
 import socket
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -88,22 +86,6 @@ def two_ranks(tmp_path_factory) -> tuple[str, dict]:
     finally:
         torch.set_num_threads(threads)
     return folder, torch.load(os.path.join(folder, "rank0.pt"))
-
-
-@pytest.mark.parametrize("world", [None, "2"])
-def test_a_rank_exits_without_finalizing_python(world):
-    """exit_process: under torchrun (WORLD_SIZE > 1) the process ends with its status and its output flushed
-    but no finalization (where gloo's worker threads can abort it); a lone process finalizes as usual."""
-    code = ("import atexit; from regattn.usage import exit_process; "
-            "atexit.register(print, ' finalized'); print('done', end=''); exit_process(3)")
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ, PYTHONPATH=repo + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    for name in ("WORLD_SIZE", "PYTHONUNBUFFERED"):         # the output buffered, as printed by a rank
-        env.pop(name, None)
-    env.update({} if world is None else {"WORLD_SIZE": world})
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
-    assert proc.returncode == 3, proc.stderr
-    assert proc.stdout == ("done finalized\n" if world is None else "done")
 
 
 def test_fsdp_checkpoint_on_two_ranks_loads_on_one(two_ranks, one_thread):

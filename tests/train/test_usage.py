@@ -1,4 +1,5 @@
-"""The ``regattn`` command's usage errors: one line on stderr naming the argument, exit status 2, no traceback."""
+"""The ``regattn`` command's usage errors: one line on stderr naming the argument, exit status 2, no traceback;
+how its process ends."""
 import os
 import subprocess
 import sys
@@ -90,6 +91,21 @@ def test_python_m_regattn_runs_the_command():
     proc = subprocess.run([sys.executable, "-m", "regattn", "--version"], capture_output=True, text=True, env=env,
                           cwd=REPO, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == f"regattn {regattn.__version__}", proc.stderr
+
+
+@pytest.mark.parametrize("world", [None, "2"])
+def test_a_rank_exits_without_finalizing_python(world):
+    """exit_process: under torchrun (WORLD_SIZE > 1) the process ends with its status and its output flushed
+    but no finalization (where gloo's worker threads can abort it); a lone process finalizes as usual."""
+    code = ("import atexit; from regattn.usage import exit_process; "
+            "atexit.register(print, ' finalized'); print('done', end=''); exit_process(3)")
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    for name in ("WORLD_SIZE", "PYTHONUNBUFFERED"):         # the output buffered, as printed by a rank
+        env.pop(name, None)
+    env.update({} if world is None else {"WORLD_SIZE": world})
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 3, proc.stderr
+    assert proc.stdout == ("done finalized\n" if world is None else "done")
 
 
 def test_a_failure_after_the_checks_keeps_its_traceback(monkeypatch, tmp_path):
