@@ -271,6 +271,33 @@ def test_strict_fp32_masked_launch_tiles_the_queries_its_own_way(interpret, monk
     assert rel_err(got, want) < FP32_TOL
 
 
+def test_strict_fp32_whole_tiles_fold_in_chunks_within_one_loop(interpret, monkeypatch):
+    """Chunks of 3 tiles, 16 x 16 tiles, 130 rows: query tile ``t`` of the whole tiles' launch folds
+    ``2 * (t // 2)`` whole key tiles (those of its 32-row group), its chunks combining into the run's total inside
+    the key loop wherever 3 tiles (or the last) are folded, 13 chunks in all; each of the 9 runs then combines into
+    the total parked in the output rows."""
+    monkeypatch.setattr(kernels, "INTERPRET_CHUNK", 3)
+    launch, combine, combined, part = kernels._launch, kernels._combine, [], []
+
+    def launched(*args, **kwargs):
+        part[:] = [kwargs.get("PART")]
+        launch(*args, **kwargs)
+
+    def counted(*args, **kwargs):
+        if part == [1]:
+            combined.append(kwargs.get("ROWS_AXIS", 0))
+        return combine(*args, **kwargs)
+
+    monkeypatch.setattr(kernels, "_launch", launched)
+    monkeypatch.setattr(kernels, "_combine", counted)
+    q, k, v = _inputs(1, 130, 130, 1, 1, 16, 16)
+    with torch.no_grad():
+        got = regattn.scan_attention(q, k, v, causal=True, backend="triton")
+    assert rel_err(got, softmax_attention(*_double(q, k, v), causal=True)) < FP32_TOL
+    chunks = sum(-(-2 * (t // 2) // 3) for t in range(9))
+    assert (combined.count(1), combined.count(0)) == (chunks, 9) == (13, 9)
+
+
 def test_strict_fp32_two_launches_take_tiles_within_their_row_groups():
     """A query tile longer than kernels.WHOLE_ROWS would fold, unmasked, keys its later rows cannot see (with a
     window): the launches of a two-part fold prune such tiles, a one-part fold keeps them."""

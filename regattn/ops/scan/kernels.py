@@ -20,7 +20,7 @@ and ``ds`` are formed once per pair of tiles; fp32 inputs take the two-kernel fo
 looping over keys in a pass of its own (both passes recomputing ``p = exp2(s - lse)``).
 
 Precisions (fp32 inputs): ``"ieee"`` strict fp32 (FMA, no TF32; every tile transposed, the keys on its rows:
-:func:`_fold_tiles_t`), ``"tf32x3"`` (three TF32 products,
+:func:`_fold_tile_t`), ``"tf32x3"`` (three TF32 products,
 fp32-accurate), ``"fp16x3"`` (three products of fp16 parts, as accurate at twice the rate:
 :mod:`regattn.ops.scan.split`; its backward is tf32x3's), ``"tf32"`` (operands rounded to the nearest TF32
 value, not truncated). fp16/bf16 inputs use their own tensor cores with fp32 accumulation.
@@ -174,13 +174,15 @@ def _identity(BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr):
 
 
 @triton.jit
-def _combine(m_a, l_a, w_a, m_b, l_b, w_b):
-    """Un-sum-renorm merge of two states of ``BLOCK_M`` queries, anchored at 0 where both are empty."""
+def _combine(m_a, l_a, w_a, m_b, l_b, w_b, ROWS_AXIS: tl.constexpr = 0):
+    """Un-sum-renorm merge of two states of ``BLOCK_M`` queries, anchored at 0 where both are empty; ``W`` is
+    ``[BLOCK_M, BLOCK_DV]`` (``ROWS_AXIS`` 0) or its transpose (1)."""
     m = tl.maximum(m_a, m_b)
     anchor = tl.where(m == float("-inf"), 0.0, m)
     e_a = tl.exp2(m_a - anchor)
     e_b = tl.exp2(m_b - anchor)
-    return m, l_a * e_a + l_b * e_b, w_a * e_a[:, None] + w_b * e_b[:, None]
+    w = w_a * tl.expand_dims(e_a, 1 - ROWS_AXIS) + w_b * tl.expand_dims(e_b, 1 - ROWS_AXIS)
+    return m, l_a * e_a + l_b * e_b, w
 
 
 @triton.jit
@@ -219,45 +221,42 @@ def _fold_span(q, q_base, sqt, k_base, v_base, skt, svt, K_DESC, V_DESC, bat, hk
 
 
 @triton.jit
-def _fold_tiles_t(m_i, l_i, acc, qt_base, sqd, kt_base, v_base, skd, svt, lo, hi, offs_m, offs_n0, offs_dv, Tb, Sb,
-                  qk_scale, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
-                  WINDOW: tl.constexpr, HIDDEN: tl.constexpr, EVEN_N: tl.constexpr, MASKED: tl.constexpr,
-                  PREC: tl.constexpr, DOT_K: tl.constexpr, POS_SCALE: tl.constexpr):
-    """:func:`_fold_tiles` for strict fp32 (``DOT_K > 0``), with the keys on the rows of every tile: ``s^T = k q^T``
-    (``[BLOCK_N, BLOCK_M]``, ``DOT_K`` features a product, each accumulated into the last) and ``W^T += v^T p^T``.
-    ``qt_base`` and ``kt_base`` point into copies of q and k laid out ``[.., D, T]`` (``sqd``, ``skd``: the stride of
-    a feature), so that every operand of the FMA products, which Triton stages in shared memory unswizzled in the
-    order of its registers, is read along its contiguous axis: the query and key chunks along the queries and keys,
-    ``p^T`` along the queries and ``v^T`` along the value columns. Returns ``(m, l, acc)`` as :func:`_fold_tiles`."""
-    BLOCK_N: tl.constexpr = offs_n0.shape[0]
-    pos = _positions(offs_m, Tb, Sb, CAUSAL)
-    acc_t = tl.trans(acc)
-    for n0 in tl.range(lo, hi, BLOCK_N, num_stages=1 if MASKED and HIDDEN else None):  # a masked run: 1 or 2 tiles
-        offs_n = n0 + offs_n0
-        s_t = tl.zeros([BLOCK_N, offs_m.shape[0]], tl.float32)
-        for d0 in tl.static_range(0, BLOCK_D, DOT_K):
-            feats = d0 + tl.arange(0, DOT_K)
-            k_c = tl.load(kt_base + feats[None, :].to(tl.int64) * skd + offs_n[:, None],
-                          mask=(offs_n[:, None] < Sb) & (feats[None, :] < D), other=0.0)
-            q_c = tl.load(qt_base + feats[:, None].to(tl.int64) * sqd + offs_m[None, :],
-                          mask=(feats[:, None] < D) & (offs_m[None, :] < Tb), other=0.0)
-            s_t = tl.dot(k_c, q_c, s_t, input_precision=PREC)
-        s_scale = qk_scale
-        if not POS_SCALE:
-            s_t = s_t * qk_scale
-            s_scale = 1.0
-        v = _load_rows(v_base, offs_n, svt, offs_dv, Sb, DV, EVEN_N)
-        if MASKED:
-            seen_t = visible_mask_t(offs_n, pos, Sb, CAUSAL, WINDOW)
-            s_t = tl.where(seen_t, s_t, float("-inf"))
-            if HIDDEN:
-                hits = sees_non_finite_t(seen_t, v)
-        m_i, l_i, p_t, alpha = online_softmax_step(m_i, l_i, s_t, s_scale, AXIS=0)
-        if MASKED and HIDDEN:
-            acc_t = contained_dot_t(acc_t * alpha[None, :], p_t, v, hits, PREC)
-        else:
-            acc_t = tl.dot(tl.trans(v), p_t, acc_t * alpha[None, :], input_precision=PREC)
-    return m_i, l_i, tl.trans(acc_t)
+def _fold_tile_t(m_i, l_i, acc_t, n0, qt_base, sqd, kt_base, v_base, skd, svt, pos, offs_m, offs_n0, offs_dv, Tb, Sb,
+                 qk_scale, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
+                 WINDOW: tl.constexpr, HIDDEN: tl.constexpr, EVEN_N: tl.constexpr, MASKED: tl.constexpr,
+                 PREC: tl.constexpr, DOT_K: tl.constexpr, POS_SCALE: tl.constexpr):
+    """The key tile at ``n0`` folded into the state ``(m, l, W^T)`` for strict fp32, with the keys on the rows of the
+    tile: ``s^T = k q^T`` (``[BLOCK_N, BLOCK_M]``, ``DOT_K`` features a product, each accumulated into the last) and
+    ``W^T += v^T p^T``. ``qt_base`` and ``kt_base`` point into copies of q and k laid out ``[.., D, T]`` (``sqd``,
+    ``skd``: the stride of a feature), so that every operand of the FMA products, which Triton stages in shared memory
+    unswizzled in the order of its registers, is read along its contiguous axis: the query and key chunks along the
+    queries and keys, ``p^T`` along the queries and ``v^T`` along the value columns. ``MASKED``, ``HIDDEN``: as
+    :func:`_fold_tiles`; ``pos``: the rows' :func:`_positions`."""
+    offs_n = n0 + offs_n0
+    s_t = tl.zeros([offs_n0.shape[0], offs_m.shape[0]], tl.float32)
+    for d0 in tl.static_range(0, BLOCK_D, DOT_K):
+        feats = d0 + tl.arange(0, DOT_K)
+        k_c = tl.load(kt_base + feats[None, :].to(tl.int64) * skd + offs_n[:, None],
+                      mask=(offs_n[:, None] < Sb) & (feats[None, :] < D), other=0.0)
+        q_c = tl.load(qt_base + feats[:, None].to(tl.int64) * sqd + offs_m[None, :],
+                      mask=(feats[:, None] < D) & (offs_m[None, :] < Tb), other=0.0)
+        s_t = tl.dot(k_c, q_c, s_t, input_precision=PREC)
+    s_scale = qk_scale
+    if not POS_SCALE:
+        s_t = s_t * qk_scale
+        s_scale = 1.0
+    v = _load_rows(v_base, offs_n, svt, offs_dv, Sb, DV, EVEN_N)
+    if MASKED:
+        seen_t = visible_mask_t(offs_n, pos, Sb, CAUSAL, WINDOW)
+        s_t = tl.where(seen_t, s_t, float("-inf"))
+        if HIDDEN:
+            hits = sees_non_finite_t(seen_t, v)
+    m_i, l_i, p_t, alpha = online_softmax_step(m_i, l_i, s_t, s_scale, AXIS=0)
+    if MASKED and HIDDEN:
+        acc_t = contained_dot_t(acc_t * alpha[None, :], p_t, v, hits, PREC)
+    else:
+        acc_t = tl.dot(tl.trans(v), p_t, acc_t * alpha[None, :], input_precision=PREC)
+    return m_i, l_i, acc_t
 
 
 @triton.jit
@@ -265,15 +264,28 @@ def _fold_parked(m_i, l_i, w_ptrs, w_mask, qt_base, sqd, kt_base, v_base, skd, s
                  Tb, Sb, qk_scale, D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
                  HIDDEN: tl.constexpr, EVEN_N: tl.constexpr, MASKED: tl.constexpr, PREC: tl.constexpr,
-                 DOT_K: tl.constexpr, POS_SCALE: tl.constexpr):
-    """Strict fp32's two-level fold: the key tiles ``[lo, hi)`` folded from the identity (:func:`_fold_tiles_t`)
-    and combined into the total, whose ``W`` is parked at ``w_ptrs``. Returns the total's ``(m, l)``."""
-    m_c, l_c, acc_c = _identity(BLOCK_M, BLOCK_DV)
-    m_c, l_c, acc_c = _fold_tiles_t(m_c, l_c, acc_c, qt_base, sqd, kt_base, v_base, skd, svt, lo, hi, offs_m, offs_n0,
-                                    offs_dv, Tb, Sb, qk_scale, D, DV, BLOCK_D, CAUSAL, WINDOW, HIDDEN, EVEN_N, MASKED,
-                                    PREC, DOT_K, POS_SCALE)
+                 DOT_K: tl.constexpr, POS_SCALE: tl.constexpr, CHUNK: tl.constexpr):
+    """Strict fp32's two-level fold of the key tiles ``[lo, hi)`` (:func:`_fold_tile_t`) in one loop: a chunk of
+    ``CHUNK`` tiles (the last: what remains) folds from the identity, then combines into the run's total; the run's
+    total then combines into the total whose ``W`` is parked at ``w_ptrs``. Returns that total's ``(m, l)``. (A loop
+    for each chunk, which restarts the loop's pipeline at every chunk, took a causal fold's whole tiles 20% longer:
+    tiles README, "the chunks of the two-level fold in one loop".) ``MASKED`` (and ``HIDDEN``) runs: one or two
+    tiles, not pipelined."""
+    BLOCK_N: tl.constexpr = offs_n0.shape[0]
+    pos = _positions(offs_m, Tb, Sb, CAUSAL)
+    m_r, l_r, w = _identity(BLOCK_M, BLOCK_DV)
+    m_c, l_c, acc = _identity(BLOCK_M, BLOCK_DV)
+    w_t, acc_t = tl.trans(w), tl.trans(acc)
+    for n0 in tl.range(lo, hi, BLOCK_N, num_stages=1 if MASKED and HIDDEN else None):
+        m_c, l_c, acc_t = _fold_tile_t(m_c, l_c, acc_t, n0, qt_base, sqd, kt_base, v_base, skd, svt, pos, offs_m,
+                                       offs_n0, offs_dv, Tb, Sb, qk_scale, D, DV, BLOCK_D, CAUSAL, WINDOW, HIDDEN,
+                                       EVEN_N, MASKED, PREC, DOT_K, POS_SCALE)
+        if ((n0 - lo) // BLOCK_N % CHUNK == CHUNK - 1) | (n0 + BLOCK_N >= hi):
+            m_r, l_r, w_t = _combine(m_r, l_r, w_t, m_c, l_c, acc_t, ROWS_AXIS=1)
+            m_c, l_c, acc = _identity(BLOCK_M, BLOCK_DV)
+            acc_t = tl.trans(acc)
     tl.debug_barrier()
-    m_i, l_i, w = _combine(m_i, l_i, tl.load(w_ptrs, mask=w_mask, other=0.0), m_c, l_c, acc_c)
+    m_i, l_i, w = _combine(m_i, l_i, tl.load(w_ptrs, mask=w_mask, other=0.0), m_r, l_r, tl.trans(w_t))
     tl.store(w_ptrs, w, mask=w_mask)
     return m_i, l_i
 
@@ -289,7 +301,7 @@ def _fold_tiles(m_i, l_i, acc, q, q_base, sqt, k_base, v_base, skt, svt, K_DESC,
     tile's state (its max, the sum of ``p`` and ``p @ v``: tree reductions across the tile) merges into the running
     state by un-sum-renorm (the online-softmax step). ``MASKED``: the scores of hidden pairs are set to -inf, and
     where the tiles are partly hidden (``HIDDEN``, see :func:`_fold_span`) ``p @ v`` multiplies through
-    :func:`contained_dot` (strict fp32 folds in :func:`_fold_tiles_t` instead). ``SPLIT``: the operands are fp16
+    :func:`contained_dot` (strict fp32 folds in :func:`_fold_tile_t` instead). ``SPLIT``: the operands are fp16
     parts (``q, q_lo``, the tiles of ``k_base, kl_base`` and ``v_base, vl_base``) scaled per query row by ``q_rs``,
     per key row by ``ks_base``'s entries and (after the fold) per value column (:mod:`regattn.ops.scan.split`); each
     product is a :func:`split_dot`, ``p`` split as ``2^P_SHIFT p``. ``PREC == "tf32x3"`` (not ``SPLIT``): ``q`` and
@@ -390,11 +402,9 @@ def _park_whole_tiles(O, WS_M, WS_L, q_base, sqt, k_base, v_base, skt, svt, bat,
     tl.store(w_ptrs, w, mask=w_mask)
     lo, hi = _key_tiles(m0, Tb, Sb, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
     a, b = _whole_key_tiles(m0, lo, hi, Tb, Sb, WHOLE_ROWS, CAUSAL, WINDOW)
-    for c0 in range(a, b, CHUNK * BLOCK_N):
-        m_i, l_i = _fold_parked(m_i, l_i, w_ptrs, w_mask, q_base, sqt, k_base, v_base, skt, svt, c0,
-                                tl.minimum(b, c0 + CHUNK * BLOCK_N), offs_m, tl.arange(0, BLOCK_N), offs_dv, Tb, Sb,
-                                qk_scale, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, CAUSAL, WINDOW, True, EVEN_N, False, PREC,
-                                DOT_K, POS_SCALE)
+    m_i, l_i = _fold_parked(m_i, l_i, w_ptrs, w_mask, q_base, sqt, k_base, v_base, skt, svt, a, b, offs_m,
+                            tl.arange(0, BLOCK_N), offs_dv, Tb, Sb, qk_scale, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, CAUSAL,
+                            WINDOW, True, EVEN_N, False, PREC, DOT_K, POS_SCALE, CHUNK)
     tl.store(WS_M + rows, m_i, mask=offs_m < Tb)
     tl.store(WS_L + rows, l_i, mask=offs_m < Tb)
 
@@ -435,7 +445,7 @@ def _fwd_kernel(Q, K, V, O, LSE, WS_M, WS_L, WS_ACC, CU, K_DESC, V_DESC, QL, KL,
     bat, h, row0, Tb, Sb = _sequence_head(CU, pid_bh, T, S, HQ, VARLEN)
     hk = h // GROUP
     v_base = _head_rows(V, bat, hk, row0, svb, svh, svt)
-    if DOT_K > 0:  # strict fp32: q and k from their copies laid out [.., D, T] (QL, KL; see _fold_tiles_t)
+    if DOT_K > 0:  # strict fp32: q and k from their copies laid out [.., D, T] (QL, KL; see _fold_tile_t)
         q_base = QL + (bat * HQ + h).to(tl.int64) * D * T + row0
         k_base = KL + (bat * (HQ // GROUP) + hk).to(tl.int64) * D * S + row0
         sqt, skt = T, S
@@ -498,7 +508,7 @@ def _fwd_kernel(Q, K, V, O, LSE, WS_M, WS_L, WS_ACC, CU, K_DESC, V_DESC, QL, KL,
         # Each key loop is some 78 KB of SASS at that tile, and a causal fold's warps wait on instruction fetch (a
         # causal fold at 0.55-0.60 of the non-causal time); masking every tile in one loop, or the masked runs in
         # 16-key steps, cost more (benchmarks/results/h200/tiles/README.md, "what a causal fold waits on"); two
-        # launches (MASKED_LAUNCH) cost less.
+        # launches (MASKED_LAUNCH) cost less, and chunks that combine inside one key loop (_fold_parked) less again.
         w_ptrs, w_mask = _parked_rows(O, WS_ACC, bat, h, row0, sob, soh, sot, rows, split, ws_stride, offs_m,
                                       offs_dv, Tb, DV, BLOCK_DV, NSPLIT)
         if PART == 2:  # the whole tiles' total, parked by the launch of PART 1
@@ -514,19 +524,17 @@ def _fwd_kernel(Q, K, V, O, LSE, WS_M, WS_L, WS_ACC, CU, K_DESC, V_DESC, QL, KL,
             else:
                 _, a, b = tile_loop_bounds(lo, hi, full_lo, full_hi, BLOCK_N)
         if PART == 0:
-            for c0 in range(a, b, CHUNK * BLOCK_N):
-                m_i, l_i = _fold_parked(m_i, l_i, w_ptrs, w_mask, q_base, sqt, k_base, v_base, skt, svt, c0,
-                                        tl.minimum(b, c0 + CHUNK * BLOCK_N), offs_m, offs_n0, offs_dv, Tb, Sb,
-                                        qk_scale, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, CAUSAL, WINDOW, HIDDEN, EVEN_N,
-                                        not HIDDEN and not EVEN_N, PREC, DOT_K, POS_SCALE)
+            m_i, l_i = _fold_parked(m_i, l_i, w_ptrs, w_mask, q_base, sqt, k_base, v_base, skt, svt, a, b, offs_m,
+                                    offs_n0, offs_dv, Tb, Sb, qk_scale, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, CAUSAL,
+                                    WINDOW, HIDDEN, EVEN_N, not HIDDEN and not EVEN_N, PREC, DOT_K, POS_SCALE, CHUNK)
         if HIDDEN:
             if WINDOW > 0:  # without a window the whole keys start at the first key (a == lo)
                 m_i, l_i = _fold_parked(m_i, l_i, w_ptrs, w_mask, q_base, sqt, k_base, v_base, skt, svt, lo, a,
                                         offs_m, offs_n0, offs_dv, Tb, Sb, qk_scale, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV,
-                                        CAUSAL, WINDOW, HIDDEN, EVEN_N, True, PREC, DOT_K, POS_SCALE)
+                                        CAUSAL, WINDOW, HIDDEN, EVEN_N, True, PREC, DOT_K, POS_SCALE, CHUNK)
             m_i, l_i = _fold_parked(m_i, l_i, w_ptrs, w_mask, q_base, sqt, k_base, v_base, skt, svt, b, hi, offs_m,
                                     offs_n0, offs_dv, Tb, Sb, qk_scale, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, CAUSAL,
-                                    WINDOW, HIDDEN, EVEN_N, True, PREC, DOT_K, POS_SCALE)
+                                    WINDOW, HIDDEN, EVEN_N, True, PREC, DOT_K, POS_SCALE, CHUNK)
         tl.debug_barrier()
         acc = tl.load(w_ptrs, mask=w_mask, other=0.0)
 
@@ -812,7 +820,7 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, CU,
 # benchmarks/results/sm90-registers/scan.txt: ``python -m regattn.bench.registers scan --candidates``), then
 # tiles that spill but won on the H100: without them the forward at B1 H16 T16384 D64 took 88.7 ms (ieee in the
 # rows form, 55.1 ms with them) and 9.86 ms (tf32, 7.86 ms with them) in regattn bench scan.
-# "ieee" with the keys on the rows of every tile (_fold_tiles_t) took 27.8 ms there on the H200 where the rows
+# "ieee" with the keys on the rows of every tile (_fold_tile_t) took 27.8 ms there on the H200 where the rows
 # form took 55.1 (0.89x SDPA's memory-efficient fp32 against 1.75x: benchmarks/results/h200/tiles/README.md,
 # "keys on the rows"). Its last two tiles have no spill traffic in the key loop in that form; 64 x 64 on 2 warps
 # (64 outputs a thread, 3.2 FFMA a shared word, no spill in the loop either) took 80.7 ms: six warps an SM.
@@ -988,7 +996,12 @@ WHOLE_ROWS = 64
 # against 2.873 (tiles README: "the masked tiles in a launch of their own").
 PAIRED_ROWS = True
 DOT_K = 16  # columns of q and k per FMA dot of strict fp32's q k^T (triton 3.6 needs K >= 16)
-CHUNK_TILES = 16  # tiles per chunk of the two-level fold (2 in the interpreter, so small tests reach it)
+# Tiles per chunk of strict fp32's two-level fold; the chunks combine inside one key loop (_fold_parked). On the H200
+# at B1 H16 D64 causal, T 4096 / 16384 / 65536: 1.135 / 14.78 / 224.2 ms against 1.171 / 16.07 / 239.3 with a key
+# loop for each chunk; 8 packed sequences at T 4096 0.552 against 0.288 (tiles README: "the chunks of the two-level
+# fold in one loop").
+CHUNK_TILES = 16
+INTERPRET_CHUNK = 2  # ... in the interpreter, so that small tests reach it
 
 
 def _numerics(dtype: torch.dtype, precision: str) -> dict:
@@ -1000,7 +1013,7 @@ def _numerics(dtype: torch.dtype, precision: str) -> dict:
     ``acc * alpha + dot(p, v)`` into the dot's accumulator, so the kernels add into the running ``W`` in the
     interpreter as on the GPU."""
     strict = dtype == torch.float32 and precision == "ieee"
-    chunk = 2 if interpreting() else CHUNK_TILES
+    chunk = INTERPRET_CHUNK if interpreting() else CHUNK_TILES
     return dict(CHUNK=chunk if strict else 0, DOT_K=DOT_K if strict else 0,
                 ROUND_TF32=dtype == torch.float32 and precision == "tf32")
 
@@ -1105,7 +1118,7 @@ def forward(q, k, v, *, causal, window, scale, precision, cu_seqlens, num_splits
     if fam == "half":  # (a packed sequence's query row sees at most max_rows keys)
         descriptors = kv_descriptors(k, v, BLOCK_D, BLOCK_DV, work=B * HQ * T * (max_rows if varlen else S) * D)
     (qk, kk, vk), parts = (q, k, v), (q, k, v, q, k, v)  # the kernel's operands; parts unused but by SPLIT
-    if fam == "ieee":  # q and k laid out [.., D, T] for the transposed products (_fold_tiles_t)
+    if fam == "ieee":  # q and k laid out [.., D, T] for the transposed products (_fold_tile_t)
         parts = (q.permute(0, 2, 3, 1).contiguous(), k.permute(0, 2, 3, 1).contiguous(), v, q, k, v)
     if fam == "split":
         (qk, q_lo, q_scale), (kk, k_lo, k_scale) = row_parts(q), row_parts(k)
