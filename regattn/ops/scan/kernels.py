@@ -270,20 +270,24 @@ def _fold_parked(m_i, l_i, w_ptrs, w_mask, qt_base, sqd, kt_base, v_base, skd, s
     total then combines into the total whose ``W`` is parked at ``w_ptrs``. Returns that total's ``(m, l)``. (With a
     key loop for each chunk a causal fold took 3% to 8% longer on the H200, its warps waiting on instruction fetch:
     tiles README, "the chunks of the two-level fold in one loop".) ``MASKED`` (and ``HIDDEN``) runs: one or two
-    tiles, not pipelined."""
+    tiles, not pipelined, folded as one chunk."""
     BLOCK_N: tl.constexpr = offs_n0.shape[0]
+    RUN: tl.constexpr = MASKED and HIDDEN
     pos = _positions(offs_m, Tb, Sb, CAUSAL)
     m_r, l_r, w = _identity(BLOCK_M, BLOCK_DV)
     m_c, l_c, acc = _identity(BLOCK_M, BLOCK_DV)
     w_t, acc_t = tl.trans(w), tl.trans(acc)
-    for n0 in tl.range(lo, hi, BLOCK_N, num_stages=1 if MASKED and HIDDEN else None):
+    for n0 in tl.range(lo, hi, BLOCK_N, num_stages=1 if RUN else None):
         m_c, l_c, acc_t = _fold_tile_t(m_c, l_c, acc_t, n0, qt_base, sqd, kt_base, v_base, skd, svt, pos, offs_m,
                                        offs_n0, offs_dv, Tb, Sb, qk_scale, D, DV, BLOCK_D, CAUSAL, WINDOW, HIDDEN,
                                        EVEN_N, MASKED, PREC, DOT_K, POS_SCALE)
-        if ((n0 - lo) // BLOCK_N % CHUNK == CHUNK - 1) | (n0 + BLOCK_N >= hi):
-            m_r, l_r, w_t = _combine(m_r, l_r, w_t, m_c, l_c, acc_t, ROWS_AXIS=1)
-            m_c, l_c, acc = _identity(BLOCK_M, BLOCK_DV)
-            acc_t = tl.trans(acc)
+        if not RUN:
+            if ((n0 - lo) // BLOCK_N % CHUNK == CHUNK - 1) | (n0 + BLOCK_N >= hi):
+                m_r, l_r, w_t = _combine(m_r, l_r, w_t, m_c, l_c, acc_t, ROWS_AXIS=1)
+                m_c, l_c, acc = _identity(BLOCK_M, BLOCK_DV)
+                acc_t = tl.trans(acc)
+    if RUN:  # (the run's chunk is its total: no combine inside its loop, whose kernel keeps its registers)
+        m_r, l_r, w_t = m_c, l_c, acc_t
     tl.debug_barrier()
     m_i, l_i, w = _combine(m_i, l_i, tl.load(w_ptrs, mask=w_mask, other=0.0), m_r, l_r, tl.trans(w_t))
     tl.store(w_ptrs, w, mask=w_mask)
